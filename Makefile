@@ -1,0 +1,27 @@
+# Each target sets itself up from nothing: .venv, CPU torch from local disk, the package.
+PY      := .venv/bin/python
+STAMP   := .venv/.stamp-install
+TORCH   ?= torch==2.13.0
+
+.PHONY: test bench setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+	# Keep a CUDA torch that is already there; otherwise the pinned CPU build.
+	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
+	  || $(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 -p no:cacheprovider tests
+
+bench: $(STAMP)
+	.venv/bin/hicache plan --model deepseek-r1 --tp 8 --memory 40
+	.venv/bin/hicache check-config examples/policy.toml
+
+clean:
+	rm -rf .venv build *.egg-info

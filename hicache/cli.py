@@ -1,0 +1,152 @@
+"""The ``hicache`` command: check a policy file, plan a topology, run the DCP decode demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import topology
+from .config import ConfigError, describe, load_config
+from .layout import LayoutError
+from .report import table
+from .topology import KVShape, TopologyError
+
+GiB = 1 << 30
+
+
+class UsageError(ValueError):
+    """A bad command-line argument (exit 2, one line)."""
+
+
+def _check_config(args) -> int:
+    cfg = load_config(args.file)
+    p = cfg.parallel
+    per_rank_tokens = cfg.l1_tokens_per_rank
+    info = {
+        "file": args.file,
+        "topology": f"valid: tp {p.tp}, attn_dp {p.attn_dp}, dcp {p.dcp} "
+                    f"(max dcp {topology.max_dcp(p.tp, 1, p.attn_dp)})",
+        "effective_page_size": cfg.effective_page_size,
+        "l1_tokens_per_rank": per_rank_tokens,
+        "l1_tokens_total": cfg.l1_tokens,
+        "l2_pages": cfg.l2_num_pages,
+        "l2_tokens_total": cfg.l2_num_pages * cfg.effective_page_size,
+        "page_bytes_per_rank": cfg.page_bytes_per_rank,
+        "policy": cfg.to_dict(),
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    resolved = cfg.to_dict()
+    rows = [(key, resolved[key.split(".")[0]][key.split(".")[1]], help_)
+            for key, _default, help_ in describe()]
+    print(table(rows, ["key", "value", "meaning"]))
+    print()
+    for key in ("topology", "effective_page_size", "l1_tokens_per_rank", "l1_tokens_total",
+                "l2_pages", "l2_tokens_total", "page_bytes_per_rank"):
+        print(f"{key:>22}: {info[key]}")
+    return 0
+
+
+def _shape_from_args(args) -> KVShape:
+    if args.model and args.shape:
+        raise UsageError("give --model or --shape, not both")
+    if args.model:
+        return topology.get_model(args.model)
+    if not args.shape:
+        raise UsageError("give --model NAME or --shape mla:LAYERS:RANK:ROPE[:BYTES] | "
+                         "gqa:LAYERS:HEADS:HEAD_DIM[:BYTES]")
+    parts = args.shape.split(":")
+    try:
+        kind, nums = parts[0], [int(x) for x in parts[1:]]
+    except ValueError:
+        raise UsageError(f"--shape {args.shape!r}: fields after the kind must be integers") from None
+    if kind == "mla" and len(nums) in (3, 4):
+        return KVShape("custom", nums[0], "mla", 1, kv_lora_rank=nums[1], rope_dim=nums[2],
+                       dtype_bytes=nums[3] if len(nums) == 4 else 2)
+    if kind == "gqa" and len(nums) in (3, 4):
+        return KVShape("custom", nums[0], "gqa", nums[1], head_dim=nums[2],
+                       dtype_bytes=nums[3] if len(nums) == 4 else 2)
+    raise UsageError(f"--shape {args.shape!r}: expected mla:LAYERS:RANK:ROPE[:BYTES] or "
+                     "gqa:LAYERS:HEADS:HEAD_DIM[:BYTES]")
+
+
+def _plan(args) -> int:
+    shape = _shape_from_args(args)
+    if args.memory is not None and args.memory <= 0:
+        raise UsageError(f"--memory must be > 0 GiB, got {args.memory}")
+    memory = (args.memory or 0) * GiB
+    rows = topology.plan(shape, args.tp, args.attn_dp, memory, args.dcp)
+    lo, hi = 1, topology.max_dcp(args.tp, shape.num_kv_heads, args.attn_dp)
+    out = {
+        "model": shape.name, "tp": args.tp, "attn_dp": args.attn_dp,
+        "dcp_range": [lo, hi],
+        "duplication_without_dcp": topology.kv_duplication(args.tp, shape.num_kv_heads),
+        "memory_gib": args.memory,
+        "rows": [{"dcp": r.dcp, "duplication": r.duplication,
+                  "kv_bytes_per_token_per_rank": r.kv_bytes_per_token_per_rank,
+                  "tokens_in_budget": r.tokens_per_rank_budget} for r in rows],
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"model {shape.name}: tp {args.tp}, attn_dp {args.attn_dp}, "
+          f"valid dcp in [{lo}, {hi}] (sizes dividing attn_tp)")
+    headers = ["dcp", "duplication", "KV bytes/token/rank"]
+    if memory:
+        headers.append(f"tokens in {args.memory:g} GiB/rank")
+    print(table([[r["dcp"], r["duplication"], r["kv_bytes_per_token_per_rank"]]
+                 + ([r["tokens_in_budget"]] if memory else []) for r in out["rows"]], headers))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hicache", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("check-config", help="validate a policy file and print what it resolves to")
+    c.add_argument("file")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=_check_config)
+    p = sub.add_parser("plan", help="KV duplication, valid DCP sizes and capacity for a model")
+    p.add_argument("--model", help=f"one of {', '.join(sorted(topology.MODELS))}")
+    p.add_argument("--shape", help="mla:LAYERS:RANK:ROPE[:BYTES] or gqa:LAYERS:HEADS:DIM[:BYTES]")
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--attn-dp", type=int, default=1)
+    p.add_argument("--dcp", type=int, default=None, help="show only dcp 1 and this size")
+    p.add_argument("--memory", type=float, default=None, help="KV memory per rank in GiB")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_plan)
+    try:
+        from .engine import cli as engine_cli
+    except ImportError:  # the engine is optional for the planning commands
+        engine_cli = None
+    if engine_cli is not None:
+        engine_cli.add_parser(sub)
+    return parser
+
+
+USER_ERRORS = (ConfigError, TopologyError, LayoutError, UsageError)
+
+
+def run_guarded(func, args) -> int:
+    """Run a command; a user error prints one line and exits 2, never a traceback."""
+    try:
+        return func(args)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # other libraries' bad-input errors (argument values)
+        if type(e).__module__.startswith("hicache"):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_guarded(args.func, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

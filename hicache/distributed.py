@@ -1,0 +1,151 @@
+"""torch.distributed plumbing shared by the engine, the cache and the tests.
+
+- ``launch(world_size, fn, *args)`` spawns real processes (gloo on CPU, nccl on GPU), runs
+  ``fn(rank, world_size, *args)`` in each and returns every rank's result (picklable), raising
+  with the failing rank's traceback when one fails. Always bounded by a timeout.
+- Collective wrappers that feature-detect names that moved between torch 2.11 and 2.13.
+- ``CollectiveCounter`` counts collectives issued, so tests can assert "exactly one per step".
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from contextlib import contextmanager
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_process_group(rank: int, world_size: int, port: int, backend: str | None = None,
+                       timeout_s: float = 120.0) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str | None, timeout_s: float,
+            fn: Callable, args: tuple, queue) -> None:
+    torch.set_num_threads(1)
+    try:
+        init_process_group(rank, world_size, port, backend, timeout_s)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # report every failure to the parent, then exit non-zero
+        queue.put((rank, False, traceback.format_exc()))
+        raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(world_size: int, fn: Callable, *args: Any, backend: str | None = None,
+           timeout_s: float = 120.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; results by rank.
+
+    ``fn`` must be importable (module level). A rank that raises makes ``launch`` raise a
+    RuntimeError carrying that rank's traceback; nothing hangs past ``timeout_s``.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, timeout_s, fn, args,
+                                               queue), daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    deadline = timeout_s + 60.0
+    import time
+    start = time.monotonic()
+    while len(results) + len(errors) < world_size:
+        if time.monotonic() - start > deadline:
+            break
+        if queue.empty():
+            if all(not p.is_alive() for p in procs) and queue.empty():
+                break
+            time.sleep(0.01)
+            continue
+        rank, ok, payload = queue.get()
+        if ok:
+            results[rank] = payload
+        else:
+            errors.append(f"rank {rank} failed:\n{payload}")
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    if len(results) != world_size:
+        missing = sorted(set(range(world_size)) - set(results))
+        raise RuntimeError(f"ranks {missing} returned no result (timed out or died)")
+    return [results[r] for r in range(world_size)]
+
+
+# ---- collectives, feature-detected -----------------------------------------------------------
+class CollectiveCounter:
+    """Counts the collectives hicache issues (wrappers below call ``bump``)."""
+
+    count = 0
+
+    @classmethod
+    def bump(cls) -> None:
+        cls.count += 1
+
+    @classmethod
+    @contextmanager
+    def measure(cls):
+        start = cls.count
+        box = {"n": 0}
+        try:
+            yield box
+        finally:
+            box["n"] = cls.count - start
+
+
+def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
+    CollectiveCounter.bump()
+    fn = getattr(dist, "all_gather_into_tensor", None) or getattr(dist, "_all_gather_base")
+    fn(out, inp, group=group)
+
+
+def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
+    CollectiveCounter.bump()
+    fn = getattr(dist, "reduce_scatter_tensor", None) or getattr(dist, "_reduce_scatter_base")
+    fn(out, inp, group=group)
+
+
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
+    CollectiveCounter.bump()
+    dist.all_to_all_single(out, inp, group=group)
+
+
+def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
+    CollectiveCounter.bump()
+    dist.all_reduce(t, op=op, group=group)
+
+
+def all_gather_object(obj: Any, world_size: int, group=None) -> list:
+    CollectiveCounter.bump()
+    out: list = [None] * world_size
+    dist.all_gather_object(out, obj, group=group)
+    return out

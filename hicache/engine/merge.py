@@ -1,0 +1,70 @@
+"""The one exact merge of partial attention states, used by DCP decode, ring attention and tests.
+
+Each part r is a normalised partial output ``o_r`` over a disjoint subset of keys, with its
+log-sum-exp ``lse_r`` (base e or 2, as the attention backend produced it):
+
+    lse = logsumexp_r(lse_r)            o = sum_r exp(lse_r - lse) * o_r
+
+Empty parts (no keys: lse = -inf) get weight 0 exactly; a query with no keys at all gets o = 0
+and lse = -inf, never NaN. NaN and +inf LSEs are treated as empty (sanitised).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+LN2 = math.log(2.0)
+
+
+class MergeError(ValueError):
+    """Partial states that cannot be merged (bad base, shapes that disagree)."""
+
+
+def merge_weights(lse_parts: torch.Tensor, base: str = "e") -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge weights and merged LSE from partial LSEs.
+
+    lse_parts: [R, ...] (base e or 2). Returns (w [R, ...] fp32 with ``sum_r w = 1`` where any
+    part is non-empty and all zeros where every part is empty, lse [...] fp32 in ``base``).
+    """
+    if base not in ("e", "2"):
+        raise MergeError(f"base must be 'e' or '2', got {base!r}")
+    lse = lse_parts.float()
+    if base == "2":
+        lse = lse * LN2
+    lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, -math.inf))
+    m = lse.amax(dim=0)  # [...]
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse - m_safe)  # [R, ...]; exp(-inf) = 0 for empty parts
+    total = w.sum(dim=0)
+    empty = total == 0
+    out_lse = torch.where(empty, torch.full_like(m, -math.inf), m_safe + torch.log(total))
+    w = w / torch.where(empty, torch.ones_like(total), total)
+    if base == "2":
+        out_lse = out_lse / LN2
+    return w, out_lse
+
+
+def merge_attn_states(o_parts: Sequence[torch.Tensor] | torch.Tensor,
+                      lse_parts: Sequence[torch.Tensor] | torch.Tensor,
+                      base: str = "e") -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partial attention outputs exactly.
+
+    o_parts:   [R, ..., D] (or a sequence of R tensors [..., D])
+    lse_parts: [R, ...]    (or a sequence of R tensors [...])
+    Returns (o [..., D] in o's dtype, lse [...] fp32 in the same base).
+    """
+    if base not in ("e", "2"):
+        raise MergeError(f"base must be 'e' or '2', got {base!r}")
+    o = o_parts if isinstance(o_parts, torch.Tensor) else torch.stack(list(o_parts))
+    lse = lse_parts if isinstance(lse_parts, torch.Tensor) else torch.stack(list(lse_parts))
+    if o.shape[:-1] != lse.shape:
+        raise MergeError(f"o parts {tuple(o.shape)} and lse parts {tuple(lse.shape)} disagree")
+    w, out_lse = merge_weights(lse, base)
+    # an empty part may carry garbage (even NaN) in o: it must not leak through 0 * NaN
+    parts = torch.where(w[..., None] > 0, o.float(), torch.zeros((), dtype=torch.float32,
+                                                                  device=o.device))
+    out = (w[..., None] * parts).sum(dim=0)
+    return out.to(o.dtype), out_lse

@@ -1,0 +1,144 @@
+"""Parallel topology rules: TP / attention-DP / DCP / kv-head. Pure math, no I/O.
+
+    attn_tp = tp / attn_dp                    (tp % attn_dp == 0)
+    attn_tp % dcp == 0                        (a DCP group sits inside one attention-TP group)
+    1 <= dcp <= max(1, attn_tp // H)          (DCP only removes duplication; it adds no GPUs)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class TopologyError(ValueError):
+    """A parallel layout that breaks a rule; the message names the rule."""
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """Per-token KV shape of a model. MLA: one latent "head" (num_kv_heads = 1) of
+    kv_lora_rank + rope_dim; GQA: num_kv_heads heads of K and V, head_dim each."""
+
+    name: str
+    num_layers: int
+    attention: str  # "mla" | "gqa"
+    num_kv_heads: int
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    head_dim: int = 0
+    dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("mla", "gqa"):
+            raise TopologyError(f"attention must be 'mla' or 'gqa', got {self.attention!r}")
+        if self.attention == "mla" and self.num_kv_heads != 1:
+            raise TopologyError("an MLA model has exactly one latent KV head")
+        for name in ("num_layers", "num_kv_heads", "dtype_bytes"):
+            if getattr(self, name) < 1:
+                raise TopologyError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.row_elems_per_head < 1:
+            raise TopologyError(f"model {self.name!r} has an empty KV row")
+
+    @property
+    def row_elems_per_head(self) -> int:
+        if self.attention == "mla":
+            return self.kv_lora_rank + self.rope_dim
+        return 2 * self.head_dim  # K and V
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of KV for one token across all layers and all heads (no parallelism)."""
+        return self.num_layers * self.num_kv_heads * self.row_elems_per_head * self.dtype_bytes
+
+
+MODELS: dict[str, KVShape] = {
+    s.name: s
+    for s in (
+        KVShape("deepseek-r1", 61, "mla", 1, kv_lora_rank=512, rope_dim=64),
+        KVShape("deepseek-v3", 61, "mla", 1, kv_lora_rank=512, rope_dim=64),
+        KVShape("kimi-k2", 61, "mla", 1, kv_lora_rank=512, rope_dim=64),
+        KVShape("qwen3-235b-a22b", 94, "gqa", 4, head_dim=128),
+        KVShape("llama-3-70b", 80, "gqa", 8, head_dim=128),
+    )
+}
+
+
+def get_model(name: str) -> KVShape:
+    try:
+        return MODELS[name.lower()]
+    except KeyError:
+        raise TopologyError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}") from None
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise TopologyError(f"{name} must be a positive integer, got {value!r}")
+
+
+def max_dcp(tp_size: int, num_kv_heads: int, attn_dp_size: int = 1) -> int:
+    """The largest DCP size that still only removes duplication."""
+    return max(1, (tp_size // attn_dp_size) // num_kv_heads)
+
+
+def validate(tp_size: int, dcp_size: int, num_kv_heads: int, attn_dp_size: int = 1) -> None:
+    """Raise TopologyError naming the first broken rule."""
+    for name, value in (("tp_size", tp_size), ("dcp_size", dcp_size),
+                        ("num_kv_heads", num_kv_heads), ("attn_dp_size", attn_dp_size)):
+        _positive(name, value)
+    if tp_size % attn_dp_size:
+        raise TopologyError(
+            f"tp_size {tp_size} is not divisible by attn_dp_size {attn_dp_size} "
+            "(rule: tp % attn_dp == 0)")
+    attn_tp = tp_size // attn_dp_size
+    if attn_tp % dcp_size:
+        raise TopologyError(
+            f"dcp_size {dcp_size} does not divide attn_tp_size {attn_tp} = tp {tp_size} / "
+            f"attn_dp {attn_dp_size}: a DCP group would cross an attention replica "
+            "(rule: attn_tp % dcp == 0, containment)")
+    limit = max_dcp(tp_size, num_kv_heads, attn_dp_size)
+    if dcp_size > limit:
+        raise TopologyError(
+            f"dcp_size {dcp_size} exceeds attn_tp / num_kv_heads = {limit}: DCP only removes "
+            f"KV duplication and adds no GPUs (rule: 1 <= dcp <= max(1, attn_tp // H))")
+
+
+def kv_duplication(tp_size: int, num_kv_heads: int, dcp_size: int = 1) -> float:
+    """Copies of each KV row held inside one TP group."""
+    _positive("tp_size", tp_size)
+    _positive("num_kv_heads", num_kv_heads)
+    _positive("dcp_size", dcp_size)
+    return max(1, tp_size // num_kv_heads) / dcp_size
+
+
+def kv_bytes_per_token(shape: KVShape, tp_size: int, dcp_size: int = 1) -> float:
+    """KV bytes one rank stores per token of a request (heads split by TP, tokens by DCP)."""
+    _positive("tp_size", tp_size)
+    _positive("dcp_size", dcp_size)
+    heads_per_rank = max(1, -(-shape.num_kv_heads // tp_size))  # ceil; duplicated when tp > H
+    per_head = shape.num_layers * shape.row_elems_per_head * shape.dtype_bytes
+    return heads_per_rank * per_head / dcp_size
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    dcp: int
+    duplication: float
+    kv_bytes_per_token_per_rank: float
+    tokens_per_rank_budget: int  # tokens of context one rank's budget holds (group-wide tokens)
+
+
+def plan(shape: KVShape, tp_size: int, attn_dp_size: int = 1, memory_bytes: float = 0.0,
+         dcp_size: int | None = None) -> list[PlanRow]:
+    """Rows for DCP 1 and every valid DCP size (or just ``dcp_size``)."""
+    validate(tp_size, 1, shape.num_kv_heads, attn_dp_size)
+    limit = max_dcp(tp_size, shape.num_kv_heads, attn_dp_size)
+    sizes = [d for d in range(1, limit + 1) if (tp_size // attn_dp_size) % d == 0]
+    if dcp_size is not None:
+        validate(tp_size, dcp_size, shape.num_kv_heads, attn_dp_size)
+        sizes = sorted({1, dcp_size})
+    rows = []
+    for d in sizes:
+        per_tok = kv_bytes_per_token(shape, tp_size, d)
+        rows.append(PlanRow(d, kv_duplication(tp_size, shape.num_kv_heads, d), per_tok,
+                            int(memory_bytes // per_tok) if memory_bytes else 0))
+    return rows
