@@ -1,0 +1,218 @@
+"""L3 store benchmark: PageStore put/get GB/s per rank against raw LMDB put/get of the same bytes,
+and loading a prefix from L3 against recomputing it with the engine's prefill, in one run.
+
+    python bench/l3.py [--json] [--quick] [--ranks N] [--pages N] [--sync]
+
+Each rank is a process writing/reading its own shards into ONE shared environment (one per
+node), concurrently with the other ranks. The raw baseline writes the same payload bytes under
+the same keys into a plain LMDB environment (no header, checksum, LRU or accounting) and reads
+them back into the same buffers. The recompute baseline runs ``MLAModel`` prefill (dense forward)
+over the tokens whose KV one page set holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from hicache.l3 import CostModel, Namespace, PageStore, page_keys  # noqa: E402
+
+GB = 1e9
+
+
+def _model_config(quick: bool):
+    from hicache.engine.model import ModelConfig
+    return ModelConfig(vocab_size=1024, hidden_size=256 if quick else 512,
+                       num_layers=4, num_heads=8, kv_lora_rank=512, qk_nope_head_dim=64,
+                       qk_rope_head_dim=64, v_head_dim=64,
+                       intermediate_size=704 if quick else 1408, dtype="bfloat16")
+
+
+def _rank_worker(rank, ranks, args, path_store, path_raw, barrier, queue):
+    torch.set_num_threads(1)
+    cfg = _model_config(args.quick)
+    ns = Namespace("bench", cfg.num_layers, cfg.kv_dim, cfg.dtype, args.page_size, ranks)
+    pt = ns.page_tokens
+    tokens = list(range(args.pages * pt))
+    keys = page_keys(tokens, pt, ns, rank)
+    g = torch.Generator().manual_seed(rank)
+    shards = [torch.randn(ns.shard_shape, generator=g).to(ns.torch_dtype)
+              for _ in range(args.pages)]
+    payloads = [s.view(torch.uint8).reshape(-1).numpy() for s in shards]
+    outs = [torch.zeros(ns.shard_shape, dtype=ns.torch_dtype) for _ in range(args.pages)]
+    nbytes = args.pages * ns.shard_bytes
+    cap = 2 * ranks * args.pages * (ns.shard_bytes + 4096)
+    batch = args.batch_pages * ns.shard_bytes
+    import lmdb
+
+    res = {"store_put": [], "store_get": [], "raw_put": [], "raw_get": []}
+    it = range(args.repeats)
+    if rank == 0:
+        it = tqdm(it, desc=f"l3 bench ({ranks} rank(s))", file=sys.stderr)
+    def raw(rep):
+        barrier.wait()
+        env = lmdb.open(f"{path_raw}-{rep}", map_size=2 * cap + (64 << 20), max_dbs=2,
+                        sync=args.sync, metasync=args.sync, readahead=False, meminit=False)
+        db = env.open_db(b"raw")
+        barrier.wait()
+        t0 = time.perf_counter()
+        for i in range(0, args.pages, args.batch_pages):
+            with env.begin(write=True) as txn:
+                for k, p in zip(keys[i:i + args.batch_pages], payloads[i:i + args.batch_pages]):
+                    txn.put(k, p, db=db)
+        res["raw_put"].append(time.perf_counter() - t0)
+        barrier.wait()
+        t0 = time.perf_counter()
+        with env.begin(buffers=True) as txn:
+            for k, o in zip(keys, outs):
+                np.copyto(o.view(torch.uint8).reshape(-1).numpy(),
+                          np.frombuffer(txn.get(k, db=db), dtype=np.uint8))
+        res["raw_get"].append(time.perf_counter() - t0)
+        env.close()
+
+    def ours(rep):
+        barrier.wait()
+        store = PageStore(f"{path_store}-{rep}", ns, rank, capacity_bytes=cap, sync=args.sync,
+                          batch_bytes=batch)
+        barrier.wait()
+        t0 = time.perf_counter()
+        store.put(keys, shards)
+        res["store_put"].append(time.perf_counter() - t0)
+        barrier.wait()
+        t0 = time.perf_counter()
+        served = store.get(keys, outs)
+        res["store_get"].append(time.perf_counter() - t0)
+        assert served == args.pages and torch.equal(outs[-1], shards[-1])
+        store.close()
+
+    for rep in it:  # alternate which side goes first so neither gets a warmer machine
+        for fn in ((raw, ours) if rep % 2 == 0 else (ours, raw)):
+            fn(rep)
+    queue.put((rank, {k: statistics.median(v) for k, v in res.items()}, nbytes))
+
+
+def _recompute_seconds(args, n_tokens: int) -> tuple[float, int]:
+    """Prefill seconds for n_tokens with the engine's model, measured on at most ``cap``
+    tokens and scaled linearly (attention is superlinear: a lower bound for recompute).
+    Falls back to a GEMM stand-in when the engine is absent. Returns (seconds, measured)."""
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    m = min(n_tokens, 256 if args.quick else 1024)
+    try:
+        from hicache.engine.model import MLAModel
+        model = MLAModel(_model_config(args.quick))
+        toks = [t % model.cfg.vocab_size for t in range(m)]
+        run = lambda: model(toks)  # noqa: E731
+        model(toks[:16])  # warm up
+    except ImportError:  # the engine is not there: GEMMs of a similar size
+        w = torch.randn(512, 512)
+        x = torch.randn(m, 512)
+        run = lambda: [x @ w for _ in range(32)]  # noqa: E731
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return min(times) * n_tokens / m, m
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--quick", action="store_true", help="a small, fast run")
+    ap.add_argument("--ranks", type=int, default=2, help="DCP ranks sharing the node's env")
+    ap.add_argument("--pages", type=int, default=None, help="widened pages per rank")
+    ap.add_argument("--page-size", type=int, default=64, help="physical page size P")
+    ap.add_argument("--batch-pages", type=int, default=32, help="pages per write transaction")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--sync", action="store_true", help="fsync each commit (both sides)")
+    ap.add_argument("--dir", default=None, help="where to put the environments (default: tmp)")
+    args = ap.parse_args(argv)
+    if args.ranks < 1 or (args.pages is not None and args.pages < 1):
+        ap.error("--ranks and --pages must be >= 1")
+    args.pages = args.pages or (24 if args.quick else 96)
+    args.repeats = args.repeats or (2 if args.quick else 3)
+
+    root = tempfile.mkdtemp(prefix="hicache-l3-bench-", dir=args.dir)
+    try:
+        ctx = mp.get_context("spawn")
+        barrier, queue = ctx.Barrier(args.ranks), ctx.SimpleQueue()
+        procs = [ctx.Process(target=_rank_worker, args=(r, args.ranks, args,
+                                                        os.path.join(root, "store"),
+                                                        os.path.join(root, "raw"), barrier, queue))
+                 for r in range(args.ranks)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(600)
+        if any(p.exitcode != 0 for p in procs):
+            print("a rank worker failed", file=sys.stderr)
+            return 1
+        per_rank = {}
+        while not queue.empty():
+            rank, med, nbytes = queue.get()
+            per_rank[rank] = med
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    cfg = _model_config(args.quick)
+    n_tokens = args.pages * args.page_size * args.ranks  # tokens whose KV one rank set holds
+    recompute_s, measured = _recompute_seconds(args, n_tokens)
+    rows = []
+    for r in sorted(per_rank):
+        m = per_rank[r]
+        rows.append({"rank": r, "store_put_gbs": nbytes / m["store_put"] / GB,
+                     "raw_put_gbs": nbytes / m["raw_put"] / GB,
+                     "store_get_gbs": nbytes / m["store_get"] / GB,
+                     "raw_get_gbs": nbytes / m["raw_get"] / GB,
+                     "put_ratio": m["raw_put"] / m["store_put"],
+                     "get_ratio": m["raw_get"] / m["store_get"],
+                     "load_s": m["store_get"]})
+    load_s = max(r["load_s"] for r in rows)  # ranks load in parallel: the slowest decides
+    cost = CostModel(read_bytes_per_s=nbytes / load_s, prefill_tokens_per_s=n_tokens / recompute_s)
+    result = {
+        "bench": "l3", "ranks": args.ranks, "pages_per_rank": args.pages,
+        "shard_bytes": nbytes // args.pages, "bytes_per_rank": nbytes, "sync": args.sync,
+        "per_rank": rows,
+        "recompute": {"tokens": n_tokens, "measured_tokens": measured, "prefill_s": recompute_s, "load_s": load_s,
+                      "speedup_load_vs_recompute": recompute_s / load_s,
+                      "cost_model_should_load": cost.should_load(n_tokens, nbytes),
+                      "model": {"layers": cfg.num_layers, "hidden": cfg.hidden_size,
+                                "kv_dim": cfg.kv_dim, "dtype": cfg.dtype}},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "torch": torch.__version__},
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"L3 store, {args.ranks} rank(s) sharing one env, {args.pages} pages x "
+          f"{nbytes // args.pages / 1e6:.2f} MB per rank, sync={args.sync}")
+    print(f"{'rank':>4} {'put GB/s':>9} {'raw put':>8} {'ratio':>6} "
+          f"{'get GB/s':>9} {'raw get':>8} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['rank']:>4} {r['store_put_gbs']:>9.2f} {r['raw_put_gbs']:>8.2f} "
+              f"{r['put_ratio']:>6.2f} {r['store_get_gbs']:>9.2f} {r['raw_get_gbs']:>8.2f} "
+              f"{r['get_ratio']:>6.2f}")
+    rc = result["recompute"]
+    print(f"load {n_tokens} tokens' KV from L3: {load_s * 1e3:.1f} ms; recompute with MLAModel "
+          f"prefill: {recompute_s * 1e3:.1f} ms (measured on {measured} tokens, scaled "
+          f"linearly); load is {rc['speedup_load_vs_recompute']:.1f}x "
+          f"faster; cost model says load={rc['cost_model_should_load']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,152 @@
+"""L1 <-> L2 transfer benchmark: shard bytes per rank per second against a plain memcpy.
+
+    python bench/transfer.py [--json] [--quick] [--io direct|kernel] [--pattern P]
+
+For DCP sizes c in 1, 2, 4, 8, both host layouts and both directions, one rank's shard of a
+``--tokens``-token sequence (MLA rows of kv_dim 576, bf16, ``--layers`` layers, physical page
+size 16) moves between its DeviceKVPool and HostKVPool through the TransferEngine. The baseline,
+measured in the same run and interleaved with each measurement, is one contiguous memcpy of
+the same number of bytes (libc ``memmove`` via ctypes on CPU; a pinned
+``copy_(non_blocking=True)``, i.e. cudaMemcpyAsync, on CUDA). Page patterns: ``contiguous``
+(device and host pages in order) and ``scattered`` (device pages a random permutation, as after cache churn).
+Each timing submits a batch of jobs (about 48 MB in flight) and waits for all, as an engine
+would; times are the best of ``--reps`` repetitions (this is a shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from hicache.l1.pool import DeviceKVPool  # noqa: E402
+from hicache.l2.pool import HostKVPool  # noqa: E402
+from hicache.l2.transfer import TransferEngine  # noqa: E402
+from hicache.layout import DCPLayout  # noqa: E402
+
+KV_DIM, PAGE = 576, 16
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _best(fn, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        _sync()
+        t = time.perf_counter()
+        fn()
+        _sync()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _memcpy_pair(nbytes: int, direction: str, dtype: torch.dtype):
+    """Contiguous source/destination of ``nbytes`` matching the transfer's devices."""
+    n = nbytes // torch.empty((), dtype=dtype).element_size()
+    cuda = torch.cuda.is_available()
+    dev = torch.zeros(n, dtype=dtype, device="cuda" if cuda else "cpu")
+    host = torch.zeros(n, dtype=dtype, pin_memory=cuda)
+    src, dst = (dev, host) if direction == "d2h" else (host, dev)
+    if cuda:  # a raw pinned cudaMemcpyAsync of the same bytes
+        return lambda: dst.copy_(src, non_blocking=True)
+    return lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)  # libc memcpy
+
+
+def measure(c: int, kind: str, pattern: str, tokens: int, layers: int, reps: int, io: str,
+            dtype: torch.dtype) -> list[dict]:
+    lay = DCPLayout(c, 0, PAGE)
+    pages = -(-tokens // lay.virtual_page_size)  # widened pages holding the sequence
+    dev = DeviceKVPool(lay, layers, KV_DIM, dtype, pages)
+    host = HostKVPool(lay, layers, KV_DIM, dtype, pages, layout_kind=kind)
+    dev.kv.normal_()
+    eng = TransferEngine(dev, host, io_backend=io)
+    host_pages = list(range(pages))
+    if pattern == "scattered":
+        g = torch.Generator().manual_seed(c)
+        dev_pages = torch.randperm(pages, generator=g).tolist()
+    else:
+        dev_pages = list(range(pages))
+    out = []
+    nbytes = pages * dev.bytes_per_page
+    batch = max(1, (48 << 20) // nbytes)  # jobs in flight per timing: amortises thread wake-ups
+    for direction in ("d2h", "h2d"):
+        submit = ((lambda: eng.backup(dev_pages, host_pages)) if direction == "d2h"
+                  else (lambda: eng.load(host_pages, dev_pages)))
+
+        def run() -> None:
+            jobs = [submit() for _ in range(batch)]
+            for j in jobs:
+                j.wait()
+
+        one = _memcpy_pair(nbytes, direction, dtype)
+
+        def memcpy() -> None:
+            for _ in range(batch):
+                one()
+
+        run(), memcpy()  # warm up
+        t_job = t_mem = float("inf")
+        for _ in range(reps):  # interleave so both see the same machine load
+            t_mem = min(t_mem, _best(memcpy, 1))
+            t_job = min(t_job, _best(run, 1))
+        t_job, t_mem = t_job / batch, t_mem / batch
+        gbps, mgbps = nbytes / t_job / 1e9, nbytes / t_mem / 1e9
+        out.append(dict(layout=kind, direction=direction, dcp=c, pattern=pattern, bytes=nbytes,
+                        gbps=round(gbps, 3), memcpy_gbps=round(mgbps, 3),
+                        ratio=round(gbps / mgbps, 3)))
+    eng.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--quick", action="store_true", help="smaller sequence, fewer repetitions")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="sequence length (default 16384; 8192 with --quick)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--io", choices=("direct", "kernel"), default="direct")
+    ap.add_argument("--pattern", choices=("contiguous", "scattered", "both"), default="both")
+    ap.add_argument("--dcp", type=int, nargs="+", default=[1, 2, 4, 8])
+    args = ap.parse_args(argv)
+    tokens = args.tokens or (8192 if args.quick else 16384)
+    reps = args.reps or (3 if args.quick else 5)
+    patterns = ("contiguous", "scattered") if args.pattern == "both" else (args.pattern,)
+    dtype = torch.bfloat16
+    combos = [(c, k, p) for p in patterns for k in ("page_first", "layer_first") for c in args.dcp]
+    results = []
+    for c, kind, pattern in tqdm(combos, desc="transfer", disable=args.json, file=sys.stderr):
+        results += measure(c, kind, pattern, tokens, args.layers, reps, args.io, dtype)
+    meta = dict(device="cuda" if torch.cuda.is_available() else "cpu",
+                cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
+                tokens=tokens, layers=args.layers, kv_dim=KV_DIM, page_size=PAGE,
+                dtype=str(dtype), io=args.io, reps=reps)
+    if args.json:
+        print(json.dumps({"results": results, "meta": meta}))
+        return 0
+    print(f"L1<->L2 transfers, one rank's shard of {tokens} tokens, {args.layers} layers, "
+          f"kv_dim {KV_DIM}, bf16, P={PAGE}, io={args.io}, {meta['device']}")
+    print(f"{'pattern':<11}{'layout':<12}{'dir':<5}{'dcp':>4}{'MB':>9}{'GB/s':>8}"
+          f"{'memcpy':>8}{'ratio':>7}")
+    for r in results:
+        print(f"{r['pattern']:<11}{r['layout']:<12}{r['direction']:<5}{r['dcp']:>4}"
+              f"{r['bytes'] / 1e6:>9.1f}{r['gbps']:>8.2f}{r['memcpy_gbps']:>8.2f}"
+              f"{r['ratio']:>6.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,305 @@
+"""``hicache-bench``: the cache-hit benchmark. One trace, every mode side by side.
+
+Modes: recompute (no prefix cache), l1, l1+l2, l1+l2+l3. Each mode replays the same seeded trace
+through the built-in DCP MLA engine with HiCache embedded on ``--dcp`` ranks (real processes,
+gloo on CPU), then prints one row per mode and writes the same as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .cli import UsageError, run_guarded
+from .config import HiCacheConfig, load_config
+from .report import table
+from .service import MODES
+from .workloads import agentic_trace, chat_trace, load_trace, trace_summary
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "policy.toml"
+WORKLOADS = {"chat": chat_trace, "agentic": agentic_trace}
+
+
+# ---- one mode on one rank (runs in each spawned process) ---------------------------------------
+def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts: dict) -> dict:
+    import psutil
+    import torch
+    import torch.distributed as dist
+
+    from .engine.model import MLAModel
+    from .serving import Server, model_config
+
+    torch.manual_seed(0)
+    cfg = HiCacheConfig.from_dict(cfg_dict)
+    group = dist.group.WORLD if dist.is_initialized() else None
+    model = MLAModel(model_config(cfg, seed=opts["seed"]))
+    out: dict = {"rank": rank}
+    with _cache(cfg, rank, group, mode) as cache:
+        server = Server(model, cache, group=group, backend=opts["backend"],
+                        chunk_tokens=opts["chunk"], max_running=opts["max_running"])
+        bar = None
+        if rank == 0 and opts["progress"]:
+            from tqdm import tqdm
+            bar = tqdm(total=len(jobs), desc=f"{opts['workload']}:{mode}", unit="req",
+                       leave=False, file=sys.stderr)
+        t0 = time.perf_counter()
+        results = server.run(jobs, on_done=(lambda r: bar.update(1)) if bar else None)
+        passes, soak = 1, []
+        while opts["duration"] and time.perf_counter() - t0 < opts["duration"]:
+            again = [_renamed(j, passes) for j in jobs]
+            server.run(again, on_done=(lambda r: bar.update(1)) if bar else None)
+            passes += 1
+            s = cache.stats()
+            soak.append({"pass": passes, "rss": psutil.Process().memory_info().rss,
+                         "l1_pages": s["pages"]["l1"], "l2_pages": s["pages"]["l2"],
+                         "locks": s["locks"], "request_pages": len(cache.ctrl.request_pages())})
+        wall = time.perf_counter() - t0
+        if bar:
+            bar.close()
+        cache.ctrl.check()
+        out.update(stats=cache.stats(), wall_s=wall, passes=passes, soak=soak,
+                   prefill_tokens=server.prefill_tokens, prefill_s=server.prefill_s)
+    out["results"] = [(r.request_id, r.prompt_len, r.output, r.ttft_s, r.hit) for r in results]
+    return out
+
+
+class _cache:
+    """HiCache as a context manager that closes (flushes L3) even on error."""
+
+    def __init__(self, cfg, rank, group, mode):
+        from .service import HiCache
+        self.cache = HiCache(cfg, rank, group, mode=mode)
+
+    def __enter__(self):
+        return self.cache
+
+    def __exit__(self, *exc):
+        self.cache.close()
+
+
+def _renamed(job, n: int):
+    from dataclasses import replace
+    return replace(job, request_id=(n, job.request_id))
+
+
+def run_mode(cfg: HiCacheConfig, mode: str, jobs: list, opts: dict) -> dict:
+    c = cfg.parallel.dcp
+    if c == 1:
+        ranks = [run_rank(0, 1, cfg.to_dict(), mode, jobs, opts)]
+    else:
+        from .distributed import launch
+        ranks = launch(c, run_rank, cfg.to_dict(), mode, jobs, opts, timeout_s=3600)
+    return summarize(mode, ranks, opts)
+
+
+def summarize(mode: str, ranks: list[dict], opts: dict) -> dict:
+    r0 = ranks[0]
+    res = r0["results"]
+    ttft = np.array([r[3] for r in res]) if res else np.zeros(1)
+    prompt = sum(r[1] for r in res)
+    hits = {t: sum(r[4][t] for r in res) for t in ("l1", "l2", "l3")}
+    out_tokens = sum(len(r[2]) for r in res)
+    byts = {k: sum(r["stats"]["bytes"][k] for r in ranks) for k in r0["stats"]["bytes"]}
+    gbps = {d: sum(r["stats"]["gbps"][d] for r in ranks) / len(ranks) for d in ("d2h", "h2d")}
+    st = r0["stats"]
+    row = {
+        "name": mode,
+        "hit_ratio": sum(hits.values()) / prompt if prompt else 0.0,
+        "hit_tokens": hits,
+        "prompt_tokens": prompt,
+        "output_tokens": out_tokens,
+        "ttft_s": {f"p{q}": float(np.percentile(ttft, q)) for q in (50, 90, 99)},
+        "throughput_tok_s": (prompt + out_tokens) / r0["wall_s"] if r0["wall_s"] else 0.0,
+        "bytes": byts,
+        "gbps": gbps,
+        "controller_us_per_request": 1e6 * st["controller_s"] / max(st["requests"], 1),
+        "evictions": st["evictions"],
+        "corrupt_l3_values": sum(r["stats"]["corrupt"] for r in ranks),
+        "wall_s": r0["wall_s"],
+        "passes": r0["passes"],
+        "prefill_tokens": r0["prefill_tokens"],
+        "outputs": {str(r[0]): r[2] for r in res},
+    }
+    if opts["duration"]:
+        row["soak"] = _soak_verdict([r["soak"] for r in ranks])
+    return row
+
+
+def _soak_verdict(per_rank: list[list[dict]]) -> dict:
+    """Once warm (after the second pass), memory, pages and locks must stay flat."""
+    verdict = {"passes": len(per_rank[0]) + 1, "leak": None}
+    for rank, samples in enumerate(per_rank):
+        if len(samples) < 3:
+            continue
+        warm, last = samples[1], samples[-1]
+        if last["locks"] or last["request_pages"]:
+            verdict["leak"] = f"rank {rank}: {last['locks']} open locks, " \
+                              f"{last['request_pages']} request pages after the soak"
+        elif last["rss"] > warm["rss"] * 1.25 + (64 << 20):
+            verdict["leak"] = (f"rank {rank}: resident memory grew from {warm['rss'] >> 20} MiB "
+                               f"to {last['rss'] >> 20} MiB once warm")
+        verdict.setdefault("rss_mib", []).append([warm["rss"] >> 20, last["rss"] >> 20])
+        verdict.setdefault("pages", []).append([(s["l1_pages"], s["l2_pages"]) for s in samples])
+    return verdict
+
+
+# ---- the command -------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hicache-bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="chat,agentic",
+                   help="chat, agentic, or both comma-separated (default: both)")
+    p.add_argument("--config", default=str(EXAMPLE), help="policy file (default: the example)")
+    p.add_argument("--l3-path", help="L3 directory (overrides the policy file)")
+    p.add_argument("--dcp", type=int, help="DCP ranks to spawn (overrides the policy file)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated, any of "
+                   + ", ".join(MODES))
+    p.add_argument("--scale", type=float, default=0.02, help="trace size (1.0 = full)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", help="replay a recorded JSONL trace instead of a workload")
+    p.add_argument("--max-output", type=int, default=24,
+                   help="cap generated tokens per request (0 = as the trace says)")
+    p.add_argument("--max-running", type=int, default=4, help="requests in flight")
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk tokens")
+    p.add_argument("--backend", default="a2a", choices=("a2a", "ag_rs"))
+    p.add_argument("--verify", action="store_true", help="token ids must match across modes")
+    p.add_argument("--out", help="write the JSON here")
+    p.add_argument("--json", action="store_true", help="print the JSON instead of the table")
+    p.add_argument("--plot", help="TTFT distribution and hit ratio by tier (needs matplotlib)")
+    p.add_argument("--duration", type=float, default=0.0,
+                   help="soak: keep replaying for this many seconds, fail on a leak")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _jobs(args, workload: str, cfg: HiCacheConfig) -> list:
+    vocab = cfg.model.vocab_size
+    if args.trace:
+        jobs = load_trace(args.trace, vocab_size=vocab, seed=args.seed)
+    else:
+        jobs = WORKLOADS[workload](seed=args.seed, scale=args.scale, vocab_size=vocab)
+    if args.max_output:
+        from dataclasses import replace
+        jobs = [replace(j, output_len=max(1, min(j.output_len, args.max_output))) for j in jobs]
+    return jobs
+
+
+def _resolve(args) -> tuple[HiCacheConfig, list[str], list[str]]:
+    cfg = load_config(args.config)
+    if args.l3_path:
+        cfg = cfg.replace(l3={"path": args.l3_path})
+    if args.dcp is not None:
+        tp = cfg.parallel.tp if cfg.parallel.tp % args.dcp == 0 else args.dcp
+        cfg = cfg.replace(parallel={"dcp": args.dcp, "tp": max(tp, args.dcp)})
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in MODES:
+            raise UsageError(f"--modes: unknown mode {m!r}; expected any of {', '.join(MODES)}")
+    if "l1+l2+l3" in modes and not cfg.l3.enabled:
+        cfg = cfg.replace(l3={"enabled": True})
+    workloads = [w.strip() for w in args.workload.split(",") if w.strip()]
+    if args.trace:
+        workloads = [Path(args.trace).stem]
+    else:
+        for w in workloads:
+            if w not in WORKLOADS:
+                raise UsageError(f"--workload: unknown workload {w!r}; expected chat or agentic")
+    if not 0 < args.scale <= 10:
+        raise UsageError(f"--scale must be in (0, 10], got {args.scale}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'hicache[plot]'") from None
+    return cfg, modes, workloads
+
+
+def machine() -> dict:
+    import torch
+    return {"python": platform.python_version(), "platform": platform.platform(),
+            "cpus": os.cpu_count(), "torch": torch.__version__,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def _main(args) -> int:
+    cfg, modes, workloads = _resolve(args)
+    report = {"config": cfg.to_dict(), "machine": machine(), "workloads": []}
+    failed = []
+    for w in workloads:
+        jobs = _jobs(args, w, cfg)
+        opts = {"seed": args.seed, "backend": args.backend, "chunk": args.chunk,
+                "max_running": args.max_running, "progress": not args.no_progress,
+                "duration": args.duration, "workload": w}
+        rows = [run_mode(cfg, m, jobs, opts) for m in modes]
+        entry = {"workload": w, "trace": trace_summary(jobs), "modes": rows}
+        if args.verify:
+            ref = rows[0]["outputs"]
+            bad = [r["name"] for r in rows if r["outputs"] != ref]
+            entry["verify"] = {"equal": not bad, "differs": bad}
+            if bad:
+                failed.append(f"{w}: token ids differ from {rows[0]['name']} in {', '.join(bad)}")
+        for r in rows:
+            if r.get("soak", {}).get("leak"):
+                failed.append(f"{w}:{r['name']}: leak: {r['soak']['leak']}")
+        report["workloads"].append(entry)
+        if not args.json:
+            _print(w, entry, cfg)
+    if len(workloads) == 1:  # the documented top-level shape for one workload
+        report["modes"] = report["workloads"][0]["modes"]
+    text = json.dumps(report, indent=1, default=str)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    if args.json:
+        print(text)
+    if args.plot:
+        from .plot import plot_report
+        plot_report(report, args.plot)
+    for f in failed:
+        print(f"FAIL {f}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _print(workload: str, entry: dict, cfg: HiCacheConfig) -> None:
+    t = entry["trace"]
+    print(f"\n== {workload}: {t.get('requests')} requests, {t.get('prompt_tokens')} prompt tokens; "
+          f"dcp {cfg.parallel.dcp}, P {cfg.cache.page_size} (pages of "
+          f"{cfg.effective_page_size}), L1 {cfg.l1.num_pages} pages, L2 {cfg.l2_num_pages} pages")
+    rows = []
+    for r in entry["modes"]:
+        h = r["hit_tokens"]
+        p = max(r["prompt_tokens"], 1)
+        rows.append([r["name"], r["hit_ratio"], h["l1"] / p, h["l2"] / p, h["l3"] / p,
+                     r["ttft_s"]["p50"] * 1e3, r["ttft_s"]["p90"] * 1e3, r["ttft_s"]["p99"] * 1e3,
+                     r["throughput_tok_s"], r["bytes"]["d2h"] / 1e6, r["bytes"]["h2d"] / 1e6,
+                     r["bytes"]["l3_read"] / 1e6, r["bytes"]["l3_write"] / 1e6,
+                     r["gbps"]["h2d"], r["controller_us_per_request"],
+                     sum(r["evictions"].values())])
+    print(table(rows, ["mode", "hit", "l1", "l2", "l3", "ttft p50 ms", "p90 ms", "p99 ms",
+                       "tok/s", "d2h MB", "h2d MB", "l3 rd MB", "l3 wr MB", "h2d GB/s",
+                       "ctrl us/req", "evict"]))
+    base = next((r for r in entry["modes"] if r["name"] == "recompute"), None)
+    if base:
+        for r in entry["modes"]:
+            if r is not base and r["ttft_s"]["p50"]:
+                print(f"  {r['name']}: TTFT p50 {base['ttft_s']['p50'] / r['ttft_s']['p50']:.2f}x "
+                      f"faster than recompute")
+    if "verify" in entry:
+        print(f"  verify: token ids {'equal' if entry['verify']['equal'] else 'DIFFER'} "
+              "across modes")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_guarded(_main, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Radix tree over widened pages (``page_tokens = P * c`` token slots per page).
+
+A node holds a run of whole pages (token ids as the bytes of an int64 array) plus, per tier,
+one page id per page. Children are keyed by the bytes of their first page, so a walk costs one
+dict lookup and one bytes compare (memcmp) per node: no per-token Python loop; numpy locates
+the first differing page only where a walk diverges inside a node. Only structure lives here
+(walk, split, add, remove, digest); policies live in ``controller.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from hicache.controller.types import TokenTypeError
+
+
+class Node:
+    """One run of whole pages. ``device``/``host``: page ids per page, or None if not there."""
+
+    __slots__ = ("nid", "parent", "children", "tokens", "npages", "device", "host", "host_valid",
+                 "lock_ref", "hits", "last_access", "pending", "evicting", "alive")
+
+    def __init__(self, nid: int, parent: "Node | None", tokens: bytes, npages: int) -> None:
+        self.nid = nid
+        self.parent = parent
+        self.children: dict[bytes, Node] = {}
+        self.tokens = tokens          # bytes of int64 [npages * page_tokens]
+        self.npages = npages
+        self.device: list[int] | None = None
+        self.host: list[int] | None = None
+        self.host_valid = False       # host pages hold an agreed-complete copy
+        self.lock_ref = 0
+        self.hits = 0
+        self.last_access = 0
+        self.pending: set[int] = set()  # in-flight op ids touching this node
+        self.evicting = False         # free device pages once the pending backup completes
+        self.alive = True
+
+    def has_device_child(self) -> bool:
+        for c in self.children.values():
+            if c.device is not None:
+                return True
+        return False
+
+    def depth(self) -> int:
+        d, n = 0, self
+        while n.parent is not None:
+            d, n = d + 1, n.parent
+        return d
+
+    def __repr__(self) -> str:
+        return (f"Node(nid={self.nid}, pages={self.npages}, device={self.device}, "
+                f"host={self.host}, valid={self.host_valid}, lock={self.lock_ref})")
+
+
+def as_tokens(tokens) -> np.ndarray:
+    """Token ids as a 1-D int64 numpy array; raises TokenTypeError for anything else."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise TokenTypeError(f"tokens must be integers, got a {tokens.dtype} tensor")
+        arr = tokens.detach().cpu().numpy()
+    elif isinstance(tokens, np.ndarray):
+        arr = tokens
+    elif isinstance(tokens, (list, tuple, range)):
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in tokens):
+            bad = next(t for t in tokens
+                       if isinstance(t, bool) or not isinstance(t, (int, np.integer)))
+            raise TokenTypeError(f"tokens must be integers, got {type(bad).__name__} {bad!r}")
+        arr = np.asarray(tokens, dtype=np.int64)
+    else:
+        raise TokenTypeError(f"tokens must be a list, numpy array or tensor of ints, "
+                             f"got {type(tokens).__name__}")
+    if arr.dtype.kind not in "iu":
+        raise TokenTypeError(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise TokenTypeError(f"tokens must be 1-D, got shape {tuple(arr.shape)}")
+    if arr.dtype != np.int64:
+        arr = arr.astype(np.int64)
+    return arr
+
+
+class RadixTree:
+    """Structure of the page radix tree. Not thread-safe; deterministic."""
+
+    def __init__(self, page_tokens: int) -> None:
+        if isinstance(page_tokens, bool) or not isinstance(page_tokens, int) or page_tokens < 1:
+            raise ValueError(f"page_tokens must be an int >= 1, got {page_tokens!r}")
+        self.page_tokens = page_tokens
+        self._next_id = 1
+        self.root = Node(0, None, b"", 0)
+        self.root.lock_ref = 1  # never evicted
+        self.num_nodes = 0
+        self.on_split = None  # callback(top, lower) so owners can re-point op records
+
+    def _new_id(self) -> int:
+        nid = self._next_id
+        self._next_id += 1
+        return nid
+
+    def walk(self, arr: np.ndarray) -> list[Node]:
+        """Nodes covering the longest cached whole-page prefix of ``arr``, root excluded.
+
+        A node only partly covered is split, so the path ends exactly on the matched prefix."""
+        pt = self.page_tokens
+        w = pt * 8  # bytes per page
+        n_pages = len(arr) // pt
+        qb = arr[:n_pages * pt].tobytes()
+        node, pos, path = self.root, 0, []
+        while pos < n_pages:
+            child = node.children.get(qb[pos * w:(pos + 1) * w])
+            if child is None:
+                break
+            m = min(child.npages, n_pages - pos)
+            k = m
+            if m > 1 and qb[(pos + 1) * w:(pos + m) * w] != child.tokens[w:m * w]:
+                a = np.frombuffer(qb, np.int64, (m - 1) * pt, (pos + 1) * w)
+                b = np.frombuffer(child.tokens, np.int64, (m - 1) * pt, w)
+                k = 1 + int((a != b).argmax()) // pt
+            if k < child.npages:
+                child = self.split(child, k)
+            path.append(child)
+            pos += k
+            if k < m:
+                break
+            node = child
+        return path
+
+    def split(self, node: Node, k: int) -> Node:
+        """Split ``node`` after ``k`` pages; returns the new upper node (the original object
+        keeps the lower part, so locks and op records that point to it stay valid)."""
+        w = self.page_tokens * 8
+        top = Node(self._new_id(), node.parent, node.tokens[:k * w], k)
+        node.tokens = node.tokens[k * w:]
+        node.npages -= k
+        if node.device is not None:
+            top.device, node.device = node.device[:k], node.device[k:]
+        if node.host is not None:
+            top.host, node.host = node.host[:k], node.host[k:]
+        top.host_valid = node.host_valid
+        top.lock_ref, top.hits, top.last_access = node.lock_ref, node.hits, node.last_access
+        top.pending = set(node.pending)
+        top.evicting = node.evicting
+        parent = node.parent
+        parent.children[top.tokens[:w]] = top
+        top.children[node.tokens[:w]] = node
+        node.parent = top
+        self.num_nodes += 1
+        if self.on_split is not None:
+            self.on_split(top, node)
+        return top
+
+    def add_child(self, parent: Node, tokens: np.ndarray) -> Node:
+        """New leaf under ``parent`` for ``tokens`` (int64, whole pages)."""
+        pt = self.page_tokens
+        kb = tokens.tobytes()
+        node = Node(self._new_id(), parent, kb, len(tokens) // pt)
+        parent.children[kb[:pt * 8]] = node
+        self.num_nodes += 1
+        return node
+
+    def remove_leaf(self, node: Node) -> None:
+        assert not node.children and node is not self.root
+        del node.parent.children[node.tokens[:self.page_tokens * 8]]
+        node.alive = False
+        self.num_nodes -= 1
+
+    def iter_nodes(self) -> Iterator[Node]:
+        """Every node but the root, depth-first, children in key order (deterministic)."""
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            if n is not self.root:
+                yield n
+            stack.extend(n.children[k] for k in sorted(n.children, reverse=True))
+
+    def path_tokens(self, node: Node) -> np.ndarray:
+        parts = []
+        while node is not self.root:
+            parts.append(node.tokens)
+            node = node.parent
+        return np.frombuffer(b"".join(parts[::-1]), np.int64)
+
+    def digest(self) -> list[tuple]:
+        """One comparable entry per node (depth-first, key order): what must agree across ranks."""
+        out = []
+        stack = [(self.root, 0)]
+        while stack:
+            n, d = stack.pop()
+            if n is not self.root:
+                h = hashlib.blake2b(n.tokens, digest_size=8).hexdigest()
+                out.append((d, n.npages, h, tuple(n.device) if n.device is not None else None,
+                            tuple(n.host) if n.host is not None else None, n.host_valid,
+                            n.lock_ref, n.hits, n.last_access, tuple(sorted(n.pending)),
+                            n.evicting))
+            stack.extend((n.children[k], d + 1) for k in sorted(n.children, reverse=True))
+        return out
+
+
+def chain_pages(nodes: Sequence[Node], attr: str) -> list[int]:
+    out: list[int] = []
+    for n in nodes:
+        out.extend(getattr(n, attr))
+    return out

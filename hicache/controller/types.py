@@ -1,0 +1,114 @@
+"""Value types and errors of the cache controller (bookkeeping only: token ids and page ids)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hicache.controller.tree import Node
+
+
+class ControllerError(ValueError):
+    """Base class of controller input errors."""
+
+
+class TokenTypeError(ControllerError, TypeError):
+    """Tokens are not a 1-D sequence of integers."""
+
+
+class LockError(ControllerError):
+    """Unlock without a matching lock, or an operation that needs a lock found none."""
+
+
+class PageOwnershipError(ControllerError):
+    """A device page that the controller did not hand out, or that another node already owns."""
+
+
+class StaleNodeError(ControllerError):
+    """A node that is no longer in the tree (evicted since it was matched)."""
+
+
+class UnknownOpError(ControllerError):
+    """complete() named an op id that is not in flight."""
+
+
+class DeviceFullError(MemoryError):
+    """Not enough device pages even after evicting everything evictable now.
+
+    ``pending`` pages are being backed up (write_back) and become free once those backups are
+    agreed complete: retry after the next agreement step."""
+
+    def __init__(self, asked: int, free: int, pending: int, total: int) -> None:
+        super().__init__(
+            f"asked for {asked} device pages but only {free} of {total} are free after eviction "
+            f"({pending} more will be free once pending write_back backups complete; the rest "
+            f"are locked by running requests)")
+        self.asked, self.free, self.pending, self.total = asked, free, pending, total
+
+
+@dataclass(frozen=True)
+class BackupOp:
+    """Copy device pages to host pages (D2H), page i to page i. Host pages are not a valid copy
+    until this op is agreed complete on every rank."""
+    op_id: int
+    device_pages: tuple[int, ...]
+    host_pages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LoadOp:
+    """Copy host pages to device pages (H2D), page i to page i. The device pages stay pinned
+    until this op is agreed complete; the engine waits on it locally per layer."""
+    op_id: int
+    host_pages: tuple[int, ...]
+    device_pages: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class Match:
+    """Result of ``match``: the longest cached whole-page prefix, by tier.
+
+    Tokens ``[0, device_len)`` are on the device (``device_pages``), then
+    ``[device_len, device_len + host_len)`` only on the host (``host_pages``), then (later, with
+    L3) ``storage_len`` tokens in storage. ``wait_ops`` are in-flight loads that some matched
+    device pages still depend on."""
+    device_len: int
+    host_len: int
+    device_pages: tuple[int, ...]
+    host_pages: tuple[int, ...]
+    device_nodes: tuple["Node", ...]
+    host_nodes: tuple["Node", ...]
+    last_node: "Node"
+    wait_ops: tuple[int, ...] = ()
+    storage_len: int = 0  # extension point for the L3 tier
+
+    @property
+    def total_len(self) -> int:
+        return self.device_len + self.host_len + self.storage_len
+
+
+@dataclass(frozen=True, eq=False)
+class InsertResult:
+    """Result of ``insert``: ``freed`` are the caller's pages that duplicated cached pages (the
+    controller already returned them to the pool); ``device_pages`` are the tree's pages for the
+    inserted whole pages (use them instead of the freed ones); ``last_node`` ends the path."""
+    freed: tuple[int, ...]
+    device_pages: tuple[int, ...]
+    last_node: "Node"
+    new_pages: int
+
+
+@dataclass
+class ControllerStats:
+    matches: int = 0
+    inserts: int = 0
+    device_evicted_pages: int = 0
+    host_evicted_pages: int = 0
+    backups: int = 0
+    backup_pages: int = 0
+    backups_skipped_pages: int = 0  # wanted a backup but L2 had no room
+    loads: int = 0
+    load_pages: int = 0
+    dropped_pages: int = 0  # evicted from L1 with no host copy: gone
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,184 @@
+"""Triton decode attention over MLA latent rows that also returns the log-sum-exp.
+
+One program per (query token, block of heads, split of the keys): the single latent KV "head" is
+loaded once per key block and shared by every head of the block (``tl.dot`` of [BLOCK_H, R] by
+[R, BLOCK_N]). Keys are cut into splits (flash-decoding) so a one-token decode over a long shard
+still fills the GPU; the splits' partial states are merged exactly by ``merge_attn_states``.
+Causality uses global positions (``kv_pos <= q_pos``), so the kernel works on a DCP shard.
+
+The torch reference is ``hicache.engine.attention.attend_latent_torch``; the kernel is tested
+against it on CPU under ``TRITON_INTERPRET=1`` (where it loads, casts to fp32 and computes in
+fp32, because the interpreter's bf16 arithmetic is wrong).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+try:  # triton is optional: absent on some platforms, unusable without CUDA unless interpreted
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the platform
+    triton = None
+    tl = None
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available() -> bool:
+    """True when the kernel can run here: triton imported and CUDA present (or interpreted)."""
+    return triton is not None and (torch.cuda.is_available() or interpreted())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _latent_attn_kernel(
+        q_lat_ptr, q_pe_ptr, kv_ptr, q_pos_ptr, kv_pos_ptr, o_ptr, lse_ptr,
+        N, H, scale,
+        s_qt, s_qh, s_pt, s_ph, s_kn, s_os, s_ot, s_oh, s_ls, s_lt,
+        split_len,
+        R: tl.constexpr, DR: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
+        BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        hb = tl.program_id(1)
+        sp = tl.program_id(2)
+        offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        offs_r = tl.arange(0, BLOCK_R)
+        offs_d = tl.arange(0, BLOCK_DR)
+        hmask = offs_h < H
+        rmask = offs_r < R
+        dmask = offs_d < DR
+
+        # q [BLOCK_H, BLOCK_R], qp [BLOCK_H, BLOCK_DR]
+        q = tl.load(q_lat_ptr + t * s_qt + offs_h[:, None] * s_qh + offs_r[None, :],
+                    mask=hmask[:, None] & rmask[None, :], other=0.0)
+        qp = tl.load(q_pe_ptr + t * s_pt + offs_h[:, None] * s_ph + offs_d[None, :],
+                     mask=hmask[:, None] & dmask[None, :], other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+            qp = qp.to(tl.float32)
+        qpos = tl.load(q_pos_ptr + t)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+        start = sp * split_len
+        end = tl.minimum(start + split_len, N)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            nmask = offs_n < end
+            kpos = tl.load(kv_pos_ptr + offs_n, mask=nmask, other=0)
+            allowed = nmask & (kpos <= qpos)
+            c = tl.load(kv_ptr + offs_n[:, None] * s_kn + offs_r[None, :],
+                        mask=nmask[:, None] & rmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
+            kp = tl.load(kv_ptr + offs_n[:, None] * s_kn + R + offs_d[None, :],
+                         mask=nmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_DR]
+            if DOT_FP32:
+                c = c.to(tl.float32)
+                kp = kp.to(tl.float32)
+                s = tl.dot(q, tl.trans(c), input_precision="ieee")
+                s += tl.dot(qp, tl.trans(kp), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(c))
+                s += tl.dot(qp, tl.trans(kp))
+            s = s * scale
+            s = tl.where(allowed[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N]
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if DOT_FP32:
+                pv = tl.dot(p, c, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(c.dtype), c)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        has = l_i > 0.0
+        m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+        lse = tl.where(has, m_fin + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        tl.store(o_ptr + sp * s_os + t * s_ot + offs_h[:, None] * s_oh + offs_r[None, :], o,
+                 mask=hmask[:, None] & rmask[None, :])
+        tl.store(lse_ptr + sp * s_ls + t * s_lt + offs_h, lse, mask=hmask)
+
+
+def _next_pow2(x: int, floor: int = 16) -> int:
+    return max(floor, 1 << max(0, (x - 1).bit_length()))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_splits(n: int, t: int, head_blocks: int, block_n: int, device: torch.device) -> int:
+    blocks = max(1, math.ceil(n / block_n))
+    if device.type != "cuda":
+        return min(blocks, 2)  # interpreted: keep it tiny but still exercise the split merge
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    want = max(1, (2 * sms) // max(1, t * head_blocks))
+    return max(1, min(blocks, want, 64))
+
+
+def decode_attention_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
+                            q_pos: torch.Tensor, kv_pos: torch.Tensor, scale: float,
+                            kv_lora_rank: int, num_splits: int | None = None,
+                            block_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``attend_latent``: o [T, H, R] fp32, lse [T, H] fp32 (natural log)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed; use the torch attention path")
+    from hicache.engine.merge import merge_attn_states
+
+    t, h, r = q_lat.shape
+    dr = q_pe.shape[2]
+    n = kv.shape[0]
+    dev = kv.device
+    o_empty = torch.zeros(t, h, r, dtype=torch.float32, device=dev)
+    lse_empty = torch.full((t, h), -math.inf, dtype=torch.float32, device=dev)
+    if t == 0 or n == 0:
+        return o_empty, lse_empty
+    dot_fp32 = interpreted() or kv.dtype == torch.float32
+    qdt = torch.float32 if dot_fp32 else kv.dtype
+    q_lat = q_lat.to(qdt).contiguous()
+    q_pe = q_pe.to(qdt).contiguous()
+    kv = kv.contiguous()
+    q_pos = q_pos.to(device=dev, dtype=torch.int64).contiguous()
+    kv_pos = kv_pos.to(device=dev, dtype=torch.int64).contiguous()
+
+    block_h = 16
+    block_r = _next_pow2(r)
+    block_dr = _next_pow2(dr)
+    if block_n is None:
+        block_n = 16 if interpreted() else (32 if block_r >= 256 else 64)
+    head_blocks = math.ceil(h / block_h)
+    splits = num_splits or _num_splits(n, t, head_blocks, block_n, dev)
+    split_len = math.ceil(math.ceil(n / splits) / block_n) * block_n
+    splits = math.ceil(n / split_len)
+
+    o_part = torch.empty(splits, t, h, r, dtype=torch.float32, device=dev)
+    lse_part = torch.empty(splits, t, h, dtype=torch.float32, device=dev)
+    grid = (t, head_blocks, splits)
+    _latent_attn_kernel[grid](
+        q_lat, q_pe, kv, q_pos, kv_pos, o_part, lse_part,
+        n, h, float(scale),
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
+        lse_part.stride(1),
+        split_len,
+        R=r, DR=dr, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_DR=block_dr, BLOCK_N=block_n,
+        DOT_FP32=dot_fp32,
+    )
+    if splits == 1:
+        return o_part[0], lse_part[0]
+    return merge_attn_states(o_part, lse_part)

@@ -1,0 +1,144 @@
+"""L1: the per-rank device KV pool (MLA latent rows, owned rows only).
+
+One tensor ``kv`` [num_layers, num_pages * P, kv_dim] on CUDA when available, else CPU. The
+caller addresses it with *virtual* slots of the widened page space (``P * c`` slots per page);
+the pool keeps only the slots this rank owns, at ``layout.physical(slot)``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import torch
+
+from hicache.layout import DCPLayout
+
+Slots = Union[torch.Tensor, Sequence[int]]
+
+
+class PoolError(ValueError):
+    """Bad input to a KV pool: wrong layer, slot range, row shape or dtype."""
+
+
+def pick_device(device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def check_shape_args(num_layers: int, kv_dim: int, num_pages: int, dtype: torch.dtype) -> None:
+    for name, v in (("num_layers", num_layers), ("kv_dim", kv_dim)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PoolError(f"{name} must be a positive int, got {v!r}")
+    if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
+        raise PoolError(f"num_pages must be an int >= 0, got {num_pages!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise PoolError(f"dtype must be a torch.dtype, got {dtype!r}")
+
+
+class DeviceKVPool:
+    """Per-rank L1 storage for ``num_pages`` widened pages of ``num_layers`` layers."""
+
+    def __init__(self, layout: DCPLayout, num_layers: int, kv_dim: int, dtype: torch.dtype,
+                 num_pages: int, device: torch.device | str | None = None) -> None:
+        if not isinstance(layout, DCPLayout):
+            raise PoolError(f"layout must be a DCPLayout, got {type(layout).__name__}")
+        check_shape_args(num_layers, kv_dim, num_pages, dtype)
+        self.layout = layout
+        self.num_layers = num_layers
+        self.kv_dim = kv_dim
+        self.dtype = dtype
+        self.num_pages = num_pages
+        self.device = pick_device(device)
+        # [L, num_pages * P, D]; zeros() writes every byte, so the memory is faulted in now.
+        self.kv = torch.zeros(num_layers, num_pages * layout.page_size, kv_dim, dtype=dtype,
+                              device=self.device)
+
+    # ---- sizes ---------------------------------------------------------------------------------
+    @property
+    def rows_per_page(self) -> int:
+        return self.layout.page_size
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_pages * self.layout.page_size
+
+    @property
+    def num_slots(self) -> int:
+        """Virtual slots addressable: ``num_pages * P * c``."""
+        return self.num_rows * self.layout.dcp_size
+
+    @property
+    def bytes_per_page(self) -> int:
+        """This rank's bytes for one widened page across all layers."""
+        return self.num_layers * self.rows_per_page * self.kv_dim * self.kv.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def layer_view(self, layer: int) -> torch.Tensor:
+        """The rows of one layer: [num_pages * P, kv_dim] (a view)."""
+        self._check_layer(layer)
+        return self.kv[layer]
+
+    # ---- access by virtual slot ----------------------------------------------------------------
+    def write(self, layer: int, virtual_slots: Slots, rows: torch.Tensor) -> int:
+        """Store the owned rows among ``rows`` [n, kv_dim] (full rows for ``virtual_slots`` [n]).
+
+        Returns the number of rows this rank stored.
+        """
+        self._check_layer(layer)
+        slots = self._slots(virtual_slots)
+        if not isinstance(rows, torch.Tensor):
+            raise PoolError(f"rows must be a tensor, got {type(rows).__name__}")
+        if rows.dtype != self.dtype:
+            raise PoolError(f"rows have dtype {rows.dtype} but the pool stores {self.dtype}")
+        if rows.dim() != 2 or rows.shape[0] != slots.numel() or rows.shape[1] != self.kv_dim:
+            raise PoolError(f"rows must have shape [{slots.numel()}, {self.kv_dim}] "
+                            f"(one row per slot), got {list(rows.shape)}")
+        if self.layout.dcp_size == 1:
+            phys, src = self.layout.physical(slots), rows
+        else:
+            mask = self.layout.owned_mask(slots)
+            phys = self.layout.physical(slots[mask])
+            src = rows[mask.to(rows.device)]
+        phys = phys.to(self.device, non_blocking=True)
+        self.kv[layer].index_copy_(0, phys, src.to(self.device, non_blocking=True))
+        return int(phys.numel())
+
+    def read(self, layer: int, virtual_slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """The owned slots among ``virtual_slots`` (input order) and their rows [m, kv_dim]."""
+        self._check_layer(layer)
+        owned, phys = self.layout.local_rows(self._slots(virtual_slots))
+        return owned, self.kv[layer].index_select(0, phys.to(self.device))
+
+    # ---- validation ----------------------------------------------------------------------------
+    def _check_layer(self, layer: int) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, int) \
+                or not 0 <= layer < self.num_layers:
+            raise PoolError(f"layer {layer!r} is outside [0, {self.num_layers})")
+
+    def _slots(self, virtual_slots: Slots) -> torch.Tensor:
+        slots = torch.as_tensor(virtual_slots)
+        if slots.numel() == 0:
+            return torch.zeros(0, dtype=torch.int64)
+        if slots.dtype.is_floating_point or slots.dtype == torch.bool:
+            raise PoolError(f"virtual slots must be integers, got dtype {slots.dtype}")
+        slots = slots.to(torch.int64).reshape(-1)
+        if slots.device.type != "cpu":
+            slots = slots.cpu()
+        if slots.numel():
+            lo, hi = int(slots.min()), int(slots.max())
+            if lo < 0 or hi >= self.num_slots:
+                bad = lo if lo < 0 else hi
+                raise PoolError(f"virtual slot {bad} is outside [0, {self.num_slots}) "
+                                f"({self.num_pages} pages of "
+                                f"{self.layout.virtual_page_size} slots)")
+        return slots
+
+    def __repr__(self) -> str:
+        return (f"DeviceKVPool(layers={self.num_layers}, pages={self.num_pages}, "
+                f"rows/page={self.rows_per_page}, kv_dim={self.kv_dim}, dtype={self.dtype}, "
+                f"device={self.device}, dcp={self.layout.dcp_size}, rank={self.layout.rank})")

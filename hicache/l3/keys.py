@@ -1,0 +1,168 @@
+"""L3 keys: a namespace digest + the DCP rank + a hash chain over widened pages' token ids.
+
+A key stands for a whole prefix: page ``i``'s chain hash covers page ``i-1``'s chain hash and page
+``i``'s token ids, so two requests share page ``i``'s key only when they share every token before
+it. The chain is rank-independent (every rank of a DCP group derives the same chain for the same
+tokens); the rank and the namespace are prepended so each rank's shard has its own key and a
+store written with another layout (model, dtype, P, c, interleave, format) can never hit.
+
+    key = namespace.digest (16 B) | rank (2 B, big endian) | chain hash (16 B)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import msgpack
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+DIGEST_BYTES = 16
+KEY_BYTES = 2 * DIGEST_BYTES + 2
+_CHAIN_SEED = b"hicache-l3-chain"
+
+
+class L3Error(ValueError):
+    """Bad input to the L3 store (keys, tensors, sizes, namespace)."""
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` / ``"bfloat16"`` / ``"torch.bfloat16"`` -> ``"bfloat16"``."""
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if not isinstance(getattr(torch, name, None), torch.dtype):
+            raise L3Error(f"unknown dtype {dtype!r}")
+        return name
+    raise L3Error(f"dtype must be a torch.dtype or its name, got {dtype!r}")
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that changes the bytes of a stored rank shard.
+
+    ``model`` is a free-form model signature (name, weights revision, ...). The stored shard of a
+    widened page on one rank has shape ``[num_layers, page_size, kv_dim]`` and dtype ``dtype``.
+    """
+
+    model: str
+    num_layers: int
+    kv_dim: int
+    dtype: str
+    page_size: int  # physical rows per page on each rank (P)
+    dcp_size: int
+    interleave: int = 1
+    format_version: int = FORMAT_VERSION
+    digest: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str):
+            raise L3Error(f"Namespace.model must be a str, got {self.model!r}")
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        for name in ("num_layers", "kv_dim", "page_size", "dcp_size", "interleave",
+                     "format_version"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise L3Error(f"Namespace.{name} must be a positive int, got {value!r}")
+        fields = [self.model, self.num_layers, self.kv_dim, self.dtype, self.page_size,
+                  self.dcp_size, self.interleave, self.format_version]
+        digest = hashlib.blake2b(msgpack.packb(fields), digest_size=DIGEST_BYTES,
+                                 person=b"hicache-ns").digest()
+        object.__setattr__(self, "digest", digest)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def shard_shape(self) -> tuple[int, int, int]:
+        """Shape of one rank's shard of one widened page: ``[L, P, D]``."""
+        return (self.num_layers, self.page_size, self.kv_dim)
+
+    @property
+    def shard_bytes(self) -> int:
+        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.num_layers * self.page_size * self.kv_dim * itemsize
+
+    @property
+    def page_tokens(self) -> int:
+        """Tokens in one widened page (``P * c``): the unit the chain hashes."""
+        return self.page_size * self.dcp_size
+
+    @classmethod
+    def from_config(cls, config: Any, model: str = "mla") -> "Namespace":
+        """Build from a ``HiCacheConfig`` (duck-typed: model/parallel/cache sections). Pass
+        ``model`` = a weights signature when the same shapes can carry different weights."""
+        m, par = config.model, config.parallel
+        if dataclasses.is_dataclass(m):  # every model field (shapes, preset, ...) signs the bytes
+            sig = ",".join(f"{k}={v}" for k, v in sorted(dataclasses.asdict(m).items()))
+        else:
+            sig = f"lora{m.kv_lora_rank}:rope{m.rope_dim}"
+        return cls(model=f"{model}:{sig}", num_layers=m.num_layers,
+                   kv_dim=m.kv_dim, dtype=dtype_name(m.dtype), page_size=config.cache.page_size,
+                   dcp_size=par.dcp, interleave=par.interleave)
+
+
+def _tokens_array(tokens: Any) -> np.ndarray:
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise L3Error(f"token ids must be integers, got a {tokens.dtype} tensor")
+        arr = tokens.detach().to("cpu", torch.int64).reshape(-1).numpy()
+    elif isinstance(tokens, np.ndarray):
+        if tokens.dtype.kind not in "iu":
+            raise L3Error(f"token ids must be integers, got a {tokens.dtype} array")
+        arr = tokens.astype(np.int64, copy=False).reshape(-1)
+    elif isinstance(tokens, (list, tuple, range)):
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in tokens):
+            raise L3Error("token ids must be ints")
+        arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    else:
+        raise L3Error(f"tokens must be a list, tensor or array of ints, got {type(tokens).__name__}")
+    if arr.size and arr.min() < 0:
+        raise L3Error("token ids must be non-negative")
+    return np.ascontiguousarray(arr, dtype="<i8")
+
+
+def chain_hashes(tokens: Any, page_tokens: int) -> list[bytes]:
+    """Rank-independent chain hash of every WHOLE page of ``tokens`` (the tail is dropped)."""
+    if not isinstance(page_tokens, int) or isinstance(page_tokens, bool) or page_tokens < 1:
+        raise L3Error(f"page_tokens must be a positive int, got {page_tokens!r}")
+    arr = _tokens_array(tokens)
+    n_pages = arr.size // page_tokens
+    pages = arr[: n_pages * page_tokens].reshape(n_pages, page_tokens)  # [n, page_tokens] int64
+    out: list[bytes] = []
+    prev = _CHAIN_SEED
+    for row in pages:  # one hash per page over the page's raw int64 bytes; no per-token loop
+        h = hashlib.blake2b(prev, digest_size=DIGEST_BYTES)
+        h.update(row.data)
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+def make_key(namespace: Namespace, rank: int, chain: bytes) -> bytes:
+    if not isinstance(rank, int) or not 0 <= rank < namespace.dcp_size:
+        raise L3Error(f"rank {rank!r} is outside the DCP group [0, {namespace.dcp_size})")
+    return namespace.digest + rank.to_bytes(2, "big") + chain
+
+
+def page_keys(tokens: Any, page_tokens: int, namespace: Namespace, rank: int) -> list[bytes]:
+    """Store keys of every whole widened page of ``tokens`` for ``rank``'s shard."""
+    if not isinstance(namespace, Namespace):
+        raise L3Error(f"namespace must be a Namespace, got {type(namespace).__name__}")
+    if page_tokens != namespace.page_tokens:
+        raise L3Error(f"page_tokens {page_tokens} != the namespace's widened page "
+                      f"{namespace.page_size}*{namespace.dcp_size} = {namespace.page_tokens}")
+    prefix = make_key(namespace, rank, b"")
+    return [prefix + c for c in chain_hashes(tokens, page_tokens)]
+
+
+def keys_for_rank(chains: Sequence[bytes], namespace: Namespace, rank: int) -> list[bytes]:
+    """Keys from already computed chain hashes (share one chain between tiers/ranks)."""
+    prefix = make_key(namespace, rank, b"")
+    return [prefix + c for c in chains]

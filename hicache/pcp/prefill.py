@@ -1,0 +1,252 @@
+"""PCP prefill: one prompt's prefill spread over the N ranks of a process group.
+
+Run inside a launched process group (every rank of ``group`` calls it with the same tokens).
+Rank r computes its DualChunkSwap chunks (r and 2N-1-r) through every layer; attention over the
+other ranks' keys is ``full_kv`` (one all-gather of latent rows per layer) or ``ring``
+(point-to-point block passing, LSE merge). See ``hicache.pcp.ring``.
+
+The latent rows it produces go into the DCP-striped decode pools with ``write_pcp_kv_to_pool``:
+KV shards are set by DCP alone (slot v lives on rank ``layout.owner(v)``), whatever the PCP size.
+
+Exact signatures (for the ``--pcp N`` wiring of ``hicache decode``):
+
+    pcp_prefill(model: MLAModel, tokens: Sequence[int] | Tensor, mode: str = "ring",
+                group=None) -> PCPPrefillResult
+        PCPPrefillResult.positions   int64 [n_r]   global positions this rank computed
+        PCPPrefillResult.logits      fp32 [n_r, V] their logits
+        PCPPrefillResult.last_logits fp32 [V]      logits of the prompt's last token, on EVERY rank
+        PCPPrefillResult.kv_rows     tuple of L tensors [n_r, kv_dim] (model dtype), per layer
+
+    slots_for_pages(pages: Sequence[int] | Tensor, length: int, virtual_page_size: int)
+        -> int64 [length]: the virtual slot of every prompt position from a widened page table
+
+    write_pcp_kv_to_pool(rows_by_layer, positions, slots, pool, group=None, layout=None) -> int
+        Every rank of ``group`` calls it (collective: one small all-gather of counts and one
+        all_to_all). ``rows_by_layer``/``positions`` are this rank's prefill output (may be
+        empty); ``slots`` int64 [L] the virtual slot of each global position (same on every
+        rank); ``pool`` this rank's ``DeviceKVPool`` (None on a rank outside the DCP group, i.e.
+        group rank >= dcp size; then pass ``layout`` of any DCP rank for routing). Returns the
+        rows this rank stored. DCP rank d is group rank d.
+
+    pcp_prefill_request(model, pool, state, prompt, mode="ring", group=None, layout=None,
+                        pcp_group=None) -> last_logits fp32 [V]
+        The one call for ``--pcp N``: prefill a fresh engine ``RequestState`` (page table
+        reserved) and leave ``state.length == len(prompt)``; then decode with
+        ``DCPRunner.extend(state, [next_token])`` as usual. PCP N == DCP C: call it on the C
+        ranks with the defaults. N != C: launch max(N, C) ranks, ``pcp_group =
+        dist.new_group(range(N))`` on every rank, a pool on ranks < C (``layout`` elsewhere),
+        and give the DCP runner ``group=dist.new_group(range(C))`` when C < max(N, C).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hicache import distributed as hdist
+from hicache.layout import DCPLayout
+from hicache.pcp.partition import DualChunkSwap
+from hicache.pcp.ring import MODES, ContextParallelAttention, ContextParallelError, KVPlacement
+
+
+class PCPPrefillError(ValueError):
+    """Bad input to a PCP prefill or to writing its KV into the pools."""
+
+
+@dataclass(frozen=True)
+class PCPPrefillResult:
+    positions: torch.Tensor  # int64 [n_r]
+    logits: torch.Tensor  # fp32 [n_r, vocab]
+    last_logits: torch.Tensor  # fp32 [vocab], identical on every rank
+    kv_rows: tuple[torch.Tensor, ...]  # per layer [n_r, kv_dim]
+    pairs_computed: int  # query-key pairs this rank scored, summed over layers
+    partition: DualChunkSwap
+
+
+def _group_info(group) -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+@torch.no_grad()
+def pcp_prefill(model, tokens, mode: str = "ring", group=None) -> PCPPrefillResult:
+    """Prefill ``tokens`` with this rank's DualChunkSwap chunks (see module docstring)."""
+    if mode not in MODES:
+        raise PCPPrefillError(f"mode must be one of {MODES}, got {mode!r}")
+    rank, world = _group_info(group)
+    tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
+    if tokens.numel() == 0:
+        raise PCPPrefillError("cannot prefill an empty prompt")
+    part = DualChunkSwap(int(tokens.numel()), world)
+    placement = KVPlacement.from_partition(part)
+    positions = part.positions(rank)
+    attn = ContextParallelAttention(placement, rank, positions, mode, group)
+    cfg = model.cfg
+    dev = model.embed_tokens.device
+    pos_dev = positions.to(dev)
+    h = model.embed(tokens[positions])  # [n_r, hidden]
+    rows_by_layer = []
+    pairs = 0
+    for layer in model.layers:
+        rows = layer.kv_rows(h, pos_dev)  # [n_r, R + Dr]
+        q_lat, q_pe = layer.query(h, pos_dev)  # [n_r, H, R], [n_r, H, Dr]
+        o, _ = attn(q_lat, q_pe, rows, cfg.softmax_scale, cfg.kv_lora_rank)
+        pairs += attn.pairs_computed
+        if h.shape[0]:  # a rank with no positions (prompt shorter than 2N) only relays
+            h = layer.output(o, h)
+        rows_by_layer.append(rows)
+    logits = model.logits(h)  # [n_r, V]
+    last_owner = part.owner_of(part.length - 1)
+    last = torch.zeros(logits.shape[1], dtype=torch.float32, device=logits.device)
+    if rank == last_owner:
+        last.copy_(logits[-1])  # the late chunk ends the rank's positions
+    if world > 1:
+        hdist.all_reduce(last, group=group)  # others add exact zeros
+    return PCPPrefillResult(positions, logits, last, tuple(rows_by_layer), pairs, part)
+
+
+def slots_for_pages(pages, length: int, virtual_page_size: int) -> torch.Tensor:
+    """Virtual slot of positions [0, length) when widened page i of the request is ``pages[i]``."""
+    pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1)
+    need = -(-length // virtual_page_size)
+    if pages.numel() < need:
+        raise PCPPrefillError(f"{length} tokens need {need} pages of {virtual_page_size} slots, "
+                              f"got {pages.numel()}")
+    pos = torch.arange(length, dtype=torch.int64)
+    return pages[pos // virtual_page_size] * virtual_page_size + pos % virtual_page_size
+
+
+def write_pcp_kv_to_pool(rows_by_layer: Sequence[torch.Tensor], positions: torch.Tensor,
+                         slots: torch.Tensor, pool, group=None,
+                         layout: Optional[DCPLayout] = None) -> int:
+    """Route each prefill row to the DCP rank owning its slot and store it (see module doc)."""
+    rank, world = _group_info(group)
+    layout = layout or (pool.layout if pool is not None else None)
+    if layout is None:
+        raise PCPPrefillError("a rank without a pool must pass the DCP layout for routing")
+    if layout.dcp_size > world:
+        raise PCPPrefillError(f"DCP size {layout.dcp_size} exceeds the group's {world} ranks")
+    if rank < layout.dcp_size and pool is None:
+        raise PCPPrefillError(f"group rank {rank} is DCP rank {rank} and needs its pool")
+    if pool is not None and pool.layout.rank != rank:
+        raise PCPPrefillError(f"pool of DCP rank {pool.layout.rank} given on group rank {rank}")
+    positions = torch.as_tensor(positions, dtype=torch.int64).cpu().reshape(-1)
+    slots = torch.as_tensor(slots, dtype=torch.int64).cpu().reshape(-1)
+    if positions.numel() and int(positions.max()) >= slots.numel():
+        raise PCPPrefillError(
+            f"position {int(positions.max())} has no slot ({slots.numel()} given)")
+    n = positions.numel()
+    if any(r.shape[0] != n for r in rows_by_layer):
+        raise PCPPrefillError(f"every layer needs {n} rows (one per position), got "
+                              f"{[tuple(r.shape) for r in rows_by_layer]}")
+    if pool is not None and len(rows_by_layer) != pool.num_layers:
+        raise PCPPrefillError(f"{len(rows_by_layer)} layers of rows for a "
+                              f"{pool.num_layers}-layer pool")
+    num_layers = len(rows_by_layer)
+    if num_layers == 0:
+        raise PCPPrefillError("no layers of rows to write")
+    my_slots = slots[positions]
+    dst = layout.owner(my_slots)  # [n] DCP rank = group rank
+    order = torch.argsort(dst, stable=True)
+    counts = torch.bincount(dst, minlength=world)[:world]  # [W]
+    # rows + their slot as raw bytes: [n, 8 + L * D * elt]
+    stacked = torch.stack(list(rows_by_layer), 1)  # [n, L, D]
+    dev, dtype, kv_dim = stacked.device, stacked.dtype, stacked.shape[2]
+    row_bytes = stacked.reshape(n, -1).view(torch.uint8) if n else \
+        torch.empty(0, num_layers * kv_dim * stacked.element_size(), dtype=torch.uint8, device=dev)
+    slot_bytes = my_slots.to(dev).view(torch.uint8).reshape(n, 8)
+    packed = torch.cat([slot_bytes, row_bytes], 1)[order.to(dev)]  # grouped by destination
+    width = packed.shape[1]
+    if world > 1:
+        all_counts = torch.empty(world * world, dtype=torch.int64, device=dev)
+        hdist.all_gather_into_tensor(all_counts, counts.to(dev), group=group)
+        matrix = all_counts.cpu().view(world, world)  # [src, dst]
+    else:
+        matrix = counts.view(1, 1)
+    cap = int(matrix.max())
+    if cap == 0:
+        return 0
+    send = torch.zeros(world, cap, width, dtype=torch.uint8, device=dev)
+    offs = torch.cumsum(counts, 0) - counts
+    for d in range(world):
+        c = int(counts[d])
+        send[d, :c] = packed[int(offs[d]): int(offs[d]) + c]
+    if world > 1:
+        recv = torch.empty_like(send)
+        hdist.all_to_all_single(recv.view(-1), send.view(-1), group=group)
+    else:
+        recv = send
+    got = torch.cat([recv[s, : int(matrix[s, rank])] for s in range(world)])  # [m, width]
+    if pool is None:
+        if got.shape[0]:
+            raise PCPPrefillError(f"rank {rank} outside the DCP group received rows")
+        return 0
+    m = got.shape[0]
+    if m == 0:
+        return 0
+    got_slots = got[:, :8].contiguous().view(torch.int64).reshape(m).cpu()
+    got_rows = got[:, 8:].contiguous().view(dtype).reshape(m, num_layers, kv_dim)
+    stored = 0
+    for layer in range(num_layers):
+        stored = pool.write(layer, got_slots, got_rows[:, layer].contiguous())
+    return stored
+
+
+def _member(pcp_group) -> bool:
+    if pcp_group is None:
+        return True
+    return pcp_group != dist.GroupMember.NON_GROUP_MEMBER
+
+
+def pcp_prefill_request(model, pool, state, prompt, mode: str = "ring", group=None,
+                        layout: Optional[DCPLayout] = None, pcp_group=None) -> torch.Tensor:
+    """PCP-prefill ``prompt`` for a fresh request and store its KV in the DCP pools.
+
+    Every rank of ``group`` (default: the world; DCP rank d = group rank d) calls it.
+    ``pcp_group`` (default: ``group``) is the set of ranks that compute the prefill, e.g.
+    ``dist.new_group(range(N))`` when PCP N differs from the DCP size; ranks outside it (they
+    got ``GroupMember.NON_GROUP_MEMBER`` from ``new_group``) compute nothing and only receive
+    their rows. ``state`` is the engine's ``RequestState`` (``page_table`` reserved for at least
+    ``len(prompt)`` tokens, ``length == 0``); on return ``state.length == len(prompt)``. Returns
+    the logits [V] of the last prompt token, the same on every rank of ``group``.
+    """
+    if state.length != 0:
+        raise PCPPrefillError(f"PCP prefill needs a fresh request, this one holds {state.length} "
+                              "positions")
+    layout = layout or (pool.layout if pool is not None else None)
+    if layout is None:
+        raise PCPPrefillError("a rank without a pool must pass the DCP layout for routing")
+    length = len(prompt)
+    if length == 0:
+        raise PCPPrefillError("cannot prefill an empty prompt")
+    cfg = model.cfg
+    member = _member(pcp_group)
+    if member:
+        res = pcp_prefill(model, prompt, mode=mode, group=pcp_group if pcp_group is not None
+                          else group)
+        rows, positions, last = res.kv_rows, res.positions, res.last_logits
+        lead = (dist.get_rank(pcp_group) if pcp_group is not None and dist.is_initialized()
+                else 0) == 0
+    else:
+        dev = model.embed_tokens.device
+        rows = tuple(torch.empty(0, cfg.kv_dim, dtype=cfg.torch_dtype, device=dev)
+                     for _ in range(cfg.num_layers))
+        positions = torch.empty(0, dtype=torch.int64)
+        last = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)
+        lead = False
+    slots = slots_for_pages(state.page_table, length, layout.virtual_page_size)
+    write_pcp_kv_to_pool(rows, positions, slots, pool, group=group, layout=layout)
+    if pcp_group is not None and dist.is_initialized():
+        # only the PCP group's rank 0 contributes; everyone else adds exact zeros
+        last = last if lead else torch.zeros_like(last)
+        hdist.all_reduce(last, group=group)
+    state.length = length
+    return last
+
+
+__all__ = ("PCPPrefillError", "PCPPrefillResult", "pcp_prefill", "pcp_prefill_request",
+           "slots_for_pages", "write_pcp_kv_to_pool", "ContextParallelError")

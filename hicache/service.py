@@ -1,0 +1,394 @@
+"""``HiCache``: the cache layer one rank of a serving engine embeds.
+
+It owns this rank's L1 pool, L2 pool, transfer engine, L3 store (optional), the controller and
+the per-step agreement. The engine calls, on EVERY rank, in the same order:
+
+    prefix = hc.admit(rid, tokens)        # match L1/L2 (and start an L3 prefetch), lock the hit
+    hc.step()                             # once per scheduler step: completions, agreement
+    if prefix.ready: pages = hc.alloc(rid, n_tokens)   # slots for the unmatched suffix
+    hc.wait_layer(rid, i)                 # before attention of layer i (H2D load-back overlap)
+    hc.finish(rid, tokens)                # insert what was computed, unlock, back up per policy
+    hc.stats(); hc.close()
+
+A request's page table is ``prefix.page_table`` (hit pages first, then the pages ``alloc``
+added); token i lives at virtual slot ``page_table[i // (P*c)] * (P*c) + i % (P*c)``.
+The controller is replicated bookkeeping; data moves per rank with no collective; the only
+collective is the agreement's one all-reduce per ``step``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .config import HiCacheConfig
+from .controller import BackupOp, CacheController, DeviceFullError, LoadOp, StepAgreement
+from .controller.tree import as_tokens
+from .l1.pool import DeviceKVPool
+from .l2.pool import HostKVPool, check_host_memory
+from .l2.transfer import TransferEngine
+
+TIERS = ("l1", "l2", "l3")
+MODES = {"recompute": (), "l1": ("l1",), "l1+l2": ("l1", "l2"), "l1+l2+l3": ("l1", "l2", "l3")}
+
+
+class HiCacheError(ValueError):
+    """Misuse of the cache API (unknown request, double admit, bad mode)."""
+
+
+@dataclass
+class Prefix:
+    """What ``admit`` found for a request. ``ready`` turns True once every rank agreed on the
+    storage part (at once when there is none); then ``hit_len`` tokens need no prefill."""
+
+    request_id: object
+    prompt_len: int
+    device_len: int = 0             # L1 hit
+    host_len: int = 0               # L2 hit being loaded back (H2D)
+    storage_len: int = 0            # L3 hit restored (agreed by all ranks)
+    page_table: list = field(default_factory=list)  # widened device page ids
+    ready: bool = False
+
+    @property
+    def hit_len(self) -> int:
+        return self.device_len + self.host_len + self.storage_len
+
+
+@dataclass
+class _Request:
+    prefix: Prefix
+    tokens: np.ndarray              # the prompt, int64
+    lock: object = None
+    load_job: object = None         # H2D job of the L2 hit
+    chains: list = field(default_factory=list)      # L3 chain hashes of whole pages
+    prefetch: object = None         # L3 PrefetchHandle
+    staging: list = field(default_factory=list)     # reserved host buffers of the prefetch
+    own_pages: list = field(default_factory=list)   # pages from alloc_device (not yet in tree)
+
+
+@dataclass
+class TierStats:
+    hit_tokens: dict = field(default_factory=lambda: {t: 0 for t in TIERS})
+    prompt_tokens: int = 0
+    requests: int = 0
+    bytes: dict = field(default_factory=lambda: {"d2h": 0, "h2d": 0, "l3_read": 0,
+                                                 "l3_write": 0})
+    transfer_s: dict = field(default_factory=lambda: {"d2h": 0.0, "h2d": 0.0})
+    controller_s: float = 0.0
+    steps: int = 0
+
+
+class HiCache:
+    """One rank's cache hierarchy. ``mode`` picks the tiers: recompute, l1, l1+l2, l1+l2+l3
+    (default: l1+l2, plus l3 when the policy file enables it)."""
+
+    def __init__(self, config: HiCacheConfig, rank: int = 0, group=None, *,
+                 mode: str | None = None, device: str | torch.device | None = None,
+                 debug: bool = False) -> None:
+        if mode is None:
+            mode = "l1+l2+l3" if config.l3.enabled else "l1+l2"
+        if mode not in MODES:
+            raise HiCacheError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        if world != config.parallel.dcp:
+            raise HiCacheError(f"the process group has {world} ranks but parallel.dcp is "
+                               f"{config.parallel.dcp}: one HiCache per DCP rank")
+        self.config, self.rank, self.group, self.mode = config, rank, group, mode
+        self.tiers = MODES[mode]
+        m = config.model
+        self.layout = config.layout(rank)
+        self.page_tokens = self.layout.virtual_page_size
+        host_pages = config.l2_num_pages if "l2" in self.tiers else 0
+        self.l1 = DeviceKVPool(self.layout, m.num_layers, m.kv_dim, m.torch_dtype,
+                               config.l1.num_pages, device=device)
+        if host_pages:
+            check_host_memory(host_pages * self.l1.bytes_per_page)
+        self.l2 = HostKVPool(self.layout, m.num_layers, m.kv_dim, m.torch_dtype,
+                             max(host_pages, 1), layout_kind=config.l2.layout, pin=config.l2.pin)
+        self.transfer = TransferEngine(self.l1, self.l2, io_backend=config.io.backend)
+        p = config.policy
+        self.ctrl = CacheController(self.page_tokens, config.l1.num_pages, host_pages,
+                                    write=p.write, eviction=p.eviction,
+                                    selective_threshold=p.selective_threshold,
+                                    load_back_threshold=p.load_back_threshold)
+        self.agreement = StepAgreement(group=group, debug=debug, local=world == 1)
+        self._reqs: dict[object, _Request] = {}
+        self._jobs: dict[int, tuple] = {}   # op id -> (op, job, L3 chains of its device pages)
+        self._pending: list = []                             # requests waiting on L3
+        self._chain_of_page: dict[int, bytes] = {}           # device page -> L3 chain hash
+        self._stats = TierStats()
+        self.l3 = self._writer = self._prefetcher = None
+        if "l3" in self.tiers:
+            self._open_l3()
+
+    # ---- L3 -----------------------------------------------------------------------------------
+    def _open_l3(self) -> None:
+        from .l3 import AsyncWriter, Namespace, PageStore, Prefetcher, PrefetchPolicy
+        c = self.config
+        self.namespace = Namespace.from_config(c)
+        self.l3 = PageStore(c.l3.path, self.namespace, self.rank, c.l3.size_bytes)
+        self._writer = AsyncWriter(self.l3)
+        p = c.policy
+        self._prefetcher = Prefetcher(self.l3, PrefetchPolicy(
+            p.prefetch, p.prefetch_timeout_s, p.prefetch_timeout_per_1k_s, p.prefetch_min_tokens))
+
+    def _keys(self, chains: Sequence[bytes]) -> list[bytes]:
+        from .l3 import keys_for_rank
+        return keys_for_rank(chains, self.namespace, self.rank)
+
+    # ---- the engine's API ---------------------------------------------------------------------
+    def admit(self, request_id, tokens) -> Prefix:
+        """Match ``tokens`` (the prompt) and lock the hit. The last prompt token is never a hit
+        (its logits are needed). L2 hits start loading now; an L3 hit is prefetched and becomes
+        usable after the next ``step`` on which every rank has it (``prefix.ready``)."""
+        if request_id in self._reqs:
+            raise HiCacheError(f"request {request_id!r} is already admitted")
+        t0 = time.perf_counter()
+        arr = as_tokens(tokens)
+        if arr.size == 0:
+            raise HiCacheError(f"request {request_id!r} has no tokens")
+        prefix = Prefix(request_id, int(arr.size))
+        req = _Request(prefix, arr)
+        self._reqs[request_id] = req
+        self._stats.requests += 1
+        self._stats.prompt_tokens += int(arr.size)
+        if self.tiers:
+            m = self.ctrl.match(arr[:-1])
+            req.lock = self.ctrl.lock(m)
+            prefix.device_len = m.device_len
+            prefix.page_table = list(m.device_pages)
+            if m.host_len and "l2" in self.tiers:
+                op = self.ctrl.load_back(m)
+                if op is not None:
+                    prefix.host_len = m.host_len
+                    prefix.page_table += list(op.device_pages)
+            self._launch(self.ctrl.take_ops(), owner=req)
+            if m.wait_ops:  # device pages still being loaded for an earlier request
+                req.load_job = _Waits([self._jobs[o][1] for o in m.wait_ops if o in self._jobs]
+                                      + ([req.load_job] if req.load_job else []))
+            if self.l3 is not None:
+                self._start_prefetch(req)
+        prefix.ready = req.prefetch is None
+        if prefix.ready:
+            self._count_hits(prefix)
+        self._stats.controller_s += time.perf_counter() - t0
+        return prefix
+
+    def _start_prefetch(self, req: _Request) -> None:
+        from .l3 import chain_hashes
+        req.chains = chain_hashes(req.tokens[:-1], self.page_tokens)
+        first = req.prefix.hit_len // self.page_tokens
+        if first >= len(req.chains):
+            return
+        keys = self._keys(req.chains[first:])
+        n = self.l3.exists_prefix(keys)
+        shape = self.namespace.shard_shape
+        req.staging = [torch.empty(shape, dtype=self.l1.dtype) for _ in range(n)]
+        req.prefetch = self._prefetcher.start(req.prefix.request_id, keys[:n], req.staging)
+        self._pending.append(req)
+
+    def alloc(self, request_id, n_tokens: int) -> list[int]:
+        """Grow the request's page table to hold ``n_tokens`` tokens in all; the new pages.
+        Raises DeviceFullError (retry after a ``step``) when L1 has no room even after eviction."""
+        req = self._req(request_id)
+        need = -(-n_tokens // self.page_tokens) - len(req.prefix.page_table)
+        if need <= 0:
+            return []
+        pages = self.ctrl.alloc_device(need)
+        self._launch(self.ctrl.take_ops())
+        req.own_pages += pages
+        req.prefix.page_table += pages
+        return pages
+
+    def write_kv(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> int:
+        """Keep this rank's owned rows of ``rows`` ([n, kv_dim]) at virtual ``slots``."""
+        return self.l1.write(layer, slots, rows)
+
+    def wait_layer(self, request_id, layer: int) -> None:
+        job = self._req(request_id).load_job
+        if job is not None:
+            job.wait_layer(layer)
+
+    def finish(self, request_id, tokens) -> None:
+        """The request is done; ``tokens`` are those whose KV is in its pages (prompt plus the
+        generated tokens that were fed back). Whole pages are cached; the rest is freed."""
+        req = self._reqs.pop(request_id, None)
+        if req is None:
+            raise HiCacheError(f"finish of unknown request {request_id!r}")
+        t0 = time.perf_counter()
+        if req.prefetch is not None:  # finished before its prefetch resolved
+            req.prefetch.cancel()
+            self._pending.remove(req)
+        if req.load_job is not None:
+            req.load_job.wait()
+        arr = as_tokens(tokens)
+        table = req.prefix.page_table
+        whole = min(arr.size // self.page_tokens, len(table))
+        if self.tiers:
+            res = self.ctrl.insert(arr[:whole * self.page_tokens], table[:whole])
+            if self.l3 is not None:
+                from .l3 import chain_hashes
+                chains = chain_hashes(arr[:whole * self.page_tokens], self.page_tokens)
+                for page, chain in zip(res.device_pages, chains):
+                    self._chain_of_page[page] = chain
+            tail = [p for p in table[whole:] if p in set(req.own_pages)]
+            self.ctrl.unlock(req.lock)
+            self._launch(self.ctrl.take_ops())
+        else:
+            tail = req.own_pages
+        if tail:
+            self.ctrl.free_device(tail)
+        self._stats.controller_s += time.perf_counter() - t0
+
+    def step(self) -> list:
+        """Once per scheduler step on every rank: launch new transfers, agree (one all-reduce)
+        on finished transfers and L3 prefetches, apply what every rank finished. Returns the
+        prefixes that became ready in this step."""
+        t0 = time.perf_counter()
+        self._launch(self.ctrl.take_ops())
+        done = {o for o, (_op, job, _c) in self._jobs.items() if job.done()}
+        from .l3 import prefetch_signals, agree_prefetch
+        handles = [r.prefetch for r in self._pending]
+        res = self.ctrl.agree(self.agreement, done, prefetch_signals(handles))
+        for o in res.done_ops:
+            self._finished(*self._jobs.pop(o))
+        ready = []
+        decisions = agree_prefetch(handles, agreed=list(res.extras)) if handles else []
+        for req, (ok, pages) in zip(list(self._pending), decisions):
+            if ok:
+                self._pending.remove(req)
+                self._restore(req, pages)
+                ready.append(req.prefix)
+        self._launch(self.ctrl.take_ops())
+        self._stats.steps += 1
+        self._stats.controller_s += time.perf_counter() - t0
+        return ready
+
+    def drain(self) -> None:
+        """Wait for every local transfer, then ``step`` so all ranks apply them (collective)."""
+        for _op, job, _c in list(self._jobs.values()):
+            job.wait()
+        self.step()
+
+    def prefix(self, request_id) -> Prefix:
+        return self._req(request_id).prefix
+
+    def stats(self) -> dict:
+        s = self._stats
+        ctrl = self.ctrl.stats
+        out = {
+            "requests": s.requests, "prompt_tokens": s.prompt_tokens,
+            "hit_tokens": dict(s.hit_tokens),
+            "miss_tokens": s.prompt_tokens - sum(s.hit_tokens.values()),
+            "bytes": dict(s.bytes),
+            "gbps": {d: (s.bytes[d] / s.transfer_s[d] / 1e9 if s.transfer_s[d] else 0.0)
+                     for d in ("d2h", "h2d")},
+            "evictions": {"l1": ctrl.device_evicted_pages, "l2": ctrl.host_evicted_pages,
+                          "l3": 0},
+            "corrupt": 0, "controller_s": s.controller_s, "steps": s.steps,
+            "pages": {"l1": self.ctrl.device.num_used, "l2": self.ctrl.host.num_used},
+            "locks": sum(1 for r in self._reqs.values() if r.lock is not None),
+        }
+        if self.l3 is not None:
+            l3 = self.l3.stats
+            out["evictions"]["l3"] = l3.evictions
+            out["corrupt"] = l3.corrupt
+            out["bytes"]["l3_read"] = l3.bytes_read
+            out["bytes"]["l3_write"] = l3.bytes_written
+        return out
+
+    def close(self) -> None:
+        """Finish transfers and flush pending L3 writes. Safe to call twice."""
+        for _op, job, _c in list(self._jobs.values()):
+            job.wait()
+        if self._writer is not None:
+            self._writer.close()
+            self._prefetcher.close()
+            self.l3.close()
+            self._writer = self._prefetcher = self.l3 = None
+        self.transfer.close()
+
+    def __enter__(self) -> "HiCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _req(self, request_id) -> _Request:
+        try:
+            return self._reqs[request_id]
+        except KeyError:
+            raise HiCacheError(f"unknown request {request_id!r}") from None
+
+    def _launch(self, ops: Iterable, owner: _Request | None = None) -> None:
+        for op in ops:
+            if isinstance(op, BackupOp):
+                job = self.transfer.backup(list(op.device_pages), list(op.host_pages))
+                chains = [self._chain_of_page.get(p) for p in op.device_pages]
+                self._jobs[op.op_id] = (op, job, chains)
+            else:
+                job = self.transfer.load(list(op.host_pages), list(op.device_pages))
+                self._jobs[op.op_id] = (op, job, None)
+                if owner is not None:
+                    owner.load_job = job
+
+    def _finished(self, op, job, chains) -> None:
+        if isinstance(op, BackupOp):
+            self._stats.bytes["d2h"] += job.nbytes
+            self._stats.transfer_s["d2h"] += getattr(job, "seconds", 0.0)
+            if self._writer is not None:
+                pairs = [(c, h) for c, h in zip(chains, op.host_pages) if c is not None]
+                if pairs:
+                    keys = self._keys([c for c, _ in pairs])
+                    self._writer.submit(keys, [self.l2.read_page(h).clone() for _, h in pairs])
+        else:
+            self._stats.bytes["h2d"] += job.nbytes
+            self._stats.transfer_s["h2d"] += getattr(job, "seconds", 0.0)
+
+    def _restore(self, req: _Request, pages: int) -> None:
+        """Every rank holds ``pages`` prefetched pages: copy them into fresh device pages."""
+        prefix = req.prefix
+        try:
+            dev = self.ctrl.alloc_device(pages)
+        except DeviceFullError:
+            dev, pages = [], 0  # L1 has no room now: recompute those tokens instead
+        self._launch(self.ctrl.take_ops())
+        if pages:
+            rows = self.layout.page_rows(torch.tensor(dev))
+            data = torch.stack(req.staging[:pages])  # [n, L, P, D]
+            self.l1.kv[:, rows] = data.permute(1, 0, 2, 3).reshape(
+                self.l1.kv.shape[0], -1, self.l1.kv.shape[-1]).to(self.l1.device)
+            req.own_pages += dev
+            prefix.page_table += dev
+            prefix.storage_len = pages * self.page_tokens
+        req.prefetch = None
+        req.staging = []
+        prefix.ready = True
+        self._count_hits(prefix)
+
+    def _count_hits(self, prefix: Prefix) -> None:
+        hits = self._stats.hit_tokens
+        hits["l1"] += prefix.device_len
+        hits["l2"] += prefix.host_len
+        hits["l3"] += prefix.storage_len
+
+
+class _Waits:
+    """Several jobs seen as one (a match that depends on loads still in flight)."""
+
+    def __init__(self, jobs: list) -> None:
+        self.jobs = jobs
+
+    def wait_layer(self, layer: int) -> None:
+        for j in self.jobs:
+            j.wait_layer(layer)
+
+    def wait(self) -> None:
+        for j in self.jobs:
+            j.wait()

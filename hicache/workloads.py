@@ -1,0 +1,207 @@
+"""Seeded request traces for benchmarks: multi-turn chat, agentic long context, recorded JSONL.
+
+Every generator is deterministic in its seed. ``scale`` shrinks lengths (linearly) and counts (by its square
+root) together; 1.0 = full size. Token ids are drawn below ``vocab_size`` so they fit a small model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+class TraceError(ValueError):
+    """A trace file or generator argument that cannot be used."""
+
+
+@dataclass(frozen=True, eq=False)
+class Request:
+    """One request: ``tokens`` int32 [prompt_len]; ``output_len`` tokens to generate."""
+    request_id: int
+    session: int
+    tokens: np.ndarray
+    output_len: int
+    arrival_index: int
+
+    @property
+    def prompt_len(self) -> int:
+        return int(len(self.tokens))
+
+
+def _check(seed: int, scale: float, vocab_size: int) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TraceError(f"seed must be an int, got {seed!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale <= 4):
+        raise TraceError(f"scale must be a number in (0, 4], got {scale!r}")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
+        raise TraceError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
+
+
+def _n(base: float, scale: float, lo: int = 1) -> int:
+    return max(lo, int(round(base * scale)))
+
+
+def _count(base: float, scale: float, lo: int = 2) -> int:
+    """Counts shrink with sqrt(scale), so small scales still give a useful number of requests."""
+    return max(lo, int(round(base * math.sqrt(scale))))
+
+
+def _lognormal_int(rng: np.random.Generator, median: float, sigma: float, lo: int,
+                   hi: int) -> int:
+    return int(np.clip(round(median * math.exp(sigma * rng.standard_normal())), lo, hi))
+
+
+def _interleave(rng: np.random.Generator, sessions: list[list[tuple[np.ndarray, int]]]
+                ) -> list[Request]:
+    """Merge per-session turn lists into one arrival order, keeping each session's order."""
+    owners = np.concatenate([np.full(len(s), i) for i, s in enumerate(sessions)])
+    rng.shuffle(owners)
+    nxt = [0] * len(sessions)
+    out = []
+    for idx, sid in enumerate(owners.tolist()):
+        toks, olen = sessions[sid][nxt[sid]]
+        nxt[sid] += 1
+        out.append(Request(idx, sid, toks, olen, idx))
+    return out
+
+
+def chat_trace(seed: int = 0, scale: float = 1.0, vocab_size: int = 32000) -> list[Request]:
+    """Multi-turn chat: users share one system prompt; each turn's prompt is the previous
+    prompt + the previous output + a new user message, so histories grow turn by turn."""
+    _check(seed, scale, vocab_size)
+    rng = np.random.default_rng([seed, 1])
+    tok = lambda n: rng.integers(0, vocab_size, n, dtype=np.int32)  # noqa: E731
+    system = tok(_n(2048, scale, 8))
+    users = _count(64, scale)
+    sessions = []
+    for _ in range(users):
+        turns = int(rng.integers(2, 9))
+        prompt = system
+        out_prev = None
+        items = []
+        for _t in range(turns):
+            msg = tok(_lognormal_int(rng, 300 * scale, 0.6, 4, int(4000 * scale) + 4))
+            parts = [prompt] + ([out_prev] if out_prev is not None else []) + [msg]
+            prompt = np.concatenate(parts)
+            olen = _lognormal_int(rng, 250 * scale, 0.5, 1, int(2000 * scale) + 1)
+            items.append((prompt, olen))
+            out_prev = tok(olen)
+        sessions.append(items)
+    return _interleave(rng, sessions)
+
+
+def agentic_trace(seed: int = 0, scale: float = 1.0, vocab_size: int = 32000) -> list[Request]:
+    """Agentic long context: bimodal first prompts (about half >= 64K tokens at scale 1, up to
+    1M), outputs median ~400, each agent step re-sends the whole context + output + a tool
+    result (heavy prefix reuse within a session); sessions share a tool/system preamble."""
+    _check(seed, scale, vocab_size)
+    rng = np.random.default_rng([seed, 2])
+    tok = lambda n: rng.integers(0, vocab_size, n, dtype=np.int32)  # noqa: E731
+    preamble = tok(_n(4096, scale, 8))
+    n_sessions = _count(32, scale)
+    sessions = []
+    for _ in range(n_sessions):
+        if rng.random() < 0.5:
+            first = math.exp(rng.uniform(math.log(64_000), math.log(400_000)))
+        else:
+            first = math.exp(rng.uniform(math.log(4_000), math.log(60_000)))
+        ctx = np.concatenate([preamble, tok(max(1, int(first * scale) - len(preamble)))])
+        steps = int(rng.integers(3, 9))
+        items = []
+        for _s in range(steps):
+            olen = _lognormal_int(rng, 400 * scale, 0.6, 1, int(8000 * scale) + 1)
+            items.append((ctx, olen))
+            tool = tok(_lognormal_int(rng, 1500 * scale, 0.8, 1, int(20000 * scale) + 1))
+            ctx = np.concatenate([ctx, tok(olen), tool])
+            if len(ctx) > 1_000_000 * scale:
+                break
+        sessions.append(items)
+    return _interleave(rng, sessions)
+
+
+def load_trace(path: str | Path, vocab_size: int = 32000, seed: int = 0) -> list[Request]:
+    """Requests from JSONL: ``{"tokens": [...], "output_len"?, "session"?}`` lines, or
+    ``{"length": n, "prefix_id": s, "prefix_len": k, "output_len": m}`` lines (the first k
+    tokens are shared by every line with the same prefix_id; the rest are unique)."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
+        raise TraceError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise TraceError(f"cannot read trace {p}: {e.strerror or e}") from None
+    prefixes: dict[str, np.ndarray] = {}
+    rng = np.random.default_rng([seed, 3])
+    out: list[Request] = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{p}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        olen = _int_field(obj, "output_len", where, default=1, lo=0)
+        session = _int_field(obj, "session", where, default=len(out), lo=0)
+        if "tokens" in obj:
+            toks = obj["tokens"]
+            if (not isinstance(toks, list) or not toks
+                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks)):
+                raise TraceError(f"{where}: 'tokens' must be a non-empty list of ints")
+            arr = np.asarray(toks, dtype=np.int64)
+            if arr.min() < 0 or arr.max() >= vocab_size:
+                raise TraceError(f"{where}: token ids must be in [0, {vocab_size})")
+            arr = arr.astype(np.int32)
+        elif "length" in obj:
+            n = _int_field(obj, "length", where, lo=1)
+            k = _int_field(obj, "prefix_len", where, default=0, lo=0)
+            if k > n:
+                raise TraceError(f"{where}: prefix_len {k} exceeds length {n}")
+            pid = obj.get("prefix_id", None)
+            if k and pid is None:
+                raise TraceError(f"{where}: prefix_len given without prefix_id")
+            if k:
+                key = json.dumps(pid)
+                have = prefixes.get(key, np.empty(0, np.int32))
+                if len(have) < k:  # extend the shared prefix stream deterministically
+                    ext = np.random.default_rng([seed, 4, len(prefixes) if key not in prefixes
+                                                 else list(prefixes).index(key), len(have)])
+                    have = np.concatenate([have, ext.integers(0, vocab_size, k - len(have),
+                                                              dtype=np.int32)])
+                    prefixes[key] = have
+                pre = have[:k]
+            else:
+                pre = np.empty(0, np.int32)
+            arr = np.concatenate([pre, rng.integers(0, vocab_size, n - k, dtype=np.int32)])
+        else:
+            raise TraceError(f"{where}: a line needs 'tokens' or 'length' "
+                             f"(got keys {sorted(obj)})")
+        out.append(Request(len(out), session, arr, olen, len(out)))
+    if not out:
+        raise TraceError(f"{p}: the trace has no requests")
+    return out
+
+
+def _int_field(obj: dict, name: str, where: str, default: int | None = None, lo: int = 0) -> int:
+    if name not in obj:
+        if default is None:
+            raise TraceError(f"{where}: missing '{name}'")
+        return default
+    v = obj[name]
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise TraceError(f"{where}: '{name}' must be an int >= {lo}, got {v!r}")
+    return v
+
+
+def trace_summary(reqs: list[Request]) -> dict:
+    lens = np.array([r.prompt_len for r in reqs])
+    outs = np.array([r.output_len for r in reqs])
+    return {"requests": len(reqs), "sessions": len({r.session for r in reqs}),
+            "prompt_tokens": int(lens.sum()), "prompt_p50": float(np.median(lens)),
+            "prompt_max": int(lens.max()), "output_p50": float(np.median(outs))}

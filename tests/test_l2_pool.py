@@ -1,0 +1,96 @@
+"""HostKVPool: layouts, page access for L3, sizing and host-memory checks, pinning rules."""
+
+import psutil
+import pytest
+import torch
+
+from hicache.l1.allocator import PageError
+from hicache.l1.pool import PoolError
+from hicache.l2.pool import HostKVPool, HostMemoryError, check_host_memory, host_pages_for
+from hicache.layout import DCPLayout
+
+LAY = DCPLayout(2, 1, 4)
+
+
+@pytest.mark.parametrize("kind,shape", [("layer_first", (3, 20, 6)), ("page_first", (5, 3, 4, 6))])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_layouts_and_page_access(kind, shape, dtype):
+    h = HostKVPool(LAY, 3, 6, dtype, 5, layout_kind=kind, pin="off")
+    assert h.buf.shape == shape and not h.buf.any() and not h.pinned
+    assert h.bytes_per_page == 3 * 4 * 6 * h.buf.element_size()
+    assert h.page_view(2).shape == (3, 4, 6)
+    assert h.page_view(2).is_contiguous() == (kind == "page_first")
+    page = torch.randn(3, 4, 6).to(dtype)
+    h.write_page(2, page)
+    assert torch.equal(h.read_page(2), page) and h.read_page(2).is_contiguous()
+    # layer views see the same data at [layer][page]
+    for layer in range(3):
+        assert torch.equal(h.layer_pages(layer)[2], page[layer])
+        assert h.layer_pages(layer).shape == (5, 4, 6)
+    # the other pages are untouched
+    others = [p for p in range(5) if p != 2]
+    assert all(not h.page_view(p).any() for p in others)
+    raw = h.read_page_bytes(2)
+    assert isinstance(raw, bytes) and len(raw) == h.bytes_per_page
+    h.write_page_bytes(4, raw)
+    assert torch.equal(h.read_page(4), page)
+    # read_page returns a copy: changing it does not change the pool
+    copy = h.read_page(4)
+    copy.zero_()
+    assert torch.equal(h.read_page(4), page)
+
+
+def test_page_access_errors():
+    h = HostKVPool(LAY, 2, 6, torch.float16, 3, pin="off")
+    with pytest.raises(PageError, match="host page id 3 is outside"):
+        h.read_page(3)
+    with pytest.raises(PageError, match="host page id -1"):
+        h.page_view(-1)
+    with pytest.raises(PoolError, match="dtype torch.float32"):
+        h.write_page(0, torch.zeros(2, 4, 6))
+    with pytest.raises(PoolError, match=r"shape \[2, 4, 6\], got \[2, 4, 5\]"):
+        h.write_page(0, torch.zeros(2, 4, 5, dtype=torch.float16))
+    with pytest.raises(PoolError, match="page data has 3 bytes"):
+        h.write_page_bytes(0, b"abc")
+    with pytest.raises(PoolError, match="layer 2"):
+        h.layer_pages(2)
+    with pytest.raises(PoolError, match="layout_kind"):
+        HostKVPool(LAY, 2, 6, torch.float16, 3, layout_kind="row_first")
+    with pytest.raises(PoolError, match="pin"):
+        HostKVPool(LAY, 2, 6, torch.float16, 3, pin="yes")
+
+
+def test_pinning_follows_cuda():
+    h = HostKVPool(LAY, 1, 4, torch.float16, 2, pin="auto")
+    assert h.pinned == torch.cuda.is_available() == h.buf.is_pinned()
+    if torch.cuda.is_available():
+        assert HostKVPool(LAY, 1, 4, torch.float16, 2, pin="on").buf.is_pinned()
+    else:
+        with pytest.raises(PoolError, match="pin='on' needs CUDA"):
+            HostKVPool(LAY, 1, 4, torch.float16, 2, pin="on")
+
+
+def test_sizing():
+    assert host_pages_for(10, 100, size_bytes=0, ratio=2.0) == 20
+    assert host_pages_for(10, 100, ratio=0.55) == 5
+    assert host_pages_for(10, 100, size_bytes=1050) == 10  # bytes win over the ratio
+    with pytest.raises(PoolError, match="smaller than one page"):
+        host_pages_for(10, 100, size_bytes=50)
+    with pytest.raises(PoolError, match="ratio"):
+        host_pages_for(10, 100, ratio=0)
+    with pytest.raises(PoolError, match="size_bytes"):
+        host_pages_for(10, 100, size_bytes=-1)
+
+
+def test_pool_larger_than_host_memory_fails_before_allocating():
+    avail = psutil.virtual_memory().available
+    per_page = 4 * 64 * 576 * 2  # layers * P * D * bf16
+    pages = int(avail // per_page * 4) + 1  # four times what is available
+    lay = DCPLayout(1, 0, 64)
+    rss = psutil.Process().memory_info().rss
+    with pytest.raises(HostMemoryError, match=r"host KV pool needs \d+ bytes .* available"):
+        HostKVPool(lay, 4, 576, torch.bfloat16, pages, pin="off")
+    assert psutil.Process().memory_info().rss < rss + 2**28  # nothing big was allocated
+    with pytest.raises(HostMemoryError):
+        check_host_memory(avail * 2)
+    check_host_memory(1024)  # a small pool fits

@@ -1,0 +1,326 @@
+"""PageStore: round trip, integrity, namespaces, restart, kill -9, capacity, full map."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import lmdb
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache.l3 import L3Error, Namespace, PageStore, page_keys, replica_of, should_write
+
+NS = Namespace("m", num_layers=2, kv_dim=8, dtype="bfloat16", page_size=4, dcp_size=2)
+PT = NS.page_tokens  # 8
+PAGE = NS.shard_bytes  # 128
+SLOT = PAGE + 128  # a page's footprint including its header, rounded up
+
+
+def footprint(tmp_path) -> int:
+    """Bytes one page takes in the store's accounting (data + fixed-size header)."""
+    with PageStore(tmp_path / "probe", NS, 0, capacity_bytes=10 * SLOT) as s:
+        s.put(page_keys(tokens(1), PT, NS, 0), [shard(0)])
+        return s.used_bytes()
+
+
+def shard(seed: int, ns: Namespace = NS) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(ns.shard_shape, generator=g).to(ns.torch_dtype)
+
+
+def empty(n: int, ns: Namespace = NS) -> list:
+    return [torch.full(ns.shard_shape, 7.0, dtype=ns.torch_dtype) for _ in range(n)]
+
+
+def tokens(n_pages: int, start: int = 0) -> list:
+    return list(range(start, start + n_pages * PT))
+
+
+def test_round_trip_per_rank(tmp_path):
+    toks = tokens(5)
+    stores = [PageStore(tmp_path, NS, r, capacity_bytes=100 * SLOT) for r in range(1)]
+    s0 = stores[0]
+    k0 = page_keys(toks, PT, NS, 0)
+    assert s0.put(k0, [shard(i) for i in range(5)]) == 5
+    assert s0.put(k0[:2], [shard(i) for i in range(2)]) == 0  # already stored: skipped
+    assert s0.stats.pages_skipped == 2
+    s0.close()
+    # rank 1 in the same env (one env per node): its own keys, its own bytes
+    s1 = PageStore(tmp_path, NS, 1, capacity_bytes=100 * SLOT)
+    k1 = page_keys(toks, PT, NS, 1)
+    assert s1.exists_prefix(k1) == 0
+    assert s1.put(k1, [shard(100 + i) for i in range(5)]) == 5
+    out = empty(5)
+    assert s1.get(k1, out) == 5
+    assert all(torch.equal(out[i], shard(100 + i)) for i in range(5))
+    assert s1.num_pages() == 10
+    with pytest.raises(L3Error, match="another namespace or rank"):
+        s1.get(k0, empty(5))
+    got = {}
+    assert s1.get(k1[:3], lambda i: got.setdefault(i, empty(1)[0])) == 3
+    assert torch.equal(got[2], shard(102))
+    st_ = s1.stats
+    assert (st_.hits, st_.misses, st_.bytes_read, st_.bytes_written) == (8, 0, 8 * PAGE, 5 * PAGE)
+    s1.close()
+
+
+def test_get_stops_at_first_miss_and_exists_prefix(tmp_path):
+    with PageStore(tmp_path, NS, 0, capacity_bytes=100 * SLOT) as s:
+        k = page_keys(tokens(6), PT, NS, 0)
+        s.put([k[0], k[1], k[3], k[4]], [shard(0), shard(1), shard(3), shard(4)])
+        assert s.exists_prefix(k) == 2
+        out = empty(6)
+        assert s.get(k, out) == 2
+        assert torch.equal(out[1], shard(1)) and torch.equal(out[3], empty(1)[0])  # not served
+        assert s.stats.misses == 1 and s.stats.hits == 2
+
+
+def _flip(path, key, db_name, offset):
+    env = lmdb.open(str(path), max_dbs=8, map_size=1 << 26)
+    db = env.open_db(db_name)
+    with env.begin(write=True) as txn:
+        v = bytearray(txn.get(key, db=db))
+        v[offset % len(v)] ^= 0x5A
+        txn.put(key, bytes(v), db=db)
+    env.close()
+
+
+@pytest.mark.parametrize("db_name,offset", [(b"data", 3), (b"data", -1), (b"head", 5),
+                                            (b"head", -2)])
+def test_corruption_is_a_counted_miss_deleted_never_served(tmp_path, db_name, offset):
+    k = page_keys(tokens(4), PT, NS, 0)
+    with PageStore(tmp_path, NS, 0, capacity_bytes=100 * SLOT) as s:
+        s.put(k, [shard(i) for i in range(4)])
+    _flip(tmp_path, k[2], db_name, offset)
+    with PageStore(tmp_path, NS, 0, capacity_bytes=100 * SLOT) as s:
+        out = empty(4)
+        assert s.get(k, out) == 2
+        assert torch.equal(out[2], empty(1)[0])  # the corrupt value never reached the buffer
+        assert (s.stats.corrupt, s.stats.misses, s.stats.hits) == (1, 1, 2)
+        assert s.exists_prefix(k) == 2  # deleted
+        assert s.num_pages() == 3
+        assert s.put([k[2]], [shard(2)]) == 1  # can be stored again
+        assert s.get(k, empty(4)) == 4
+
+
+def test_truncated_value_is_corrupt(tmp_path):
+    k = page_keys(tokens(2), PT, NS, 0)
+    with PageStore(tmp_path, NS, 0, capacity_bytes=100 * SLOT) as s:
+        s.put(k, [shard(0), shard(1)])
+    env = lmdb.open(str(tmp_path), max_dbs=8, map_size=1 << 26)
+    db = env.open_db(b"data")
+    with env.begin(write=True) as txn:
+        txn.put(k[0], b"short", db=db)
+    env.close()
+    with PageStore(tmp_path, NS, 0, capacity_bytes=100 * SLOT) as s:
+        assert s.get(k, empty(2)) == 0 and s.stats.corrupt == 1
+
+
+def test_namespace_mismatch_never_hits(tmp_path):
+    toks = tokens(3)
+    with PageStore(tmp_path, NS, 0, capacity_bytes=100 * SLOT) as s:
+        s.put(page_keys(toks, PT, NS, 0), [shard(i) for i in range(3)])
+    others = [Namespace("m", 2, 8, "float16", 4, 2), Namespace("m", 2, 8, "bfloat16", 4, 2, 2),
+              Namespace("m", 2, 8, "bfloat16", 2, 4), Namespace("other", 2, 8, "bfloat16", 4, 2)]
+    for ns in others:
+        with PageStore(tmp_path, ns, 0, capacity_bytes=100 * (ns.shard_bytes + 128)) as s:
+            keys = page_keys(toks, ns.page_tokens, ns, 0)
+            assert s.exists_prefix(keys) == 0
+            assert s.get(keys, empty(len(keys), ns)) == 0
+
+
+def test_value_under_wrong_key_is_rejected(tmp_path):
+    """A header from another namespace/rank copied under this key is not served."""
+    k0 = page_keys(tokens(1), PT, NS, 0)
+    k1 = page_keys(tokens(1), PT, NS, 1)
+    with PageStore(tmp_path, NS, 1, capacity_bytes=100 * SLOT) as s:
+        s.put(k1, [shard(9)])
+    env = lmdb.open(str(tmp_path), max_dbs=8, map_size=1 << 26)
+    dbs = [env.open_db(n) for n in (b"data", b"head")]
+    with env.begin(write=True) as txn:
+        for db in dbs:
+            txn.put(k0[0], bytes(txn.get(k1[0], db=db)), db=db)
+    env.close()
+    with PageStore(tmp_path, NS, 0, capacity_bytes=100 * SLOT) as s:
+        assert s.get(k0, empty(1)) == 0 and s.stats.corrupt == 1
+
+
+_KILL = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    import hicache.l3.store as store
+    from test_l3_store import NS, PT, SLOT, shard, tokens
+    from hicache.l3 import PageStore, page_keys
+    with PageStore({path!r}, NS, 1, capacity_bytes=1000 * SLOT) as s:  # a clean session
+        s.put(page_keys(tokens(4, 1000), PT, NS, 1), [shard(50 + i) for i in range(4)])
+    s = PageStore({path!r}, NS, 0, capacity_bytes=1000 * SLOT)
+    s.put(page_keys(tokens(6), PT, NS, 0), [shard(i) for i in range(6)])  # committed
+    real, calls = store._b64, [0]
+    def slow(v):  # called once per page inside the write transaction
+        calls[0] += 1
+        if calls[0] == 5:
+            print("in-txn", flush=True)
+            time.sleep(60)
+        return real(v)
+    store._b64 = slow
+    s.put(page_keys(tokens(10, 5000), PT, NS, 0), [shard(100 + i) for i in range(10)])
+    print("finished", flush=True)
+""")
+
+
+def test_restart_and_kill_during_write_batch(tmp_path):
+    """A new process on the same path gets hits for what earlier processes stored, including
+    one SIGKILLed in the middle of a write transaction (that batch is rolled back)."""
+    code = _KILL.format(tests=os.path.dirname(__file__), path=str(tmp_path))
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line.strip() == "in-txn", p.stderr.read()
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == -signal.SIGKILL
+    with PageStore(tmp_path, NS, 1, capacity_bytes=1000 * SLOT) as s:  # warm restart
+        keys = page_keys(tokens(6, 1000), PT, NS, 1)  # a longer request sharing the prefix
+        assert s.exists_prefix(keys) == 4
+        out = empty(6)
+        assert s.get(keys, out) == 4
+        assert all(torch.equal(out[i], shard(50 + i)) for i in range(4))
+    with PageStore(tmp_path, NS, 0, capacity_bytes=1000 * SLOT) as s:
+        committed = page_keys(tokens(6), PT, NS, 0)
+        out = empty(6)
+        assert s.get(committed, out) == 6
+        assert all(torch.equal(out[i], shard(i)) for i in range(6))
+        assert s.exists_prefix(page_keys(tokens(10, 5000), PT, NS, 0)) == 0  # rolled back
+        assert s.num_pages() == 10
+        # the killed writer's lock is recovered: new writes commit
+        assert s.put(page_keys(tokens(2, 9000), PT, NS, 0), [shard(1), shard(2)]) == 2
+        assert s.stats.corrupt == 0
+
+
+def test_capacity_eviction_is_lru(tmp_path):
+    cap = 6 * footprint(tmp_path)
+    with PageStore(tmp_path, NS, 0, capacity_bytes=cap) as s:
+        a = page_keys(tokens(3, 0), PT, NS, 0)
+        b = page_keys(tokens(3, 100), PT, NS, 0)
+        s.put(a, [shard(i) for i in range(3)])
+        s.put(b, [shard(10 + i) for i in range(3)])
+        assert s.num_pages() == 6
+        assert s.get(a, empty(3)) == 3  # a is now more recent than b
+        c = page_keys(tokens(2, 200), PT, NS, 0)
+        assert s.put(c, [shard(20), shard(21)]) == 2
+        assert s.stats.evictions == 2
+        assert s.exists_prefix(a) == 3
+        # within b, the deeper pages went first: b's prefix survives
+        assert s.exists_prefix(b) == 1
+        assert s.used_bytes() <= cap
+        assert s.lru_order()[-1] == c[0]  # the newest batch's first page is the newest
+        assert s.get(a[:1], empty(1)) == 1  # a touch, written lazily (at close at the latest)
+    with PageStore(tmp_path, NS, 0, capacity_bytes=cap) as s:  # LRU state survives a restart
+        order = s.lru_order()
+        assert order[-1] == a[0] and order.index(c[0]) > order.index(a[1])
+
+
+def test_capacity_across_reopen_and_too_big_batch(tmp_path):
+    cap = 4 * footprint(tmp_path)
+    with PageStore(tmp_path, NS, 0, capacity_bytes=cap) as s:
+        s.put(page_keys(tokens(3), PT, NS, 0), [shard(i) for i in range(3)])
+    with PageStore(tmp_path, NS, 0, capacity_bytes=cap) as s:
+        assert s.used_bytes() > 3 * PAGE  # accounting persisted
+        big = page_keys(tokens(7, 500), PT, NS, 0)
+        assert s.put(big, [shard(i) for i in range(7)]) == 4  # the leading pages that fit
+        assert s.stats.pages_dropped == 3
+        assert s.exists_prefix(big) == 4 and s.used_bytes() <= cap
+
+
+def test_full_map_evicts_or_grows_never_crashes(tmp_path):
+    ns = Namespace("m", 4, 512, "float32", 4, 1)  # 32 KiB shards
+    cap = 400 * ns.shard_bytes  # capacity larger than the map: the map fills first
+    with PageStore(tmp_path, ns, 0, capacity_bytes=cap, map_size=2 << 20,
+                   max_map_size=4 << 20, batch_bytes=10 * ns.shard_bytes) as s:
+        for j in range(8):
+            keys = page_keys(list(range(j * 1000, j * 1000 + 20 * 4)), 4, ns, 0)
+            s.put(keys, [shard(i, ns) for i in range(20)])
+        assert s.map_size == 4 << 20  # grew to the limit
+        assert s.stats.evictions > 0
+        keys = page_keys(list(range(7000, 7080)), 4, ns, 0)
+        n = s.exists_prefix(keys)
+        assert n > 0
+        out = empty(n, ns)
+        assert s.get(keys[:n], out) == n
+        assert all(torch.equal(out[i], shard(i, ns)) for i in range(n))
+
+
+def test_reader_only_and_bad_input(tmp_path):
+    with pytest.raises(L3Error, match="does not exist"):
+        PageStore(tmp_path / "nope", NS, 0, capacity_bytes=10 * SLOT, writer=False)
+    with pytest.raises(L3Error, match="smaller than one page"):
+        PageStore(tmp_path, NS, 0, capacity_bytes=PAGE - 1)
+    with pytest.raises(L3Error, match="outside the DCP group"):
+        PageStore(tmp_path, NS, 2, capacity_bytes=10 * SLOT)
+    k = page_keys(tokens(2), PT, NS, 0)
+    with PageStore(tmp_path, NS, 0, capacity_bytes=10 * SLOT) as s:
+        with pytest.raises(L3Error, match="2 keys but 1 shards"):
+            s.put(k, [shard(0)])
+        with pytest.raises(L3Error, match="expects"):
+            s.put(k[:1], [torch.zeros(2, 4, 8)])
+        with pytest.raises(L3Error, match="34 bytes"):
+            s.exists_prefix([b"short"])
+        s.put(k, [shard(0), shard(1)])
+        with pytest.raises(L3Error, match="destination 0"):
+            s.get(k, [torch.zeros(3)] * 2)
+        with pytest.raises(L3Error, match="only 1 destinations"):
+            s.get(k, empty(1))
+    with PageStore(tmp_path, NS, 0, capacity_bytes=10 * SLOT, writer=False) as s:
+        assert s.get(k, empty(2)) == 2
+        with pytest.raises(L3Error, match="writer=False"):
+            s.put(k, [shard(0), shard(1)])
+    s.close()
+    with pytest.raises(L3Error, match="closed"):
+        s.exists_prefix(k)
+
+
+def test_should_write_rotates_one_writer_per_page():
+    for tp, dcp in [(8, 2), (4, 4), (8, 1)]:
+        reps = tp // dcp
+        for page in range(12):
+            writers = [r for r in range(tp)
+                       if should_write(page, *replica_of(r, tp, dcp)[1:])]
+            assert sorted(replica_of(r, tp, dcp)[0] for r in writers) == list(range(dcp))
+            assert len(writers) == dcp  # each shard written by exactly one replica
+        assert replica_of(tp - 1, tp, dcp) == ((tp - 1) % dcp, (tp - 1) // dcp, reps)
+    with pytest.raises(L3Error):
+        should_write(0, 2, 2)
+    with pytest.raises(L3Error, match="multiple"):
+        replica_of(0, 6, 4)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "get"]), st.integers(0, 5),
+                          st.integers(1, 4)), min_size=1, max_size=25))
+def test_property_served_bytes_are_what_was_put(tmp_path_factory, ops):
+    """Random puts/gets under a tight capacity: used <= capacity, a hit is the right bytes, a
+    served prefix is always a prefix of what was stored."""
+    path = tmp_path_factory.mktemp("prop")
+    cap = 7 * SLOT
+    with PageStore(path, NS, 0, capacity_bytes=cap) as s:
+        for op, seq, n in ops:
+            keys = page_keys(tokens(4, seq * 100), PT, NS, 0)[:n]
+            if op == "put":
+                s.put(keys, [shard(seq * 10 + i) for i in range(n)])
+            else:
+                out = empty(n)
+                got = s.get(keys, out)
+                assert got <= s.exists_prefix(keys) or got == 0
+                for i in range(got):
+                    assert torch.equal(out[i], shard(seq * 10 + i))
+                assert all(torch.equal(out[i], empty(1)[0]) for i in range(got, n))
+            assert s.used_bytes() <= cap
+        assert s.stats.corrupt == 0

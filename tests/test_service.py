@@ -1,0 +1,189 @@
+"""HiCache embedded in the engine: hits per tier, identical outputs, warm restart, 2 ranks."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.config import HiCacheConfig
+from hicache.distributed import launch
+from hicache.engine.model import MLAModel
+from hicache.serving import Server, ServingError, model_config
+from hicache.service import HiCache, HiCacheError, MODES
+from hicache.workloads import Request, chat_trace
+
+
+def make_cfg(tmp_path, dcp=1, l1_pages=24, l2_ratio=2.0, **policy) -> HiCacheConfig:
+    return HiCacheConfig.from_dict({
+        "model": {"num_layers": 2, "kv_lora_rank": 32, "rope_dim": 8, "hidden_size": 64,
+                  "num_heads": 4, "vocab_size": 128},
+        "parallel": {"tp": dcp, "dcp": dcp},
+        "cache": {"page_size": 4},
+        "l1": {"num_pages": l1_pages},
+        "l2": {"ratio": l2_ratio},
+        "l3": {"enabled": True, "path": str(tmp_path / "l3"), "size_bytes": 64 << 20},
+        "policy": dict(policy),
+    })
+
+
+def req(i, tokens, out=4):
+    return Request(i, 0, np.asarray(tokens, dtype=np.int64), out, i)
+
+
+def serve(cfg, mode, jobs, rank=0, group=None, max_running=2):
+    torch.manual_seed(0)
+    model = MLAModel(model_config(cfg))
+    with HiCache(cfg, rank, group, mode=mode) as cache:
+        results = Server(model, cache, group=group, chunk_tokens=16,
+                         max_running=max_running).run(jobs)
+        cache.ctrl.check()
+        stats = cache.stats()
+    return results, stats
+
+
+def test_second_request_sharing_a_prefix_hits(tmp_path):
+    cfg = make_cfg(tmp_path)
+    rng = np.random.default_rng(0)
+    shared = rng.integers(0, 128, 40)
+    a = req(0, np.concatenate([shared, rng.integers(0, 128, 5)]))
+    b = req(1, np.concatenate([shared, rng.integers(0, 128, 7)]))
+    results, stats = serve(cfg, "l1", [a, b], max_running=1)
+    assert results[0].hit["l1"] == 0
+    assert results[1].hit["l1"] == 40  # 10 whole pages of 4 tokens
+    assert stats["hit_tokens"]["l1"] == 40
+    assert stats["hit_tokens"]["l1"] + stats["miss_tokens"] == stats["prompt_tokens"] == 45 + 47
+    ref, _ = serve(cfg, "recompute", [a, b], max_running=1)
+    assert [r.output for r in results] == [r.output for r in ref]
+    assert ref[1].hit == {"l1": 0, "l2": 0, "l3": 0}
+
+
+def revisit_trace(sessions=6, length=33, seed=0):
+    """Each session's prompt twice, round robin: the second visit finds it in a lower tier."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 128, length) for _ in range(sessions)]
+    order = list(range(sessions)) * 2
+    return [Request(i, s, prompts[s], 3, i) for i, s in enumerate(order)]
+
+
+def test_every_mode_gives_the_same_tokens_and_each_tier_serves(tmp_path):
+    # L1 holds 24 pages (~3 requests of 9 pages); 6 sessions cycle through it. L2 at 3x L1 keeps
+    # every session (L2 hits); at 1x L1 it cannot, so the second visits come from L3.
+    jobs = revisit_trace()
+    outs = {}
+    for mode in MODES:
+        cfg = make_cfg(tmp_path / mode, l1_pages=24, l2_ratio=1.0 if "l3" in mode else 3.0)
+        results, stats = serve(cfg, mode, jobs)
+        outs[mode] = {r.request_id: r.output for r in results}  # completion order may differ
+        hits = stats["hit_tokens"]
+        assert sum(hits.values()) + stats["miss_tokens"] == stats["prompt_tokens"]
+        assert sum(sum(r.hit.values()) for r in results) == sum(hits.values())
+        assert all(sum(r.hit.values()) <= 32 for r in results)  # the last token is computed
+        if mode == "recompute":
+            assert sum(hits.values()) == 0
+        if mode == "l1+l2":
+            assert hits["l2"] >= 3 * 32 and stats["bytes"]["h2d"] > 0
+        if "l2" in mode:
+            assert stats["bytes"]["d2h"] > 0
+        if "l3" in mode:
+            assert hits["l3"] >= 2 * 32 and stats["bytes"]["l3_read"] > 0
+        assert stats["locks"] == 0
+    for mode in MODES:
+        assert outs[mode] == outs["recompute"], mode
+
+
+def _kv_of(cache, table, n_tokens):
+    slots = torch.arange(n_tokens)
+    vps = cache.page_tokens
+    virt = torch.tensor(table)[slots // vps] * vps + slots % vps
+    return torch.stack([cache.l1.read(i, virt)[1] for i in range(cache.l1.num_layers)])
+
+
+def test_l2_and_l3_restored_kv_is_bit_identical_to_prefill(tmp_path):
+    cfg = make_cfg(tmp_path, l1_pages=16, l2_ratio=2.0, prefetch="wait_complete")
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 128, 33)
+    model = MLAModel(model_config(cfg))
+    # fresh prefill
+    with HiCache(cfg, mode="l1+l2+l3") as cache:
+        server = Server(model, cache, chunk_tokens=16)
+        fresh = server.run([req("a", prompt)])[0]
+        # push it out of L1 with other requests, then ask again: an L2 hit
+        server.run([req(f"f{i}", rng.integers(0, 128, 33)) for i in range(2)])
+        cache.drain()  # the fillers' backups agreed: their L1 pages may now be evicted
+        p = cache.admit("again", prompt)
+        assert p.host_len > 0 and p.device_len + p.host_len == 32
+        cache.alloc("again", 33)
+        cache.wait_layer("again", cache.l1.num_layers - 1)
+        cache.prefix("again").ready or cache.step()
+        restored = _kv_of(cache, p.page_table, 32)
+        cache.finish("again", [])
+        again = server.run([req("a2", prompt)])[0]
+        assert again.output == fresh.output
+    # rows as prefill wrote them
+    with HiCache(cfg.replace(l3={"path": str(tmp_path / "other")}), mode="l1") as cache:
+        Server(model, cache, chunk_tokens=16).run([req("ref", prompt, out=1)])
+        m = cache.admit("look", prompt)
+        reference = _kv_of(cache, m.page_table, 32)
+        cache.finish("look", [])
+    assert torch.equal(restored, reference)
+    # warm restart: a new HiCache on the same L3 path restores from storage
+    with HiCache(cfg, mode="l1+l2+l3") as cache:
+        p = cache.admit("warm", prompt)
+        assert not p.ready and p.device_len == p.host_len == 0
+        while not cache.step():
+            pass
+        assert p.ready and p.storage_len == 32
+        assert torch.equal(_kv_of(cache, p.page_table, 32), reference)
+        cache.finish("warm", prompt)  # the restored pages join the tree: the next visit hits L1
+        warm = Server(model, cache, chunk_tokens=16).run([req("w", prompt)])[0]
+        assert warm.output == fresh.output and warm.hit["l1"] == 32
+        assert cache.stats()["hit_tokens"] == {"l1": 32, "l2": 0, "l3": 32}
+
+
+def test_api_misuse_is_a_clear_error(tmp_path):
+    cfg = make_cfg(tmp_path)
+    with pytest.raises(HiCacheError, match="unknown mode"):
+        HiCache(cfg, mode="l2-only")
+    with pytest.raises(HiCacheError, match="parallel.dcp is 2"):
+        HiCache(make_cfg(tmp_path, dcp=2))
+    with HiCache(cfg, mode="l1+l2") as cache:
+        cache.admit(1, [1, 2, 3])
+        with pytest.raises(HiCacheError, match="already admitted"):
+            cache.admit(1, [1, 2, 3])
+        with pytest.raises(HiCacheError, match="unknown request"):
+            cache.finish(2, [1])
+        with pytest.raises(HiCacheError, match="no tokens"):
+            cache.admit(3, [])
+        cache.finish(1, [1, 2, 3])
+        assert cache.stats()["locks"] == 0
+    big = make_cfg(tmp_path, l1_pages=2)
+    with pytest.raises(ServingError, match="l1.num_pages"):
+        serve(big, "l1", [req(0, list(range(20)))])
+
+
+def _two_rank(rank, world, cfg_dict, jobs):
+    import torch.distributed as dist
+    cfg = HiCacheConfig.from_dict(cfg_dict)
+    out = {}
+    for mode in ("recompute", "l1+l2+l3"):
+        results, stats = serve(cfg.replace(l3={"path": cfg.l3.path + mode}), mode, jobs, rank,
+                               dist.group.WORLD)
+        out[mode] = ({r.request_id: r.output for r in results}, stats)
+    return out
+
+
+def test_two_ranks_agree_and_match_one_rank(tmp_path):
+    jobs = revisit_trace(sessions=5, seed=2)
+    cfg2 = make_cfg(tmp_path / "two", dcp=2, l1_pages=16, l2_ratio=1.0,
+                    prefetch="wait_complete")
+    per_rank = launch(2, _two_rank, cfg2.to_dict(), jobs, timeout_s=300)
+    one, _ = serve(make_cfg(tmp_path / "one", l1_pages=24), "recompute", jobs)
+    for rank_out in per_rank:
+        assert rank_out["recompute"][0] == {r.request_id: r.output for r in one}
+        assert rank_out["l1+l2+l3"][0] == {r.request_id: r.output for r in one}
+    s0, s1 = per_rank[0]["l1+l2+l3"][1], per_rank[1]["l1+l2+l3"][1]
+    assert s0["hit_tokens"] == s1["hit_tokens"]  # replicated control plane
+    assert s0["hit_tokens"]["l2"] > 0 and s0["hit_tokens"]["l3"] > 0
+    # each rank stores only its half of every page: equal bytes (whole pages of 2*P tokens)
+    assert s0["bytes"]["d2h"] == s1["bytes"]["d2h"] > 0
