@@ -91,9 +91,9 @@ def print_table(res: dict) -> None:
         print(f"  T={b['length']:>7} N={b['pcp']}: DCS {b['dcs_max_over_mean']:.4f}   "
               f"contiguous {b['contiguous_max_over_mean']:.4f}")
     print(f"same last-token argmax in every run: {res['same_last_token']}")
-    print("note: N=1 scores the whole T x T square (masked); PCP ranks skip key blocks wholly in "
-          "the causal future, so the ratio combines parallel ranks and that saving; on a "
-          "machine with fewer free cores than N the ranks share cores.")
+    print("note: each rank scores its chunks against every earlier key (the diagonal chunk "
+          "masked: scored/causal = 1 + 1/(2N)) and skips keys wholly in the causal future; N=1 "
+          "is the same code on one rank. Ranks share the machine's cores.")
 
 
 def main(argv=None) -> int:

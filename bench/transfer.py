@@ -1,16 +1,19 @@
 """L1 <-> L2 transfer benchmark: shard bytes per rank per second against a plain memcpy.
 
-    python bench/transfer.py [--json] [--quick] [--io direct|kernel] [--pattern P]
+    python bench/transfer.py [--json] [--quick] [--io direct|kernel] [--pattern P] [--copy-threads N]
 
 For DCP sizes c in 1, 2, 4, 8, both host layouts and both directions, one rank's shard of a
 ``--tokens``-token sequence (MLA rows of kv_dim 576, bf16, ``--layers`` layers, physical page
 size 16) moves between its DeviceKVPool and HostKVPool through the TransferEngine. The baseline,
 measured in the same run and interleaved with each measurement, is one contiguous memcpy of
-the same number of bytes (libc ``memmove`` via ctypes on CPU; a pinned
-``copy_(non_blocking=True)``, i.e. cudaMemcpyAsync, on CUDA). Page patterns: ``contiguous``
+the same number of bytes (libc ``memmove`` via ctypes on CPU, between buffers allocated and
+faulted in like the pools, huge pages included; a pinned ``copy_(non_blocking=True)``, i.e.
+cudaMemcpyAsync, on CUDA). Page patterns: ``contiguous``
 (device and host pages in order) and ``scattered`` (device pages a random permutation, as after cache churn).
 Each timing submits a batch of jobs (about 48 MB in flight) and waits for all, as an engine
-would; times are the best of ``--reps`` repetitions (this is a shared machine).
+would. After two warm-up rounds, times are the best of ``--reps`` repetitions, the transfer and
+the memcpy alternating which goes first, so both see the same machine load (this is a shared
+machine: best-of filters out other processes' interference).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from hicache.l1.pool import DeviceKVPool  # noqa: E402
+from hicache.l1.pool import DeviceKVPool, zeroed  # noqa: E402
 from hicache.l2.pool import HostKVPool  # noqa: E402
 from hicache.l2.transfer import TransferEngine  # noqa: E402
 from hicache.layout import DCPLayout  # noqa: E402
@@ -56,8 +59,8 @@ def _memcpy_pair(nbytes: int, direction: str, dtype: torch.dtype):
     """Contiguous source/destination of ``nbytes`` matching the transfer's devices."""
     n = nbytes // torch.empty((), dtype=dtype).element_size()
     cuda = torch.cuda.is_available()
-    dev = torch.zeros(n, dtype=dtype, device="cuda" if cuda else "cpu")
-    host = torch.zeros(n, dtype=dtype, pin_memory=cuda)
+    dev = zeroed((n,), dtype, torch.device("cuda" if cuda else "cpu"))
+    host = zeroed((n,), dtype, torch.device("cpu"), pin_memory=cuda)
     src, dst = (dev, host) if direction == "d2h" else (host, dev)
     if cuda:  # a raw pinned cudaMemcpyAsync of the same bytes
         return lambda: dst.copy_(src, non_blocking=True)
@@ -65,13 +68,13 @@ def _memcpy_pair(nbytes: int, direction: str, dtype: torch.dtype):
 
 
 def measure(c: int, kind: str, pattern: str, tokens: int, layers: int, reps: int, io: str,
-            dtype: torch.dtype) -> list[dict]:
+            dtype: torch.dtype, copy_threads: int = 1) -> list[dict]:
     lay = DCPLayout(c, 0, PAGE)
     pages = -(-tokens // lay.virtual_page_size)  # widened pages holding the sequence
     dev = DeviceKVPool(lay, layers, KV_DIM, dtype, pages)
     host = HostKVPool(lay, layers, KV_DIM, dtype, pages, layout_kind=kind)
     dev.kv.normal_()
-    eng = TransferEngine(dev, host, io_backend=io)
+    eng = TransferEngine(dev, host, io_backend=io, copy_threads=copy_threads)
     host_pages = list(range(pages))
     if pattern == "scattered":
         g = torch.Generator().manual_seed(c)
@@ -96,11 +99,16 @@ def measure(c: int, kind: str, pattern: str, tokens: int, layers: int, reps: int
             for _ in range(batch):
                 one()
 
-        run(), memcpy()  # warm up
+        for _ in range(2):  # warm up
+            run(), memcpy()
         t_job = t_mem = float("inf")
-        for _ in range(reps):  # interleave so both see the same machine load
-            t_mem = min(t_mem, _best(memcpy, 1))
-            t_job = min(t_job, _best(run, 1))
+        for i in range(reps):  # interleave (alternating order) so both see the same load
+            if i % 2:
+                t_job = min(t_job, _best(run, 1))
+                t_mem = min(t_mem, _best(memcpy, 1))
+            else:
+                t_mem = min(t_mem, _best(memcpy, 1))
+                t_job = min(t_job, _best(run, 1))
         t_job, t_mem = t_job / batch, t_mem / batch
         gbps, mgbps = nbytes / t_job / 1e9, nbytes / t_mem / 1e9
         out.append(dict(layout=kind, direction=direction, dcp=c, pattern=pattern, bytes=nbytes,
@@ -121,24 +129,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--io", choices=("direct", "kernel"), default="direct")
     ap.add_argument("--pattern", choices=("contiguous", "scattered", "both"), default="both")
     ap.add_argument("--dcp", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--copy-threads", type=int, default=1,
+                    help="CPU threads per transfer job (the memcpy baseline stays one thread)")
     args = ap.parse_args(argv)
     tokens = args.tokens or (8192 if args.quick else 16384)
-    reps = args.reps or (3 if args.quick else 5)
+    reps = args.reps or (4 if args.quick else 11)
     patterns = ("contiguous", "scattered") if args.pattern == "both" else (args.pattern,)
     dtype = torch.bfloat16
     combos = [(c, k, p) for p in patterns for k in ("page_first", "layer_first") for c in args.dcp]
     results = []
     for c, kind, pattern in tqdm(combos, desc="transfer", disable=args.json, file=sys.stderr):
-        results += measure(c, kind, pattern, tokens, args.layers, reps, args.io, dtype)
+        results += measure(c, kind, pattern, tokens, args.layers, reps, args.io, dtype,
+                           args.copy_threads)
     meta = dict(device="cuda" if torch.cuda.is_available() else "cpu",
                 cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
                 tokens=tokens, layers=args.layers, kv_dim=KV_DIM, page_size=PAGE,
-                dtype=str(dtype), io=args.io, reps=reps)
+                dtype=str(dtype), io=args.io, reps=reps, copy_threads=args.copy_threads)
     if args.json:
         print(json.dumps({"results": results, "meta": meta}))
         return 0
     print(f"L1<->L2 transfers, one rank's shard of {tokens} tokens, {args.layers} layers, "
-          f"kv_dim {KV_DIM}, bf16, P={PAGE}, io={args.io}, {meta['device']}")
+          f"kv_dim {KV_DIM}, bf16, P={PAGE}, io={args.io}, copy threads {args.copy_threads}, "
+          f"{meta['device']}")
     print(f"{'pattern':<11}{'layout':<12}{'dir':<5}{'dcp':>4}{'MB':>9}{'GB/s':>8}"
           f"{'memcpy':>8}{'ratio':>7}")
     for r in results:

@@ -120,6 +120,7 @@ def summarize(mode: str, ranks: list[dict], opts: dict) -> dict:
         "bytes": byts,
         "gbps": gbps,
         "controller_us_per_request": 1e6 * st["controller_s"] / max(st["requests"], 1),
+        "agreement_us_per_step": 1e6 * st["agreement_s"] / max(st["steps"], 1),
         "evictions": st["evictions"],
         "corrupt_l3_values": sum(r["stats"]["corrupt"] for r in ranks),
         "wall_s": r0["wall_s"],

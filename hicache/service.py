@@ -79,7 +79,8 @@ class TierStats:
     bytes: dict = field(default_factory=lambda: {"d2h": 0, "h2d": 0, "l3_read": 0,
                                                  "l3_write": 0})
     transfer_s: dict = field(default_factory=lambda: {"d2h": 0.0, "h2d": 0.0})
-    controller_s: float = 0.0
+    controller_s: float = 0.0      # inside the controller (match, lock, insert, evict, ...)
+    agreement_s: float = 0.0       # the per-step collective, waiting on other ranks included
     steps: int = 0
 
 
@@ -148,7 +149,6 @@ class HiCache:
         usable after the next ``step`` on which every rank has it (``prefix.ready``)."""
         if request_id in self._reqs:
             raise HiCacheError(f"request {request_id!r} is already admitted")
-        t0 = time.perf_counter()
         arr = as_tokens(tokens)
         if arr.size == 0:
             raise HiCacheError(f"request {request_id!r} has no tokens")
@@ -158,12 +158,12 @@ class HiCache:
         self._stats.requests += 1
         self._stats.prompt_tokens += int(arr.size)
         if self.tiers:
-            m = self.ctrl.match(arr[:-1])
-            req.lock = self.ctrl.lock(m)
+            m = self._ctl(self.ctrl.match, arr[:-1])
+            req.lock = self._ctl(self.ctrl.lock, m)
             prefix.device_len = m.device_len
             prefix.page_table = list(m.device_pages)
             if m.host_len and "l2" in self.tiers:
-                op = self.ctrl.load_back(m)
+                op = self._ctl(self.ctrl.load_back, m)
                 if op is not None:
                     prefix.host_len = m.host_len
                     prefix.page_table += list(op.device_pages)
@@ -176,7 +176,6 @@ class HiCache:
         prefix.ready = req.prefetch is None
         if prefix.ready:
             self._count_hits(prefix)
-        self._stats.controller_s += time.perf_counter() - t0
         return prefix
 
     def _start_prefetch(self, req: _Request) -> None:
@@ -199,7 +198,7 @@ class HiCache:
         need = -(-n_tokens // self.page_tokens) - len(req.prefix.page_table)
         if need <= 0:
             return []
-        pages = self.ctrl.alloc_device(need)
+        pages = self._ctl(self.ctrl.alloc_device, need)
         self._launch(self.ctrl.take_ops())
         req.own_pages += pages
         req.prefix.page_table += pages
@@ -220,7 +219,6 @@ class HiCache:
         req = self._reqs.pop(request_id, None)
         if req is None:
             raise HiCacheError(f"finish of unknown request {request_id!r}")
-        t0 = time.perf_counter()
         if req.prefetch is not None:  # finished before its prefetch resolved
             req.prefetch.cancel()
             self._pending.remove(req)
@@ -230,31 +228,44 @@ class HiCache:
         table = req.prefix.page_table
         whole = min(arr.size // self.page_tokens, len(table))
         if self.tiers:
-            res = self.ctrl.insert(arr[:whole * self.page_tokens], table[:whole])
+            res = self._ctl(self.ctrl.insert, arr[:whole * self.page_tokens], table[:whole])
             if self.l3 is not None:
                 from .l3 import chain_hashes
                 chains = chain_hashes(arr[:whole * self.page_tokens], self.page_tokens)
                 for page, chain in zip(res.device_pages, chains):
                     self._chain_of_page[page] = chain
             tail = [p for p in table[whole:] if p in set(req.own_pages)]
-            self.ctrl.unlock(req.lock)
+            self._ctl(self.ctrl.unlock, req.lock)
             self._launch(self.ctrl.take_ops())
         else:
             tail = req.own_pages
         if tail:
-            self.ctrl.free_device(tail)
-        self._stats.controller_s += time.perf_counter() - t0
+            self._ctl(self.ctrl.free_device, tail)
+
+    def abort(self, request_id) -> None:
+        """Drop an admitted request and cache nothing from it (preemption); a later ``admit``
+        of the same request starts afresh and is counted once."""
+        req = self._req(request_id)
+        s, p = self._stats, req.prefix
+        s.requests -= 1
+        s.prompt_tokens -= p.prompt_len
+        if p.ready:
+            s.hit_tokens["l1"] -= p.device_len
+            s.hit_tokens["l2"] -= p.host_len
+            s.hit_tokens["l3"] -= p.storage_len
+        self.finish(request_id, [])
 
     def step(self) -> list:
         """Once per scheduler step on every rank: launch new transfers, agree (one all-reduce)
         on finished transfers and L3 prefetches, apply what every rank finished. Returns the
         prefixes that became ready in this step."""
-        t0 = time.perf_counter()
         self._launch(self.ctrl.take_ops())
         done = {o for o, (_op, job, _c) in self._jobs.items() if job.done()}
         from .l3 import prefetch_signals, agree_prefetch
         handles = [r.prefetch for r in self._pending]
+        t0 = time.perf_counter()
         res = self.ctrl.agree(self.agreement, done, prefetch_signals(handles))
+        self._stats.agreement_s += time.perf_counter() - t0  # the collective, waits included
         for o in res.done_ops:
             self._finished(*self._jobs.pop(o))
         ready = []
@@ -266,7 +277,6 @@ class HiCache:
                 ready.append(req.prefix)
         self._launch(self.ctrl.take_ops())
         self._stats.steps += 1
-        self._stats.controller_s += time.perf_counter() - t0
         return ready
 
     def drain(self) -> None:
@@ -291,6 +301,7 @@ class HiCache:
             "evictions": {"l1": ctrl.device_evicted_pages, "l2": ctrl.host_evicted_pages,
                           "l3": 0},
             "corrupt": 0, "controller_s": s.controller_s, "steps": s.steps,
+            "agreement_s": s.agreement_s,
             "pages": {"l1": self.ctrl.device.num_used, "l2": self.ctrl.host.num_used},
             "locks": sum(1 for r in self._reqs.values() if r.lock is not None),
         }
@@ -320,6 +331,14 @@ class HiCache:
         self.close()
 
     # ---- internals ----------------------------------------------------------------------------
+    def _ctl(self, fn, *args):
+        """Call the controller, timing it (the figure hicache-bench reports per request)."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._stats.controller_s += time.perf_counter() - t0
+
     def _req(self, request_id) -> _Request:
         try:
             return self._reqs[request_id]
@@ -341,7 +360,7 @@ class HiCache:
     def _finished(self, op, job, chains) -> None:
         if isinstance(op, BackupOp):
             self._stats.bytes["d2h"] += job.nbytes
-            self._stats.transfer_s["d2h"] += getattr(job, "seconds", 0.0)
+            self._stats.transfer_s["d2h"] += job.seconds
             if self._writer is not None:
                 pairs = [(c, h) for c, h in zip(chains, op.host_pages) if c is not None]
                 if pairs:
@@ -349,13 +368,13 @@ class HiCache:
                     self._writer.submit(keys, [self.l2.read_page(h).clone() for _, h in pairs])
         else:
             self._stats.bytes["h2d"] += job.nbytes
-            self._stats.transfer_s["h2d"] += getattr(job, "seconds", 0.0)
+            self._stats.transfer_s["h2d"] += job.seconds
 
     def _restore(self, req: _Request, pages: int) -> None:
         """Every rank holds ``pages`` prefetched pages: copy them into fresh device pages."""
         prefix = req.prefix
         try:
-            dev = self.ctrl.alloc_device(pages)
+            dev = self._ctl(self.ctrl.alloc_device, pages)
         except DeviceFullError:
             dev, pages = [], 0  # L1 has no room now: recompute those tokens instead
         self._launch(self.ctrl.take_ops())

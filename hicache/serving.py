@@ -100,6 +100,16 @@ class Server:
             started = sum(self._prefill(a) for a in active
                           if a.state is None and a.prefix.ready)
             decoding = [a for a in active if a.state is not None and len(a.output) < a.job.output_len]
+            stuck = [a for a in active if a.state is None and a.prefix.ready]
+            if stuck and not started and not decoding:
+                # Nothing runs and L1 is held by the locked hits of waiting requests (their
+                # matches may also be stale: a host hit another request recomputed is now on the
+                # device). Preempt them and admit again, oldest first: the same decision on every
+                # rank, since the controller state is replicated.
+                for a in reversed(stuck):
+                    cache.abort(a.job.request_id)
+                    active.remove(a)
+                    waiting.appendleft(a.job)
             if decoding:
                 logits = self.runner.extend_batch([a.state for a in decoding],
                                                   [[a.output[-1]] for a in decoding])

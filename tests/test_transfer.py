@@ -36,13 +36,14 @@ def test_plan_coalesces_runs():
     assert plan_transfer([], [], 1, 1).num_pages == 0
 
 
-@pytest.mark.parametrize("backend", ["direct", "direct-torch-runs", "kernel"])
+@pytest.mark.parametrize("backend", ["direct", "direct-memmove", "direct-take", "direct-scatter",
+                                     "kernel"])
 @pytest.mark.parametrize("kind", ["layer_first", "page_first"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backup_overwrite_load_is_bit_identical(kind, dtype, backend):
     lay, d, h, eng = make(kind, dtype, backend.split("-")[0])
-    if backend == "direct-torch-runs":  # every run takes the torch-copy path, not memmove
-        eng.long_run_bytes = 0
+    if backend.startswith("direct-"):  # force one CPU copy kind instead of the cheapest
+        eng.cpu_copy = backend.split("-")[1]
     vps = lay.virtual_page_size  # 8 slots per widened page
     length = 3 * vps + 5  # partial last page
     src_pages = [6, 0, 1, 3]  # runs [6], [0, 1], [3]

@@ -18,16 +18,19 @@ import heapq
 from dataclasses import dataclass
 from typing import Iterable, Sequence, Union
 
+import numpy as np
 
 from hicache.controller.policy import ControllerPolicy
 from hicache.controller.tree import Node, RadixTree, as_tokens, chain_pages
 from hicache.controller.types import (BackupOp, ControllerError, ControllerStats,
                                       DeviceFullError, InsertResult, LoadOp, LockError, Match,
                                       PageOwnershipError, StaleNodeError, UnknownOpError)
-from hicache.controller.pages import PagePool
+from hicache.controller.pages import PagePool, id_array
 from hicache.l1.allocator import as_id_list
 
 Op = Union[BackupOp, LoadOp]
+_NO_IDS = np.zeros(0, np.int64)
+_MAX_GRANTS = 256  # recent alloc_device results remembered for insert's fast validation
 
 
 def _ids(pages) -> list[int]:
@@ -73,7 +76,11 @@ class CacheController:
         self.stats = ControllerStats()
         self._key = self.policy.eviction_key()
         self._clock = 0
-        self._req_pages: set[int] = set()          # handed out by alloc_device, not in the tree
+        # per device page: the serial of the alloc_device call that handed it out while it is
+        # not yet inserted or freed (a "request page"), else -1
+        self._gen = np.full(self.device.num_pages, -1, np.int64)
+        self._grants: dict[int, tuple[int, list[int], np.ndarray]] = {}  # first page -> recent
+        self._serial = 0
         self._device_nodes: dict[Node, None] = {}  # nodes with device pages (ordered: determinism)
         self._host_nodes: dict[Node, None] = {}    # nodes with host pages
         self._ops: dict[int, _OpRecord] = {}       # in flight
@@ -84,7 +91,7 @@ class CacheController:
     # ---- lookup ---------------------------------------------------------------------------
     def match(self, tokens) -> Match:
         """Longest cached whole-page prefix of ``tokens``: device part, then host-only part."""
-        arr = as_tokens(tokens)
+        arr = as_tokens(tokens, int64=False)
         self._clock += 1
         self.stats.matches += 1
         path = self.tree.walk(arr)
@@ -152,25 +159,72 @@ class CacheController:
         """``n`` device pages for new tokens, evicting unlocked leaves if needed."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ControllerError(f"number of device pages must be an int >= 0, got {n!r}")
+        if not n:
+            return []
         if self.device.num_free < n:
             self._evict_device(n - self.device.num_free)
         if self.device.num_free < n:
             raise DeviceFullError(n, self.device.num_free, self._evicting_pages,
                                   self.device.num_pages)
-        pages = self.device.alloc(n)
-        self._req_pages.update(pages)
-        return pages
+        arr = self.device.alloc_array(n)
+        serial = self._serial
+        self._serial += 1
+        self._gen[arr] = serial
+        pages = arr.tolist()
+        grants = self._grants
+        grants[pages[0]] = (serial, pages, arr)  # lets insert validate these without converting
+        if len(grants) > _MAX_GRANTS:
+            del grants[next(iter(grants))]
+        return pages[:]
+
+    def _grant_cover(self, pages: list, pos: int) -> "tuple[np.ndarray, list[int]] | None":
+        """``pages[pos:]`` as (int64 ids, list) if it is a run of whole recent alloc_device
+        results (the last one may be cut short) whose pages are all still request pages, else
+        None. Costs a list compare per page instead of an int conversion."""
+        grants, gen, n = self._grants, self._gen, len(pages)
+        arrs, lists, used = [], [], []
+        o = pos
+        try:
+            while o < n:
+                g = grants.get(pages[o])
+                if g is None or g[0] in used:
+                    return None
+                serial, gl, ga = g
+                k = min(len(gl), n - o)
+                if k < len(gl):
+                    gl, ga = gl[:k], ga[:k]
+                if pages[o:o + k] != gl or not (gen[ga] == serial).all():
+                    return None
+                arrs.append(ga)
+                lists.append(gl)
+                used.append(serial)
+                o += k
+        except TypeError:  # an unhashable or odd id: the general path names it
+            return None
+        if len(arrs) == 1:
+            return arrs[0], lists[0][:]
+        return np.concatenate(arrs), [p for gl in lists for p in gl]
 
     def free_device(self, pages: Iterable[int]) -> None:
         """Return pages from ``alloc_device`` that were not inserted (e.g. a partial tail)."""
-        ids = _ids(pages)
-        for p in ids:
-            if p not in self._req_pages:
-                raise PageOwnershipError(self._foreign_page_msg(p, "free"))
-        if len(set(ids)) != len(ids):
+        idx = self._req_ids(pages if type(pages) is list else _ids(pages), "free")
+        if self.device.has_duplicates(idx):
             raise PageOwnershipError("free_device got the same page twice")
-        self._req_pages.difference_update(ids)
-        self.device.free(ids)
+        self._gen[idx] = -1
+        self.device.free_array(idx, trusted=True)
+
+    def _req_ids(self, pages: list, what: str) -> np.ndarray:
+        """``pages`` as int64 [n] after checking each is a request page (from alloc_device)."""
+        idx = id_array(pages)
+        try:  # one reduce: negative where an id is negative or not a request page
+            ok = not len(idx) or int((self._gen[idx] | idx).min()) >= 0
+        except IndexError:
+            ok = False
+        if not ok:
+            bad = next(int(p) for p in idx.tolist()
+                       if not 0 <= p < len(self._gen) or self._gen[p] < 0)
+            raise PageOwnershipError(self._foreign_page_msg(bad, what))
+        return idx
 
     def _foreign_page_msg(self, p: int, what: str) -> str:
         if not (0 <= p < self.device.num_pages) or not self.device.is_allocated(p):
@@ -181,33 +235,44 @@ class CacheController:
     def insert(self, tokens, device_pages: Sequence[int]) -> InsertResult:
         """Cache the whole pages of ``tokens``, whose KV is in ``device_pages`` (one per whole
         page, tail tokens ignored). Pages duplicating cached ones are freed and listed."""
-        arr = as_tokens(tokens)
+        arr = as_tokens(tokens, int64=False)
         pt = self.page_tokens
         n_pages = len(arr) // pt
-        pages = _ids(device_pages)
+        pages = device_pages if type(device_pages) is list else _ids(device_pages)
         if len(pages) != n_pages:
             raise ControllerError(f"insert of {len(arr)} tokens ({n_pages} whole pages of {pt}) "
                                   f"got {len(pages)} device pages; pass one per whole page and "
                                   f"free a partial tail page with free_device")
-        if len(set(pages)) != len(pages):
-            raise PageOwnershipError("insert got the same device page twice")
         self._clock += 1
         self.stats.inserts += 1
         path = self.tree.walk(arr)
-        req = self._req_pages
+        # validate everything before changing anything: each page either is the node's own page
+        # at that position or a request page (from alloc_device), and no request page repeats
+        cand: list = []  # the request pages, in order: duplicates, adopted, then new
         pos = 0
-        for node in path:  # validate everything before changing anything
+        for node in path:
             seg = pages[pos:pos + node.npages]
             own = node.device
-            if own is None or seg != own:
-                for i, p in enumerate(seg):
-                    if p not in req and (own is None or own[i] != p):
-                        raise PageOwnershipError(self._foreign_page_msg(p, "insert"))
+            if own is None:
+                cand += seg
+            elif seg != own:
+                cand += [p for p, q in zip(seg, own) if p != q]
             pos += node.npages
-        if not req.issuperset(pages[pos:]):
-            p = next(p for p in pages[pos:] if p not in req)
-            raise PageOwnershipError(self._foreign_page_msg(p, "insert"))
+        new_pages = n_pages - pos
+        cover = self._grant_cover(pages, pos) if new_pages and not cand else None
+        if not new_pages and not cand:  # every page is the node's own: nothing to validate
+            idx, new_list = _NO_IDS, None
+        elif cover is None:
+            cand += pages[pos:]
+            idx = self._req_ids(cand, "insert")
+            if self.device.has_duplicates(idx):
+                raise PageOwnershipError("insert got the same device page twice")
+            new_list = None
+        else:  # pages of distinct valid grants are distinct request pages
+            idx, new_list = cover
 
+        if len(idx):
+            self._gen[idx] = -1  # every request page is now adopted, new or freed
         freed: list[int] = []
         clock, pol = self._clock, self.policy
         pos = 0
@@ -219,18 +284,17 @@ class CacheController:
                 if seg != dev:
                     freed += [p for p, q in zip(seg, dev) if p != q]
             else:  # host-only node recomputed by the caller: adopt its pages
-                node.device = list(seg)
-                req.difference_update(seg)
+                node.darr = id_array(seg)
+                node.device = node.darr.tolist()
                 self._device_nodes[node] = None
             node.hits += 1
             node.last_access = clock
             self._maybe_backup(node)
         last = path[-1] if path else self.tree.root
-        new_pages = n_pages - pos
         if new_pages:
             node = self.tree.add_child(last, arr[pos * pt:n_pages * pt])
-            node.device = pages[pos:]
-            req.difference_update(node.device)
+            node.darr = idx[len(idx) - new_pages:]
+            node.device = node.darr.tolist() if new_list is None else new_list
             self._device_nodes[node] = None
             node.hits = 1
             node.last_access = clock
@@ -238,8 +302,9 @@ class CacheController:
             last = node
             path.append(node)
         if freed:
-            req.difference_update(freed)
-            self.device.free(freed)
+            farr = id_array(freed)
+            freed = farr.tolist()
+            self.device.free_array(farr, trusted=True)
         return InsertResult(freed=tuple(freed), device_pages=tuple(chain_pages(path, "device")),
                             last_node=last, new_pages=new_pages)
 
@@ -290,11 +355,13 @@ class CacheController:
             self._evict_device(need - self.device.num_free)
         if self.device.num_free < need:
             return None
-        dpages = self.device.alloc(need)
+        darr = self.device.alloc_array(need)
+        dpages = darr.tolist()
         hpages: list[int] = []
         op_id = self._new_op_id()
         i = 0
         for n in nodes:
+            n.darr = darr[i:i + n.npages]
             n.device = dpages[i:i + n.npages]
             i += n.npages
             hpages.extend(n.host)
@@ -318,6 +385,8 @@ class CacheController:
     def complete(self, op_ids: Iterable[int]) -> None:
         """Apply ops that ALL ranks finished: host copies become valid, loads unpin, and nodes
         evicted under write_back free their device pages."""
+        if type(op_ids) in (tuple, list) and not op_ids:
+            return
         ids = sorted(set(int(o) for o in op_ids))
         for o in ids:
             if o not in self._ops:
@@ -371,7 +440,11 @@ class CacheController:
 
     def _evict_device(self, need: int) -> int:
         key = self._key
-        heap = [(key(n), n) for n in self._device_nodes if self._device_evictable(n)]
+        # (key, node) of every evictable device leaf; the checks of _device_evictable inlined,
+        # cheapest first (device is set for every node of _device_nodes)
+        heap = [(key(n), n) for n in self._device_nodes
+                if not n.lock_ref and not n.pending and not n.evicting
+                and not n.has_device_child()]
         heapq.heapify(heap)
         freed = 0
         write_back = self.policy.write == "write_back"
@@ -394,9 +467,9 @@ class CacheController:
 
     def _demote(self, n: Node) -> int:
         """Free the device copy of a node that has a valid host copy."""
-        self.device.free(n.device)
+        self.device.free_array(n.darr, trusted=True)
         k = len(n.device)
-        n.device = None
+        n.device = n.darr = None
         del self._device_nodes[n]
         self.stats.device_evicted_pages += k
         return k
@@ -411,9 +484,9 @@ class CacheController:
             stack.extend(x.children.values())
         for x in reversed(order):
             if x.device is not None:
-                self.device.free(x.device)
+                self.device.free_array(x.darr, trusted=True)
                 del self._device_nodes[x]
-                x.device = None
+                x.device = x.darr = None
             if x.host is not None:
                 self.host.free(x.host)
                 del self._host_nodes[x]
@@ -461,7 +534,8 @@ class CacheController:
         """Everything that must be identical on every rank, as comparable entries."""
         head = [("clock", self._clock, "next_op", self._next_op, "inflight",
                  tuple(self.inflight_ops()), "device_used", self.device.num_used,
-                 "host_used", self.host.num_used, "req_pages", tuple(sorted(self._req_pages)))]
+                 "host_used", self.host.num_used,
+                 "req_pages", tuple(np.flatnonzero(self._gen >= 0).tolist()))]
         return head + self.tree.digest()
 
     def iter_nodes(self):
@@ -470,7 +544,7 @@ class CacheController:
     @property
     def request_pages(self) -> frozenset[int]:
         """Device pages handed out by alloc_device and not yet inserted or freed."""
-        return frozenset(self._req_pages)
+        return frozenset(np.flatnonzero(self._gen >= 0).tolist())
 
     def cached_pages(self) -> tuple[int, int]:
         """(device pages held by the tree, valid host copies held by the tree)."""
@@ -480,7 +554,7 @@ class CacheController:
 
     def check(self) -> None:
         """Raise InvariantError if the bookkeeping is inconsistent (tests, debug)."""
-        dev_seen: set[int] = set(self._req_pages)
+        dev_seen: set[int] = set(np.flatnonzero(self._gen >= 0).tolist())
         host_seen: set[int] = set()
         dev_nodes, host_nodes = set(), set()
         evicting = 0
@@ -495,6 +569,8 @@ class CacheController:
                 dev_nodes.add(n)
                 if len(n.device) != n.npages:
                     raise InvariantError(f"node {n.nid} device page count")
+                if n.darr is None or n.darr.tolist() != n.device:
+                    raise InvariantError(f"node {n.nid} device array != device list")
                 if n.parent.parent is not None and n.parent.device is None:
                     raise InvariantError(f"node {n.nid} on device under a host-only parent")
                 for p in n.device:
@@ -521,6 +597,9 @@ class CacheController:
                     raise InvariantError(f"node {n.nid} pending on unknown op {o}")
             if n.evicting:
                 evicting += n.npages
+        if dev_seen != set(np.flatnonzero(self.device._used).tolist()):
+            raise InvariantError("device pool's allocated pages != pages held by the tree "
+                                 "and requests")
         if len(dev_seen) != self.device.num_used:
             raise InvariantError(f"device pages: {self.device.num_used} allocated, "
                                  f"{len(dev_seen)} accounted for (leak)")

@@ -22,7 +22,7 @@ class Node:
     """One run of whole pages. ``device``/``host``: page ids per page, or None if not there."""
 
     __slots__ = ("nid", "parent", "children", "tokens", "npages", "device", "host", "host_valid",
-                 "lock_ref", "hits", "last_access", "pending", "evicting", "alive")
+                 "lock_ref", "hits", "last_access", "pending", "evicting", "alive", "darr")
 
     def __init__(self, nid: int, parent: "Node | None", tokens: bytes, npages: int) -> None:
         self.nid = nid
@@ -31,6 +31,7 @@ class Node:
         self.tokens = tokens          # bytes of int64 [npages * page_tokens]
         self.npages = npages
         self.device: list[int] | None = None
+        self.darr: np.ndarray | None = None  # device as int64 [npages] (vectorised frees)
         self.host: list[int] | None = None
         self.host_valid = False       # host pages hold an agreed-complete copy
         self.lock_ref = 0
@@ -57,8 +58,13 @@ class Node:
                 f"host={self.host}, valid={self.host_valid}, lock={self.lock_ref})")
 
 
-def as_tokens(tokens) -> np.ndarray:
-    """Token ids as a 1-D int64 numpy array; raises TokenTypeError for anything else."""
+def _i64(x: np.ndarray) -> np.ndarray:
+    return x if x.dtype == np.int64 else x.astype(np.int64)
+
+
+def as_tokens(tokens, int64: bool = True) -> np.ndarray:
+    """Token ids as a 1-D int64 numpy array; raises TokenTypeError for anything else.
+    ``int64=False`` keeps another integer dtype (the tree converts only the pages it reads)."""
     if isinstance(tokens, torch.Tensor):
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise TokenTypeError(f"tokens must be integers, got a {tokens.dtype} tensor")
@@ -78,9 +84,12 @@ def as_tokens(tokens) -> np.ndarray:
         raise TokenTypeError(f"tokens must be integers, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise TokenTypeError(f"tokens must be 1-D, got shape {tuple(arr.shape)}")
-    if arr.dtype != np.int64:
+    if int64 and arr.dtype != np.int64:
         arr = arr.astype(np.int64)
     return arr
+
+
+_FIRST_BYTES = 64 * 1024  # a walk first converts this much of the query (a miss costs no more)
 
 
 class RadixTree:
@@ -102,24 +111,37 @@ class RadixTree:
         return nid
 
     def walk(self, arr: np.ndarray) -> list[Node]:
-        """Nodes covering the longest cached whole-page prefix of ``arr``, root excluded.
+        """Nodes covering the longest cached whole-page prefix of ``arr`` (ints), root excluded.
 
-        A node only partly covered is split, so the path ends exactly on the matched prefix."""
+        A node only partly covered is split, so the path ends exactly on the matched prefix.
+        The query is turned into int64 bytes lazily (a prefix at least twice what was compared,
+        at least ``_FIRST_BYTES``), so a miss does not convert a long prompt."""
         pt = self.page_tokens
         w = pt * 8  # bytes per page
         n_pages = len(arr) // pt
-        qb = arr[:n_pages * pt].tobytes()
+        total = n_pages * w  # bytes of the whole pages
         node, pos, path = self.root, 0, []
+        hi, qb = 0, b""  # qb: int64 bytes of a prefix of the query, grown when needed
         while pos < n_pages:
-            child = node.children.get(qb[pos * w:(pos + 1) * w])
+            a = pos * w
+            if a + w > hi:
+                hi = min(total, max(a + w, 2 * hi, _FIRST_BYTES))
+                qb = arr[:hi // 8].astype(np.int64, copy=False).tobytes()
+            child = node.children.get(qb[a:a + w])
             if child is None:
                 break
             m = min(child.npages, n_pages - pos)
             k = m
-            if m > 1 and qb[(pos + 1) * w:(pos + m) * w] != child.tokens[w:m * w]:
-                a = np.frombuffer(qb, np.int64, (m - 1) * pt, (pos + 1) * w)
-                b = np.frombuffer(child.tokens, np.int64, (m - 1) * pt, w)
-                k = 1 + int((a != b).argmax()) // pt
+            if m > 1:
+                e = a + m * w
+                if e > hi:
+                    hi = min(total, max(e, 2 * hi))
+                    qb = arr[:hi // 8].astype(np.int64, copy=False).tobytes()
+                ct = child.tokens
+                if qb[a:e] != (ct if m == child.npages else ct[:m * w]):
+                    q = np.frombuffer(qb, np.int64, m * pt, a)
+                    b = np.frombuffer(ct, np.int64, m * pt)
+                    k = int((q != b).argmax()) // pt
             if k < child.npages:
                 child = self.split(child, k)
             path.append(child)
@@ -138,6 +160,7 @@ class RadixTree:
         node.npages -= k
         if node.device is not None:
             top.device, node.device = node.device[:k], node.device[k:]
+            top.darr, node.darr = node.darr[:k], node.darr[k:]
         if node.host is not None:
             top.host, node.host = node.host[:k], node.host[k:]
         top.host_valid = node.host_valid
@@ -154,9 +177,9 @@ class RadixTree:
         return top
 
     def add_child(self, parent: Node, tokens: np.ndarray) -> Node:
-        """New leaf under ``parent`` for ``tokens`` (int64, whole pages)."""
+        """New leaf under ``parent`` for ``tokens`` (ints, whole pages)."""
         pt = self.page_tokens
-        kb = tokens.tobytes()
+        kb = _i64(tokens).tobytes()
         node = Node(self._new_id(), parent, kb, len(tokens) // pt)
         parent.children[kb[:pt * 8]] = node
         self.num_nodes += 1

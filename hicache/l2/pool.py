@@ -7,7 +7,7 @@ Two layouts:
 
 Pinned when CUDA exists (``pin="auto"``); plain memory otherwise, since pinning raises without
 CUDA. The size is checked against available host memory (psutil) before allocating, and the
-memory is faulted in (zero-filled) at creation.
+memory is faulted in (zero-filled) at creation, on transparent huge pages when unpinned (Linux).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import psutil
 import torch
 
 from hicache.l1.allocator import PageError
-from hicache.l1.pool import PoolError, check_shape_args
+from hicache.l1.pool import PoolError, check_shape_args, zeroed
 from hicache.layout import DCPLayout
 
 LAYOUTS = ("layer_first", "page_first")
@@ -90,8 +90,8 @@ class HostKVPool:
                  else (num_pages, num_layers, P, kv_dim))
         itemsize = torch.empty((), dtype=dtype).element_size()
         check_host_memory(math.prod(shape) * itemsize, max_memory_fraction)
-        self.buf = torch.empty(shape, dtype=dtype, pin_memory=self.pinned)
-        self.buf.zero_()  # fault every page in now, not on the first transfer
+        # Faulted in now (zero-filled), not on the first transfer; huge pages when unpinned.
+        self.buf = zeroed(shape, dtype, torch.device("cpu"), pin_memory=self.pinned)
 
     # ---- sizes ---------------------------------------------------------------------------------
     @property

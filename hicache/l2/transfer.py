@@ -6,12 +6,16 @@ layer) device -> host; ``load(host_pages, device_pages)`` copies host -> device.
 i-1 while layer i is still loading. No collective is ever issued: each rank moves its own shard.
 
 Execution:
-- CPU (no CUDA): one worker thread per direction. The ``direct`` backend copies runs of
-  consecutive pages that are long (>= ``long_run_bytes`` per layer) with one torch ``copy_`` per
-  run, and short runs (scattered pages) with ``ctypes.memmove`` over byte ranges precomputed at
-  submit time (GIL released during each copy, ~0.5 us per call against ~4 us of torch dispatch).
-  The ``kernel`` backend uses the page-copy kernel's torch reference (or the Triton kernel itself
-  when it was imported under ``TRITON_INTERPRET=1``).
+- CPU (no CUDA): one worker thread per direction. The ``direct`` backend views both pools as
+  flat arrays of page-layer blocks (P rows of one layer, ``P * kv_dim`` elements). At submit,
+  ``plan_blocks`` turns the page lists into a few C-level copy loops, whichever kind needs the
+  fewest calls: ``numpy.take`` into each contiguous destination run, a numpy scatter from each
+  (strided) source run, or one ``memmove`` per run contiguous on both sides (all release the
+  GIL). A backup plans all layers at once (a page_first host page is then one destination
+  run); a load plans layer 0 and replays it per layer, so layer i is usable while layer i+1
+  copies. ``copy_threads > 1`` splits a job across that many threads (layers round-robin for
+  a load). The ``kernel`` backend uses the page-copy kernel's torch reference (or the Triton
+  kernel itself when it was imported under ``TRITON_INTERPRET=1``).
 - CUDA: a dedicated stream per direction, one event per layer. ``direct`` issues
   ``copy_(non_blocking=True)`` per contiguous run (per page on the strided page_first side, or one
   ``cudaMemcpy2DAsync`` per run via CuPy when the ``gpu`` extra imports). ``kernel`` launches the
@@ -24,6 +28,8 @@ from __future__ import annotations
 import ctypes
 import queue
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -67,42 +73,216 @@ class TransferPlan:
         return int(self.src_pages.numel())
 
 
-def _as_pages(pages: PageList, what: str) -> torch.Tensor:
-    t = torch.as_tensor(pages) if not isinstance(pages, torch.Tensor) else pages
-    if t.numel() == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
-        raise PageError(f"{what} must be integer page ids, got dtype {t.dtype}")
-    if t.dim() > 1:
-        raise PageError(f"{what} must be a flat list of page ids, got shape {list(t.shape)}")
-    return t.reshape(-1).to(device="cpu", dtype=torch.int64)
+def _as_pages(pages: PageList, what: str) -> np.ndarray:
+    """Page ids as a flat int64 numpy array (validated kind and shape)."""
+    if isinstance(pages, torch.Tensor):
+        t = pages
+        if t.numel() == 0:
+            return np.zeros(0, dtype=np.int64)
+        if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+            raise PageError(f"{what} must be integer page ids, got dtype {t.dtype}")
+        if t.dim() > 1:
+            raise PageError(f"{what} must be a flat list of page ids, got shape {list(t.shape)}")
+        return t.reshape(-1).to(device="cpu", dtype=torch.int64).numpy()
+    a = np.asarray(pages)
+    if a.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if a.dtype.kind not in "iu":
+        raise PageError(f"{what} must be integer page ids, got dtype {a.dtype}")
+    if a.ndim > 1:
+        raise PageError(f"{what} must be a flat list of page ids, got shape {list(a.shape)}")
+    return a.reshape(-1).astype(np.int64, copy=False)
 
 
 def plan_transfer(src_pages: PageList, dst_pages: PageList, src_limit: int, dst_limit: int,
                   src_name: str = "source", dst_name: str = "destination") -> TransferPlan:
     """Validate page lists (equal length, in range, no repeated destination) and find runs."""
-    src = _as_pages(src_pages, f"{src_name} pages")
-    dst = _as_pages(dst_pages, f"{dst_name} pages")
-    if src.numel() != dst.numel():
+    s = _as_pages(src_pages, f"{src_name} pages")
+    d = _as_pages(dst_pages, f"{dst_name} pages")
+    if s.size != d.size:
         raise PageError(f"{src_name} and {dst_name} page lists differ in length: "
-                        f"{src.numel()} vs {dst.numel()}")
-    for t, limit, name in ((src, src_limit, src_name), (dst, dst_limit, dst_name)):
-        if t.numel():
-            lo, hi = int(t.min()), int(t.max())
+                        f"{s.size} vs {d.size}")
+    for a, limit, name in ((s, src_limit, src_name), (d, dst_limit, dst_name)):
+        if a.size:
+            lo, hi = int(a.min()), int(a.max())
             if lo < 0 or hi >= limit:
                 bad = lo if lo < 0 else hi
                 raise PageError(f"{name} page id {bad} is outside the {name} pool [0, {limit})")
-    if dst.numel() and torch.unique(dst).numel() != dst.numel():
-        raise PageError(f"{dst_name} page list repeats a page id: {dst.tolist()}")
-    s, d = src.numpy(), dst.numpy()
+    step_d = d[1:] - d[:-1]
+    if d.size > 1 and not (step_d > 0).all() and np.unique(d).size != d.size:
+        raise PageError(f"{dst_name} page list repeats a page id: {d.tolist()}")
+    src, dst = torch.from_numpy(s.copy()), torch.from_numpy(d.copy())  # caller may reuse lists
     if s.size == 0:
         empty = np.zeros(0, dtype=np.int64)
         return TransferPlan(src, dst, empty, empty, empty)
-    brk = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
-    starts = np.concatenate(([0], brk))
-    lens = np.diff(np.concatenate((starts, [s.size])))
-    return TransferPlan(src, dst, s[starts].astype(np.int64), d[starts].astype(np.int64),
-                        lens.astype(np.int64))
+    starts = np.flatnonzero((s[1:] - s[:-1] != 1) | (step_d != 1)) + 1
+    bounds = np.concatenate(([0], starts, [s.size]))
+    return TransferPlan(src, dst, s[bounds[:-1]], d[bounds[:-1]], bounds[1:] - bounds[:-1])
+
+# CPU block copies ------------------------------------------------------------------------------
+COPY_KINDS = ("memmove", "take", "scatter")
+# Rough cost of one call in microseconds (Python dispatch + setup), used to pick a kind, and a
+# per-block surcharge for memmove: one long memmove (non-temporal stores past libc's threshold)
+# measured a few % slower than numpy's per-block copies of the same bytes on the CPU box.
+_CALL_COST = {"memmove": 0.7, "take": 1.5, "scatter": 2.0}
+_MEMMOVE_BLOCK_COST = 0.05
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """How to copy blocks ``src[s[i]] -> dst[d[i]]`` of two flat block arrays.
+
+    kind "memmove": ``ops`` int64 [k, 3] rows (src block, dst block, count), both sides
+    contiguous. "take": ``ops`` tuple of (dst start, src ids int64 [n]) filling the contiguous
+    destination run [start, start + n). "scatter": ``ops`` tuple of (src start, step, dst ids
+    int64 [n]) reading the source run ``start, start + step, ...``.
+    """
+
+    kind: str
+    ops: object
+    num_blocks: int
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.ops)
+
+
+def _runs(brk: np.ndarray, n: int) -> tuple[list[int], list[int]]:
+    """Start and length of each run of a length-``n`` sequence with breaks ``brk`` [n-1]."""
+    starts = np.flatnonzero(brk) + 1
+    bounds = [0] + starts.tolist() + [n]
+    return bounds[:-1], [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def plan_blocks(s: np.ndarray, d: np.ndarray, src_step: int = 1, kind: str | None = None
+                ) -> BlockPlan:
+    """Plan the copy of blocks ``s`` [n] -> ``d`` [n] (int64 ids, ``d`` without repeats).
+
+    Picks the kind with the lowest estimated call cost unless ``kind`` forces one. Scatter runs
+    follow the source with step 1 or ``src_step`` (a strided source such as one layer of a
+    page_first host pool). Already sorted inputs skip the sorts.
+    """
+    s = np.asarray(s, dtype=np.int64).reshape(-1)
+    d = np.asarray(d, dtype=np.int64).reshape(-1)
+    n = int(s.size)
+    if kind is not None and kind not in COPY_KINDS:
+        raise TransferError(f"copy kind must be one of {COPY_KINDS}, got {kind!r}")
+    if n == 0:
+        return BlockPlan(kind or "memmove", np.zeros((0, 3), dtype=np.int64), 0)
+    diff_d = d[1:] - d[:-1]
+    if (diff_d > 0).all():  # already in destination order (the common case)
+        sd, dd = s, d
+    else:
+        od = np.argsort(d, kind="stable")
+        sd, dd = s[od], d[od]
+        diff_d = dd[1:] - dd[:-1]
+    diff_sd = sd[1:] - sd[:-1]
+    brk_d = diff_d != 1
+    if not brk_d.any() and (kind == "take" or kind is None and _CALL_COST["memmove"]
+                            + n * _MEMMOVE_BLOCK_COST >= _CALL_COST["take"]):
+        # one take fills the whole destination run: nothing is cheaper
+        return BlockPlan("take", ((int(dd[0]), sd),), n)
+    brk_m = brk_d | (diff_sd != 1)
+    if (diff_sd >= 0).all():
+        ss, ds, diff_s = sd, dd, diff_sd
+    else:
+        os_ = np.argsort(s, kind="stable")
+        ss, ds = s[os_], d[os_]
+        diff_s = ss[1:] - ss[:-1]
+    brk_s = diff_s != 1
+    n_s = int(np.count_nonzero(brk_s))
+    step = 1
+    if src_step > 1:
+        brk_t = diff_s != src_step
+        n_t = int(np.count_nonzero(brk_t))
+        if n_t < n_s:
+            brk_s, n_s, step = brk_t, n_t, int(src_step)
+    cost = {"memmove": (1 + int(np.count_nonzero(brk_m))) * _CALL_COST["memmove"]
+            + n * _MEMMOVE_BLOCK_COST,
+            "take": (1 + int(np.count_nonzero(brk_d))) * _CALL_COST["take"],
+            "scatter": (1 + n_s) * _CALL_COST["scatter"]}
+    if kind is None:
+        kind = min(COPY_KINDS, key=cost.__getitem__)
+    if kind == "memmove":
+        starts, lens = _runs(brk_m, n)
+        ops = np.stack((sd[starts], dd[starts], np.asarray(lens, dtype=np.int64)), axis=1)
+        return BlockPlan(kind, ops, n)
+    if kind == "take":
+        starts, lens = _runs(brk_d, n)
+        return BlockPlan(kind, tuple((int(dd[a]), sd[a:a + m]) for a, m in zip(starts, lens)), n)
+    starts, lens = _runs(brk_s, n)
+    return BlockPlan(kind, tuple((int(ss[a]), step, ds[a:a + m]) for a, m in zip(starts, lens)),
+                     n)
+
+
+def run_block_plan(plan: BlockPlan, src: np.ndarray, dst: np.ndarray, src_off: int = 0,
+                   dst_off: int = 0) -> None:
+    """Execute ``plan`` on flat block arrays (1-D, contiguous, same void dtype), block ids
+    shifted by ``src_off`` / ``dst_off``. Every call is a C loop that releases the GIL."""
+    if plan.kind == "memmove":
+        bs = src.dtype.itemsize
+        sb = src.ctypes.data + src_off * bs
+        db = dst.ctypes.data + dst_off * bs
+        mm = _memmove
+        for s0, d0, n in plan.ops.tolist():
+            mm(db + d0 * bs, sb + s0 * bs, n * bs)
+        return
+    src = src[src_off:]
+    dst = dst[dst_off:]
+    if plan.kind == "take":
+        take = np.take
+        for d0, ids in plan.ops:
+            take(src, ids, out=dst[d0:d0 + ids.size], mode="clip")
+        return
+    for s0, step, ids in plan.ops:
+        dst[ids] = src[s0:s0 + step * (ids.size - 1) + 1:step]
+
+
+def split_block_plan(plan: BlockPlan, parts: int) -> list[BlockPlan]:
+    """Cut ``plan`` into at most ``parts`` plans of about equal block counts (same kind)."""
+    n = plan.num_blocks
+    if parts <= 1 or n < 2:
+        return [plan]
+    target = -(-n // parts)
+    out: list[list] = [[]]
+    room = target
+    if plan.kind == "memmove":
+        items = [(s0, d0, c) for s0, d0, c in plan.ops.tolist()]
+    elif plan.kind == "take":
+        items = [(d0, ids) for d0, ids in plan.ops]
+    else:
+        items = [(s0, st, ids) for s0, st, ids in plan.ops]
+    for it in items:
+        cnt = it[2] if plan.kind == "memmove" else it[-1].size
+        a = 0
+        while a < cnt:
+            if room == 0:
+                out.append([])
+                room = target
+            b = min(cnt, a + room)
+            if plan.kind == "memmove":
+                out[-1].append((it[0] + a, it[1] + a, b - a))
+            elif plan.kind == "take":
+                out[-1].append((it[0] + a, it[1][a:b]))
+            else:
+                out[-1].append((it[0] + a * it[1], it[1], it[2][a:b]))
+            room -= b - a
+            a = b
+    res = []
+    for ops in out:
+        blocks = sum(o[2] if plan.kind == "memmove" else o[-1].size for o in ops)
+        res.append(BlockPlan(plan.kind, np.asarray(ops, dtype=np.int64).reshape(-1, 3)
+                             if plan.kind == "memmove" else tuple(ops), blocks))
+    return res
+
+
+def block_view(t: torch.Tensor, block_elems: int) -> np.ndarray:
+    """A contiguous CPU tensor as a 1-D numpy array of ``block_elems``-element blocks."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise TransferError("block views need a contiguous CPU tensor")
+    nbytes = block_elems * t.element_size()
+    raw = t.reshape(-1).view(torch.uint8).numpy()
+    return raw.view(np.dtype((np.void, nbytes)))
 
 
 @dataclass
@@ -122,12 +302,16 @@ class TransferJob:
         self.plan = plan
         self.num_layers = num_layers
         self.nbytes = nbytes
+        self.seconds = 0.0  # copy time on the worker (CPU path; 0 on CUDA, where it is async)
         self._cuda = cuda
         self._error: BaseException | None = None
+        self._blocks: BlockPlan | None = None  # CPU direct: the copy plan, made at submit
         if cuda:
             self._events = [torch.cuda.Event() for _ in range(num_layers)]
-        else:
-            self._events = [threading.Event() for _ in range(num_layers)]
+        else:  # CPU: one condition and a count of arrived layers (cheaper than L events)
+            self._arrived = 0
+            self._landed = bytearray(num_layers)  # layers copied, possibly out of order
+            self._cond = threading.Condition(threading.Lock())
         self._finished = threading.Event()
 
     @property
@@ -154,7 +338,13 @@ class TransferJob:
         if self._cuda:
             torch.cuda.current_stream().wait_event(self._events[layer])
             return
-        if not self._events[layer].wait(timeout):
+        if self._arrived <= layer and self._error is None:
+            with self._cond:
+                arrived = self._cond.wait_for(
+                    lambda: self._arrived > layer or self._error is not None, timeout)
+        else:
+            arrived = True
+        if not arrived:
             raise TransferError(f"layer {layer} of a {self.direction} transfer did not arrive "
                                 f"within {timeout} s")
         self._raise_if_failed()
@@ -174,25 +364,44 @@ class TransferJob:
 
     # called by the engine
     def _layer_done(self, layer: int) -> None:
-        self._events[layer].set()
+        """CPU: layers 0..layer have arrived."""
+        with self._cond:
+            self._arrived = max(self._arrived, layer + 1)
+            self._cond.notify_all()
+
+    def _layer_landed(self, layer: int) -> None:
+        """CPU: ``layer`` was copied (copy threads may finish layers out of order); layers
+        arrive in order, once every earlier one has landed too."""
+        with self._cond:
+            self._landed[layer] = 1
+            a = self._arrived
+            while a < self.num_layers and self._landed[a]:
+                a += 1
+            if a != self._arrived:
+                self._arrived = a
+                self._cond.notify_all()
 
     def _fail(self, err: BaseException) -> None:
         self._error = err
         if not self._cuda:
-            for e in self._events:
-                e.set()
+            with self._cond:
+                self._cond.notify_all()
         self._finished.set()
 
 
 class TransferEngine:
     """Moves whole widened pages between ``device_pool`` (L1) and ``host_pool`` (L2)."""
 
-    long_run_bytes = 256 << 10  # CPU: runs of at least this many bytes per layer use torch copies
+    cpu_copy: str | None = None  # CPU direct path: force one of COPY_KINDS (tests); None = cheapest
 
     def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool,
-                 io_backend: str = "direct", use_cupy: bool | None = None) -> None:
+                 io_backend: str = "direct", use_cupy: bool | None = None,
+                 copy_threads: int = 1) -> None:
         if io_backend not in IO_BACKENDS:
             raise PoolError(f"io_backend must be one of {IO_BACKENDS}, got {io_backend!r}")
+        if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) \
+                or copy_threads < 1:
+            raise PoolError(f"copy_threads must be an int >= 1, got {copy_threads!r}")
         d, h = device_pool, host_pool
         for name in ("num_layers", "kv_dim", "dtype"):
             if getattr(d, name) != getattr(h, name):
@@ -217,19 +426,29 @@ class TransferEngine:
             self._host3 = h.buf.view(h.num_layers, h.num_pages, W)
         else:
             self._host3 = h.buf.view(h.num_pages, h.num_layers, W).permute(1, 0, 2)
+        if not self.cuda:  # flat block arrays and (layer, page) block strides of both pools
+            self._dev_blocks = block_view(d.kv, W)
+            self._host_blocks = block_view(h.buf, W)
+            self._dev_strides = (d.num_pages, 1)
+            self._host_strides = ((h.num_pages, 1) if h.layout_kind == "layer_first"
+                                  else (1, h.num_layers))
         self._kernel = None
         if io_backend == "kernel":
             from hicache.kernels import page_copy
 
             self._kernel = page_copy
         self._cupy = HAVE_CUPY and self.cuda if use_cupy is None else (use_cupy and HAVE_CUPY)
+        # CPU: threads that each copy a share of a job (the worker itself is one of them).
+        self.copy_threads = 1 if self.cuda else copy_threads
+        self._helpers = (ThreadPoolExecutor(2 * (copy_threads - 1), "hicache-copy")
+                         if self.copy_threads > 1 else None)
         if self.cuda:
             self._streams = {"d2h": torch.cuda.Stream(d.device), "h2d": torch.cuda.Stream(d.device)}
-            self._workers: dict[str, tuple[queue.Queue, threading.Thread]] = {}
+            self._workers: dict[str, tuple[queue.SimpleQueue, threading.Thread]] = {}
         else:
             self._workers = {}
             for direction in ("d2h", "h2d"):
-                q: queue.Queue = queue.Queue()
+                q: queue.SimpleQueue = queue.SimpleQueue()  # C-level put/get: cheap wake-ups
                 t = threading.Thread(target=self._worker, args=(q,), daemon=True,
                                      name=f"hicache-{direction}")
                 t.start()
@@ -257,6 +476,8 @@ class TransferEngine:
             q.put(None)
         for q, t in self._workers.values():
             t.join()
+        if self._helpers is not None:
+            self._helpers.shutdown()
         if self.cuda:
             for s in self._streams.values():
                 s.synchronize()
@@ -276,6 +497,8 @@ class TransferEngine:
         if self.cuda:
             self._run_cuda(job)
         else:
+            if self._kernel is None:
+                job._blocks = self._plan_blocks(direction, plan)
             self._workers[direction][0].put(job)
         return job
 
@@ -292,41 +515,33 @@ class TransferEngine:
                 self.stats.jobs_h2d += 1
 
     # CPU ----------------------------------------------------------------------------------------
-    def _worker(self, q: queue.Queue) -> None:
+    def _worker(self, q: queue.SimpleQueue) -> None:
         while True:
             job = q.get()
             if job is None:
                 return
+            t0 = time.perf_counter()
             try:
                 self._run_cpu(job)
+                job.seconds = time.perf_counter() - t0
             except BaseException as err:  # surfaced to the waiter
                 job._fail(err)
             else:
                 self._account(job)
                 job._finished.set()
 
-    def _chunks(self, src: torch.Tensor, dst: torch.Tensor, plan: TransferPlan, runs: np.ndarray
-                ) -> tuple[list[int], list[int], list[int]]:
-        """Byte offsets (within one layer) and sizes of the contiguous copies of some runs."""
-        es = src.element_size()
-        W = self._page_elems
-        rs, rd, rl = plan.run_src[runs], plan.run_dst[runs], plan.run_len[runs]
-        if src.stride(1) == W and dst.stride(1) == W:  # both page-contiguous: one copy per run
-            so, do, sz = rs * (W * es), rd * (W * es), rl * (W * es)
-        else:  # one side strided across pages: one copy per page of the runs
-            idx = np.repeat(rs - np.cumsum(rl) + rl, rl) + np.arange(int(rl.sum()))
-            pages_s = idx
-            pages_d = np.repeat(rd - np.cumsum(rl) + rl, rl) + np.arange(int(rl.sum()))
-            so = pages_s * (src.stride(1) * es)
-            do = pages_d * (dst.stride(1) * es)
-            sz = np.full(so.size, W * es, dtype=np.int64)
-        return so.tolist(), do.tolist(), sz.tolist()
+    def _cpu_sides(self, direction: str):
+        """(src blocks, src strides, dst blocks, dst strides) for a direction."""
+        dev = (self._dev_blocks, self._dev_strides)
+        host = (self._host_blocks, self._host_strides)
+        (sb, sst), (db, dst) = (dev, host) if direction == "d2h" else (host, dev)
+        return sb, sst, db, dst
 
     def _run_cpu(self, job: TransferJob) -> None:
-        src, dst = self._views(job.direction)
         plan = job.plan
         L = self.num_layers
         if self._kernel is not None:
+            src, dst = self._views(job.direction)
             si, di = plan.src_pages, plan.dst_pages
             copy = (self._kernel.page_copy_triton if self._kernel.interpreter_enabled()
                     else self._kernel.page_copy_reference)
@@ -334,36 +549,44 @@ class TransferEngine:
                 copy(src[layer:layer + 1], si, dst[layer:layer + 1], di)
                 job._layer_done(layer)
             return
-        # Long runs: one torch copy per run (C++ loops, intra-op threads). Short runs (scattered
-        # pages): ctypes.memmove per contiguous chunk, ~0.5 us a call instead of ~4 us per op.
-        es = src.element_size()
-        long_mask = plan.run_len * (self._page_elems * es) >= self.long_run_bytes
-        long_runs = list(zip(plan.run_src[long_mask].tolist(), plan.run_dst[long_mask].tolist(),
-                             plan.run_len[long_mask].tolist()))
-        so, do, sz = self._chunks(src, dst, plan, np.flatnonzero(~long_mask))
-        sbase, dbase = src.data_ptr(), dst.data_ptr()
-        s_layer, d_layer = src.stride(0) * es, dst.stride(0) * es
-        mm = _memmove
-        if job.direction == "d2h":
-            # No per-layer consumer for a backup: copy all layers of a run at once, and for a
-            # page_first host write each host page's chunks in address order (sequential stores).
-            for s0, d0, n in long_runs:
-                dst[:, d0:d0 + n].copy_(src[:, s0:s0 + n])
-            for d_off, s_off, n in zip(do, so, sz):
-                for layer in range(L):
-                    mm(dbase + d_off + layer * d_layer, sbase + s_off + layer * s_layer, n)
-            for layer in range(L):
-                job._layer_done(layer)
+        src, (s_l, s_p), dst, (d_l, d_p) = self._cpu_sides(job.direction)
+        bp = job._blocks if job._blocks is not None else self._plan_blocks(job.direction, plan)
+        T = self.copy_threads
+        if job.direction == "d2h":  # all layers in one plan (split across the copy threads)
+            parts = split_block_plan(bp, T)
+            futs = [self._helpers.submit(run_block_plan, p, src, dst) for p in parts[1:]]
+            run_block_plan(parts[0], src, dst)
+            for f in futs:
+                f.result()
+            job._layer_done(L - 1)
             return
-        triples = list(zip(do, so, sz))
-        for layer in range(L):
-            s_l, d_l = src[layer], dst[layer]
-            for s0, d0, n in long_runs:
-                d_l[d0:d0 + n].copy_(s_l[s0:s0 + n])
-            sb, db = sbase + layer * s_layer, dbase + layer * d_layer
-            for d_off, s_off, n in triples:
-                mm(db + d_off, sb + s_off, n)
-            job._layer_done(layer)
+        # A load: the layer-0 plan replayed per layer, layer i usable early. With T threads,
+        # thread t copies layers t, t + T, ...; a layer arrives once all before it landed.
+        def layers(first: int) -> None:
+            for layer in range(first, L, T):
+                run_block_plan(bp, src, dst, layer * s_l, layer * d_l)
+                job._layer_landed(layer)
+
+        futs = [self._helpers.submit(layers, t) for t in range(1, min(T, L))]
+        layers(0)
+        for f in futs:
+            f.result()
+
+    def _plan_blocks(self, direction: str, plan: TransferPlan) -> BlockPlan:
+        """Block plan of a CPU direct job, made at submit time (off the worker's clock)."""
+        src, (s_l, s_p), dst, (d_l, d_p) = self._cpu_sides(direction)
+        ps, pd = plan.src_pages.numpy(), plan.dst_pages.numpy()
+        if direction == "h2d":  # completes layer by layer: plan layer 0 only
+            return plan_blocks(ps * s_p, pd * d_p, s_p, self.cpu_copy)
+        # No per-layer consumer for a backup: plan all layers at once (a page_first host page
+        # is then one contiguous destination run across layers).
+        layers = np.arange(self.num_layers, dtype=np.int64)
+        if d_p > d_l:  # page-major destination (page_first host): pairs in its order
+            layers, ps, pd = layers[None, :], ps[:, None], pd[:, None]
+        else:
+            layers = layers[:, None]
+        return plan_blocks((layers * s_l + ps * s_p).reshape(-1),
+                           (layers * d_l + pd * d_p).reshape(-1), s_p, self.cpu_copy)
 
     # CUDA ---------------------------------------------------------------------------------------
     def _run_cuda(self, job: TransferJob) -> None:  # pragma: no cover - needs a GPU

@@ -1,0 +1,129 @@
+"""The controller's vectorised page bookkeeping: the numpy page pool, and insert's fast
+validation of pages that came straight from alloc_device ("grants") against the general path."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache.controller import CacheController, PageOwnershipError
+from hicache.controller.pages import PagePool, id_array
+from hicache.l1.allocator import OutOfPagesError, PageError
+
+PT = 4
+
+
+def fresh_tokens(serial: int, n_pages: int) -> np.ndarray:
+    """Tokens no other call shares (so an insert never matches cached pages)."""
+    return np.arange(n_pages * PT, dtype=np.int64) + 1_000_000 * (serial + 1)
+
+
+def test_page_pool_lifo_order_and_errors():
+    p = PagePool(6)
+    assert p.alloc(3) == [0, 1, 2] and p.num_free == 3 and p.num_used == 3
+    a = p.alloc_array(2)
+    assert a.tolist() == [3, 4] and p.is_allocated(4) and not p.is_allocated(5)
+    p.free([1, 0])
+    assert p.alloc(2) == [1, 0]                       # freed pages come back in their order
+    with pytest.raises(PageError, match="not allocated"):
+        p.free([5])
+    with pytest.raises(PageError, match="outside"):
+        p.free([6])
+    with pytest.raises(PageError, match="outside"):
+        p.free([-1])
+    with pytest.raises(PageError, match="twice"):
+        p.free([1, 1])
+    with pytest.raises(PageError, match="not an int"):
+        p.free([1.5])
+    with pytest.raises(OutOfPagesError):
+        p.alloc(2)
+    p.free(np.array([3, 4, 2], np.int32))             # int arrays are accepted too
+    assert p.num_free == 4 and not p.is_allocated(3)
+    big = PagePool(100)
+    ids = big.alloc_array(80)
+    assert big.has_duplicates(np.concatenate([ids[:50], ids[10:11]]))
+    assert not big.has_duplicates(ids)
+
+
+def test_id_array_types():
+    assert id_array([3, 1]).tolist() == [3, 1]
+    assert id_array([np.int64(3), 2]).tolist() == [3, 2]
+    for bad in ([1.0], ["a"], [None]):
+        with pytest.raises(PageError):
+            id_array(bad)
+
+
+def test_insert_from_several_grants_with_a_cut_tail():
+    c = CacheController(PT, 32, 0)
+    a, b, d = c.alloc_device(3), c.alloc_device(2), c.alloc_device(3)
+    pages = a + b + d[:1]                             # the last grant is cut short
+    r = c.insert(fresh_tokens(0, 6), pages)
+    assert r.new_pages == 6 and list(r.device_pages) == pages
+    assert all(type(p) is int for p in r.device_pages)
+    assert c.request_pages == frozenset(d[1:])
+    c.free_device(d[1:])
+    assert c.request_pages == frozenset() and c.device.num_used == 6
+    c.check()
+
+
+def test_insert_rejects_reused_or_stale_grants():
+    c = CacheController(PT, 32, 0)
+    a = c.alloc_device(2)
+    with pytest.raises(PageOwnershipError, match="twice"):
+        c.insert(fresh_tokens(0, 4), a + a)           # the same grant twice
+    c.free_device(a[1:])
+    b = c.alloc_device(1)                             # LIFO: the same id, a newer grant
+    assert b == a[1:]
+    r = c.insert(fresh_tokens(1, 2), a)               # still request pages: accepted
+    assert list(r.device_pages) == a
+    with pytest.raises(PageOwnershipError, match="owned by a cached node"):
+        c.insert(fresh_tokens(2, 2), a)               # consumed: now the tree's
+    mine = c.alloc_device(2)
+    mine[0] = 31                                      # the caller's copy: ours is unchanged
+    with pytest.raises(PageOwnershipError, match="not allocated"):
+        c.insert(fresh_tokens(3, 2), mine)
+    c.check()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "insert"]),
+                          st.integers(0, 4), st.integers(0, 2 ** 16)), max_size=25))
+def test_insert_validation_matches_a_set_model(steps):
+    """Random grants, frees and inserts of (possibly cut, reordered, repeated or foreign) page
+    lists: insert accepts exactly when every page is a request page and none repeats."""
+    c = CacheController(PT, 24, 0)
+    grants: list[list[int]] = []
+    req: set[int] = set()
+    for i, (kind, k, seed) in enumerate(steps):
+        rng = np.random.default_rng(seed)
+        if kind == "alloc":
+            if k > c.device.num_free:
+                continue
+            g = c.alloc_device(k)
+            grants.append(g)
+            req |= set(g)
+        elif kind == "free" and req:
+            sub = sorted(rng.choice(sorted(req), size=min(k, len(req)), replace=False).tolist())
+            c.free_device(sub)
+            req -= set(sub)
+        elif kind == "insert" and grants:
+            pick = [grants[int(j)] for j in rng.integers(0, len(grants), size=1 + k % 3)]
+            pages = [p for g in pick for p in g]
+            mode = int(rng.integers(0, 4))
+            if mode == 1 and pages:
+                pages = pages[:int(rng.integers(1, len(pages) + 1))]
+            elif mode == 2:
+                pages = pages[::-1]
+            elif mode == 3 and pages:
+                pages[int(rng.integers(0, len(pages)))] = int(rng.integers(0, 24))
+            ok = set(pages) <= req and len(set(pages)) == len(pages)
+            toks = fresh_tokens(i, len(pages))
+            if ok:
+                r = c.insert(toks, pages)
+                assert list(r.device_pages) == pages
+                req -= set(pages)
+            else:
+                with pytest.raises(PageOwnershipError):
+                    c.insert(toks, pages)
+        assert c.request_pages == frozenset(req)
+        c.check()
