@@ -1,6 +1,7 @@
 """L1 <-> L2 transfer benchmark: shard bytes per rank per second against a plain memcpy.
 
-    python bench/transfer.py [--json] [--quick] [--io direct|kernel] [--pattern P] [--copy-threads N]
+    python bench/transfer.py [--json] [--quick] [--io direct|kernel] [--pattern P]
+                             [--copy-threads N]
 
 For DCP sizes c in 1, 2, 4, 8, both host layouts and both directions, one rank's shard of a
 ``--tokens``-token sequence (MLA rows of kv_dim 576, bf16, ``--layers`` layers, physical page
@@ -8,8 +9,8 @@ size 16) moves between its DeviceKVPool and HostKVPool through the TransferEngin
 measured in the same run and interleaved with each measurement, is one contiguous memcpy of
 the same number of bytes (libc ``memmove`` via ctypes on CPU, between buffers allocated and
 faulted in like the pools, huge pages included; a pinned ``copy_(non_blocking=True)``, i.e.
-cudaMemcpyAsync, on CUDA). Page patterns: ``contiguous``
-(device and host pages in order) and ``scattered`` (device pages a random permutation, as after cache churn).
+cudaMemcpyAsync, on CUDA). Page patterns: ``contiguous`` (device and host pages in order) and
+``scattered`` (device pages a random permutation, as after cache churn).
 Each timing submits a batch of jobs (about 48 MB in flight) and waits for all, as an engine
 would. After two warm-up rounds, times are the best of ``--reps`` repetitions, the transfer and
 the memcpy alternating which goes first, so both see the same machine load (this is a shared

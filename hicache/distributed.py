@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
+import time
 import traceback
 from contextlib import contextmanager
 from typing import Any, Callable
@@ -48,7 +50,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str | None, timeout_
     try:
         init_process_group(rank, world_size, port, backend, timeout_s)
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # pickled here: tensors would otherwise travel as shared memory that dies with us
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # report every failure to the parent, then exit non-zero
         queue.put((rank, False, traceback.format_exc()))
         raise SystemExit(1)
@@ -74,7 +77,6 @@ def launch(world_size: int, fn: Callable, *args: Any, backend: str | None = None
     results: dict[int, Any] = {}
     errors: list[str] = []
     deadline = timeout_s + 60.0
-    import time
     start = time.monotonic()
     while len(results) + len(errors) < world_size:
         if time.monotonic() - start > deadline:
@@ -86,7 +88,7 @@ def launch(world_size: int, fn: Callable, *args: Any, backend: str | None = None
             continue
         rank, ok, payload = queue.get()
         if ok:
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
         else:
             errors.append(f"rank {rank} failed:\n{payload}")
     for p in procs:
@@ -122,16 +124,28 @@ class CollectiveCounter:
             box["n"] = cls.count - start
 
 
+def _first(*names: str):
+    """The first collective of these names this torch has (2.13 renamed some of 2.11's)."""
+    for name in names:
+        fn = getattr(dist, name, None)
+        if fn is not None:
+            return fn
+    raise RuntimeError(f"this torch.distributed has none of {names}")
+
+
+# torch 2.13 deprecates *_into_tensor / *_tensor in favour of *_single; 2.11 has only the former.
+_ALL_GATHER = _first("all_gather_single", "all_gather_into_tensor", "_all_gather_base")
+_REDUCE_SCATTER = _first("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base")
+
+
 def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
     CollectiveCounter.bump()
-    fn = getattr(dist, "all_gather_into_tensor", None) or getattr(dist, "_all_gather_base")
-    fn(out, inp, group=group)
+    _ALL_GATHER(out, inp, group=group)
 
 
 def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
     CollectiveCounter.bump()
-    fn = getattr(dist, "reduce_scatter_tensor", None) or getattr(dist, "_reduce_scatter_base")
-    fn(out, inp, group=group)
+    _REDUCE_SCATTER(out, inp, group=group)
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .config import HiCacheConfig
-from .controller import BackupOp, CacheController, DeviceFullError, LoadOp, StepAgreement
+from .controller import BackupOp, CacheController, DeviceFullError, StepAgreement
 from .controller.tree import as_tokens
 from .l1.pool import DeviceKVPool
 from .l2.pool import HostKVPool, check_host_memory
@@ -186,6 +186,8 @@ class HiCache:
             return
         keys = self._keys(req.chains[first:])
         n = self.l3.exists_prefix(keys)
+        if n == 0 or n * self.page_tokens < self.config.policy.prefetch_min_tokens:
+            return  # nothing worth restoring: the request is ready at once
         shape = self.namespace.shard_shape
         req.staging = [torch.empty(shape, dtype=self.l1.dtype) for _ in range(n)]
         req.prefetch = self._prefetcher.start(req.prefix.request_id, keys[:n], req.staging)

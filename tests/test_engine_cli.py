@@ -4,19 +4,10 @@ import argparse
 import json
 
 import pytest
-import torch
 
 from hicache.engine import cli
 from hicache.engine.model import MLAModel, ModelConfig
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: extra intra-op threads only contend on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def parse(*argv):

@@ -16,14 +16,6 @@ from hicache.l1 import DeviceKVPool, PageAllocator
 from hicache.layout import DCPLayout
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: extra intra-op threads only contend on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 CFG = ModelConfig(num_layers=2, seed=11)
 PAGE = 2
 NEW = 4

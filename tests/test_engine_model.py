@@ -13,14 +13,6 @@ from hicache.engine.model import (MLAModel, ModelConfig, ModelConfigError, Model
                                   rms_norm)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: extra intra-op threads only contend on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 CFG = ModelConfig(num_layers=2)
 
 

@@ -10,14 +10,6 @@ from hypothesis import strategies as st
 from hicache.engine.merge import MergeError, merge_attn_states, merge_weights
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: extra intra-op threads only contend on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def dense_attention(scores: torch.Tensor, values: torch.Tensor):
     """scores [Q, N] (-inf = masked), values [N, D] -> (o [Q, D], lse [Q]) in float64."""

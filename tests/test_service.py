@@ -1,6 +1,5 @@
 """HiCache embedded in the engine: hits per tier, identical outputs, warm restart, 2 ranks."""
 
-import json
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ from hicache.distributed import launch
 from hicache.engine.model import MLAModel
 from hicache.serving import Server, ServingError, model_config
 from hicache.service import HiCache, HiCacheError, MODES
-from hicache.workloads import Request, chat_trace
+from hicache.workloads import Request
 
 
 def make_cfg(tmp_path, dcp=1, l1_pages=24, l2_ratio=2.0, **policy) -> HiCacheConfig:

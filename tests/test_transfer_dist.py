@@ -5,7 +5,6 @@ multiples of c, partial last pages), both host layouts, backup -> overwrite L1 -
 """
 
 import torch
-import torch.distributed as dist
 
 from hicache.distributed import CollectiveCounter, all_reduce, launch
 from hicache.l1.allocator import PageAllocator

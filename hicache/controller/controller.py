@@ -274,7 +274,7 @@ class CacheController:
         if len(idx):
             self._gen[idx] = -1  # every request page is now adopted, new or freed
         freed: list[int] = []
-        clock, pol = self._clock, self.policy
+        clock = self._clock
         pos = 0
         for node in path:
             seg = pages[pos:pos + node.npages]

@@ -2,7 +2,8 @@
 
 One tensor ``kv`` [num_layers, num_pages * P, kv_dim] on CUDA when available, else CPU. The
 caller addresses it with *virtual* slots of the widened page space (``P * c`` slots per page);
-the pool keeps only the slots this rank owns, at ``layout.physical(slot)``.
+the pool keeps only the slots this rank owns, at ``layout.physical(slot)``. Memory is faulted in
+at creation (``zeroed``), on transparent huge pages when it lives on the CPU (Linux).
 """
 
 from __future__ import annotations

@@ -119,11 +119,12 @@ def plan_transfer(src_pages: PageList, dst_pages: PageList, src_limit: int, dst_
     bounds = np.concatenate(([0], starts, [s.size]))
     return TransferPlan(src, dst, s[bounds[:-1]], d[bounds[:-1]], bounds[1:] - bounds[:-1])
 
+
 # CPU block copies ------------------------------------------------------------------------------
 COPY_KINDS = ("memmove", "take", "scatter")
 # Rough cost of one call in microseconds (Python dispatch + setup), used to pick a kind, and a
-# per-block surcharge for memmove: one long memmove (non-temporal stores past libc's threshold)
-# measured a few % slower than numpy's per-block copies of the same bytes on the CPU box.
+# per-block surcharge for memmove: one long memmove measured a few % slower than numpy's
+# per-block copies of the same bytes on the 2-core CI box (bench/transfer.py).
 _CALL_COST = {"memmove": 0.7, "take": 1.5, "scatter": 2.0}
 _MEMMOVE_BLOCK_COST = 0.05
 
