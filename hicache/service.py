@@ -90,7 +90,7 @@ class HiCache:
 
     def __init__(self, config: HiCacheConfig, rank: int = 0, group=None, *,
                  mode: str | None = None, device: str | torch.device | None = None,
-                 debug: bool = False) -> None:
+                 replica: tuple[int, int] = (0, 1), debug: bool = False) -> None:
         if mode is None:
             mode = "l1+l2+l3" if config.l3.enabled else "l1+l2"
         if mode not in MODES:
@@ -100,6 +100,10 @@ class HiCache:
             raise HiCacheError(f"the process group has {world} ranks but parallel.dcp is "
                                f"{config.parallel.dcp}: one HiCache per DCP rank")
         self.config, self.rank, self.group, self.mode = config, rank, group, mode
+        if not (len(replica) == 2 and 0 <= replica[0] < replica[1]):
+            raise HiCacheError(f"replica must be (id, count) with 0 <= id < count, got {replica}")
+        self.replica = replica  # (id, count) of TP replicas holding this shard: one L3 writer
+        self._prefill_tok_s = 0.0
         self.tiers = MODES[mode]
         m = config.model
         self.layout = config.layout(rank)
@@ -121,8 +125,9 @@ class HiCache:
         self._reqs: dict[object, _Request] = {}
         self._jobs: dict[int, tuple] = {}   # op id -> (op, job, L3 chains of its device pages)
         self._pending: list = []                             # requests waiting on L3
-        self._chain_of_page: dict[int, bytes] = {}           # device page -> L3 chain hash
+        self._chain_of_page: dict[int, tuple] = {}  # device page -> (L3 chain, index in prefix)
         self._stats = TierStats()
+        self._closed = False
         self.l3 = self._writer = self._prefetcher = None
         if "l3" in self.tiers:
             self._open_l3()
@@ -179,19 +184,40 @@ class HiCache:
         return prefix
 
     def _start_prefetch(self, req: _Request) -> None:
+        """Look the pages after the L1/L2 hit up in L3 and start reading them. Whether a request
+        waits on L3 depends only on replicated facts (its tokens, the hit, the policy), never on
+        this rank's store, so every rank keeps the same pending list; what this rank found is
+        MIN-agreed in ``step`` (a rank that lacks a page, or would rather recompute, says 0)."""
         from .l3 import chain_hashes
         req.chains = chain_hashes(req.tokens[:-1], self.page_tokens)
         first = req.prefix.hit_len // self.page_tokens
-        if first >= len(req.chains):
+        if (len(req.chains) - first) * self.page_tokens < max(
+                1, self.config.policy.prefetch_min_tokens):
             return
         keys = self._keys(req.chains[first:])
         n = self.l3.exists_prefix(keys)
-        if n == 0 or n * self.page_tokens < self.config.policy.prefetch_min_tokens:
-            return  # nothing worth restoring: the request is ready at once
+        if n and not self._worth_loading(n):
+            n = 0
         shape = self.namespace.shard_shape
         req.staging = [torch.empty(shape, dtype=self.l1.dtype) for _ in range(n)]
         req.prefetch = self._prefetcher.start(req.prefix.request_id, keys[:n], req.staging)
         self._pending.append(req)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine reports prefill speed; with the store's read speed it decides whether an
+        L3 hit is worth loading (a disk-backed hit can be slower than recomputing)."""
+        if tokens > 0 and seconds > 0:
+            rate = tokens / seconds
+            self._prefill_tok_s = rate if not self._prefill_tok_s else (
+                0.8 * self._prefill_tok_s + 0.2 * rate)
+
+    def _worth_loading(self, pages: int) -> bool:
+        from .l3 import CostModel
+        st = self.l3.stats
+        if not self._prefill_tok_s or st.bytes_read <= 0 or st.read_s <= 0:
+            return True  # nothing measured yet: try the store
+        model = CostModel.from_stats(st, self._prefill_tok_s)
+        return model.should_load(pages * self.page_tokens, pages * self.namespace.shard_bytes)
 
     def alloc(self, request_id, n_tokens: int) -> list[int]:
         """Grow the request's page table to hold ``n_tokens`` tokens in all; the new pages.
@@ -234,8 +260,8 @@ class HiCache:
             if self.l3 is not None:
                 from .l3 import chain_hashes
                 chains = chain_hashes(arr[:whole * self.page_tokens], self.page_tokens)
-                for page, chain in zip(res.device_pages, chains):
-                    self._chain_of_page[page] = chain
+                for i, (page, chain) in enumerate(zip(res.device_pages, chains)):
+                    self._chain_of_page[page] = (chain, i)
             tail = [p for p in table[whole:] if p in set(req.own_pages)]
             self._ctl(self.ctrl.unlock, req.lock)
             self._launch(self.ctrl.take_ops())
@@ -315,10 +341,17 @@ class HiCache:
             out["bytes"]["l3_write"] = l3.bytes_written
         return out
 
-    def close(self) -> None:
-        """Finish transfers and flush pending L3 writes. Safe to call twice."""
+    def close(self, flush: bool = True) -> None:
+        """Finish transfers, apply them (one last agreement: every rank calls ``close``) and
+        flush their L3 writes. ``flush=False`` (after an error) only waits for local copies.
+        Safe to call twice."""
+        if self._closed:
+            return
+        if flush and self.ctrl.inflight_ops():  # replicated: every rank takes this branch
+            self.drain()
         for _op, job, _c in list(self._jobs.values()):
             job.wait()
+        self._closed = True
         if self._writer is not None:
             self._writer.close()
             self._prefetcher.close()
@@ -329,8 +362,8 @@ class HiCache:
     def __enter__(self) -> "HiCache":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(flush=exc_type is None)
 
     # ---- internals ----------------------------------------------------------------------------
     def _ctl(self, fn, *args):
@@ -364,7 +397,9 @@ class HiCache:
             self._stats.bytes["d2h"] += job.nbytes
             self._stats.transfer_s["d2h"] += job.seconds
             if self._writer is not None:
-                pairs = [(c, h) for c, h in zip(chains, op.host_pages) if c is not None]
+                from .l3 import should_write
+                pairs = [(c[0], h) for c, h in zip(chains, op.host_pages)
+                         if c is not None and should_write(c[1], *self.replica)]
                 if pairs:
                     keys = self._keys([c for c, _ in pairs])
                     self._writer.submit(keys, [self.l2.read_page(h).clone() for _, h in pairs])

@@ -150,8 +150,10 @@ class Server:
                 logits = self.runner.extend(state, suffix[s:s + self.chunk_tokens])
         finally:
             self._waiting_on = []
-        self.prefill_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.prefill_s += dt
         self.prefill_tokens += len(suffix)
+        self.cache.observe_prefill(len(suffix), dt)
         a.output.append(int(logits[-1].argmax()))
         a.ttft = time.perf_counter() - a.admitted
         a.state = state

@@ -66,12 +66,29 @@ def test_frozen():
         cfg.l1.num_pages = 3  # type: ignore[misc]
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "hicache.cli", *args], capture_output=True,
-                          text=True, timeout=120)
+class Ran:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
 
 
-def test_cli_check_config_and_bad_input(tmp_path):
+@pytest.fixture
+def run_cli(capsys):
+    from hicache.cli import main
+
+    def run(*args):
+        rc = main(list(args))
+        out = capsys.readouterr()
+        return Ran(rc, out.out, out.err)
+    return run
+
+
+def test_console_entry_point_runs():
+    r = subprocess.run([sys.executable, "-m", "hicache.cli", "plan", "--model", "kimi-k2",
+                        "--tp", "16", "--dcp", "8"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "kimi-k2" in r.stdout
+
+
+def test_cli_check_config_and_bad_input(tmp_path, run_cli):
     ok = run_cli("check-config", str(EXAMPLE))
     assert ok.returncode == 0, ok.stderr
     assert "effective_page_size: 32" in ok.stdout and "policy.write" in ok.stdout
@@ -87,7 +104,7 @@ def test_cli_check_config_and_bad_input(tmp_path):
         assert len(r.stderr.strip().splitlines()) == 1
 
 
-def test_cli_plan_table_and_json():
+def test_cli_plan_table_and_json(run_cli):
     import json
     r = run_cli("plan", "--model", "deepseek-r1", "--tp", "8", "--memory", "40", "--json")
     assert r.returncode == 0, r.stderr

@@ -65,6 +65,14 @@ def test_head_sharded_query_and_out_compose(model):
     assert torch.allclose(parts, layer.attn_out(o), atol=1e-5)
 
 
+def test_attn_out_and_output_accept_zero_tokens(model):
+    layer = model.layers[0]
+    empty = torch.empty(0, CFG.num_heads, CFG.kv_lora_rank)
+    assert layer.attn_out(empty).shape == (0, CFG.hidden_size)
+    assert layer.attn_out(empty[:, 2:4], slice(2, 4)).shape == (0, CFG.hidden_size)
+    assert layer.output(empty, torch.empty(0, CFG.hidden_size)).shape == (0, CFG.hidden_size)
+
+
 @settings(max_examples=25, deadline=None)
 @given(n=st.integers(0, 20), t=st.integers(1, 4), c=st.integers(1, 4), seed=st.integers(0, 999))
 def test_shards_with_global_positions_merge_to_dense(n, t, c, seed):

@@ -186,3 +186,55 @@ def test_two_ranks_agree_and_match_one_rank(tmp_path):
     assert s0["hit_tokens"]["l2"] > 0 and s0["hit_tokens"]["l3"] > 0
     # each rank stores only its half of every page: equal bytes (whole pages of 2*P tokens)
     assert s0["bytes"]["d2h"] == s1["bytes"]["d2h"] > 0
+
+
+def _one_rank_lacks_a_page(rank, world, cfg_dict, prompt):
+    import torch.distributed as dist
+    from hicache.l3 import PageStore, chain_hashes, keys_for_rank
+    cfg = HiCacheConfig.from_dict(cfg_dict)
+    group = dist.group.WORLD
+    first, _ = serve(cfg, "l1+l2+l3", [req("a", prompt)], rank, group)  # fills L3 on close
+    dist.barrier()
+    if rank == 1:  # this rank loses its shard of the third page
+        with HiCache(cfg, rank, group, mode="l1+l2+l3") as cache:
+            keys = keys_for_rank(chain_hashes(prompt[:-1], cache.page_tokens), cache.namespace, 1)
+        store = PageStore(cfg.l3.path, cache.namespace, 1, cfg.l3.size_bytes)
+        assert store.exists_prefix(keys) == 4 and store.delete(keys[2:3]) == 1
+        store.close()
+    else:
+        HiCache(cfg, rank, group, mode="l1+l2+l3").close()  # keep the ranks in step
+    dist.barrier()
+    model = MLAModel(model_config(cfg))
+    with HiCache(cfg, rank, group, mode="l1+l2+l3") as cache:
+        p = cache.admit("b", prompt)
+        while not cache.step():
+            pass
+        storage_len = p.storage_len
+        cache.abort("b")
+        again = Server(model, cache, group=group).run([req("c", prompt)])[0]
+    return storage_len, first[0].output, again.output
+
+
+def test_a_page_one_rank_lacks_is_used_by_neither(tmp_path):
+    cfg = make_cfg(tmp_path, dcp=2, prefetch="wait_complete")
+    prompt = np.random.default_rng(7).integers(0, 128, 33)
+    out = launch(2, _one_rank_lacks_a_page, cfg.to_dict(), prompt, timeout_s=300)
+    assert [o[0] for o in out] == [16, 16]  # rank 0 has 4 pages, rank 1 only 2: MIN = 2 pages
+    for storage_len, first, again in out:
+        assert again == first
+
+
+def test_one_l3_writer_per_page_among_replicas(tmp_path):
+    from hicache.l3 import PageStore, chain_hashes, keys_for_rank
+    prompt = np.random.default_rng(3).integers(0, 128, 41)  # 10 whole pages of 4
+    cfg = make_cfg(tmp_path)
+    model = MLAModel(model_config(cfg))
+    with HiCache(cfg, mode="l1+l2+l3", replica=(1, 2)) as cache:
+        Server(model, cache).run([req("a", prompt, out=1)])
+        cache.drain()
+        keys = keys_for_rank(chain_hashes(prompt, 4), cache.namespace, 0)
+    with PageStore(cfg.l3.path, cache.namespace, 0, cfg.l3.size_bytes) as store:
+        stored = [store.exists_prefix([k]) for k in keys]
+    assert stored == [i % 2 for i in range(10)]  # replica 1 of 2 writes the odd pages
+    with pytest.raises(HiCacheError, match="replica"):
+        HiCache(cfg, replica=(2, 2))

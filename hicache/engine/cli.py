@@ -1,13 +1,20 @@
 """``hicache decode``: spawn a DCP group of gloo processes, prefill a seeded prompt, decode.
 
-    hicache decode --dcp C --backend a2a|ag_rs [--replicate-q] --prompt-len N --new-tokens K
-                   --seed S [--page-size P] [--model FILE] [--device cpu|cuda] [--verify]
-                   [--json]
+    hicache decode --dcp C --backend a2a|ag_rs [--replicate-q] --prompt-len L --new-tokens K
+                   --seed S [--page-size P] [--pcp N] [--pcp-mode ring|full_kv] [--model FILE]
+                   [--device cpu|cuda] [--verify] [--json]
 
-Prints the token ids, per-rank KV rows and bytes, DCP collectives per layer and the mean decode
-step time; ``--json`` prints one object with ``tokens``, ``kv_rows_per_rank``,
-``kv_bytes_per_rank``, ``collectives_per_layer``, ``step_time_s`` (and a few extras). ``--verify``
-also runs the dense single-process reference and fails (exit 1) when the tokens differ.
+``--pcp N`` (default 1: the ordinary DCP prefill through the engine) prefills the prompt with
+prefill context parallelism over N ranks (DualChunkSwap chunks, ``ring`` or ``full_kv``
+attention; see ``hicache.pcp.prefill``), writes its KV into the DCP-striped pools, then decodes
+with DCP C as usual. max(N, C) processes are launched: ranks >= C only help the prefill, ranks
+>= N only receive their KV rows.
+
+Prints the token ids, per-rank KV rows and bytes, DCP collectives per layer, the prefill time and
+the mean decode step time; ``--json`` prints one object with ``tokens``, ``kv_rows_per_rank``,
+``kv_bytes_per_rank``, ``collectives_per_layer``, ``step_time_s``, ``pcp``, ``prefill_time_s``
+(and a few extras). ``--verify`` also runs the dense single-process reference and fails (exit 1)
+when the tokens differ.
 
 ``add_parser(subparsers)`` adds the subcommand; ``run(args) -> int`` runs it and raises
 ``DecodeArgsError`` (one clear line, exit 2 in the caller) for bad arguments. ``decode_worker`` is
@@ -27,6 +34,7 @@ from typing import Optional
 import torch
 
 from hicache.engine.dcp import BACKENDS
+from hicache.pcp.ring import MODES
 
 
 class DecodeArgsError(ValueError):
@@ -47,6 +55,13 @@ class DecodeSpec:
     attn_backend: str = "auto"
     warmup_steps: int = 0  # decode steps run (and discarded) on a throwaway request first
     device: str = "cpu"  # "cpu": gloo ranks; "cuda": nccl ranks, one GPU each
+    pcp: int = 1  # prefill context-parallel ranks (1: the engine's own DCP prefill)
+    pcp_mode: str = "ring"  # "ring" | "full_kv" (used when pcp > 1)
+
+    @property
+    def world_size(self) -> int:
+        """Processes to launch: the larger of the PCP and DCP groups."""
+        return max(self.pcp, self.dcp)
 
 
 def build_model(spec: DecodeSpec):
@@ -61,41 +76,91 @@ def make_prompt(spec: DecodeSpec, vocab_size: int) -> list[int]:
     return torch.randint(0, vocab_size, (spec.prompt_len,), generator=g).tolist()
 
 
+def _sync(world_size: int, device: torch.device) -> None:
+    """A barrier over the launched world (so the prefill timer starts together)."""
+    if world_size > 1:
+        from hicache.distributed import all_reduce
+        all_reduce(torch.zeros(1, device=device))
+
+
 def decode_worker(rank: int, world_size: int, spec: DecodeSpec) -> dict:
-    """One rank: build model, pool and runner; prefill and decode; report what this rank saw."""
+    """One rank: build model, pool and runner; prefill and decode; report what this rank saw.
+
+    ``world_size`` must be ``spec.world_size``. Ranks < ``spec.dcp`` hold a KV pool shard and
+    decode; with ``spec.pcp > 1`` the first ``spec.pcp`` ranks compute the prefill, and a rank
+    outside the DCP group returns after it (``role`` "pcp", no tokens).
+    """
     from hicache.distributed import CollectiveCounter
     from hicache.engine.runner import DCPRunner, RequestState, reserve
     from hicache.l1 import DeviceKVPool, PageAllocator
     from hicache.layout import DCPLayout
 
+    if world_size != spec.world_size:
+        raise DecodeArgsError(f"decode_worker needs max(pcp, dcp) = {spec.world_size} ranks, "
+                              f"got {world_size}")
     device = torch.device("cuda", torch.cuda.current_device()) if spec.device == "cuda" \
         else torch.device("cpu")
+    dcp_group = pcp_group = None
+    if world_size > 1:
+        import torch.distributed as dist
+        # every rank calls new_group, in the same order, member or not
+        if spec.dcp < world_size:
+            dcp_group = dist.new_group(list(range(spec.dcp)))
+        if 1 < spec.pcp < world_size:
+            pcp_group = dist.new_group(list(range(spec.pcp)))
+    in_dcp = rank < spec.dcp
     model = build_model(spec).to(device)
     cfg = model.cfg
-    layout = DCPLayout(world_size, rank, spec.page_size)
+    layout = DCPLayout(spec.dcp, rank if in_dcp else 0, spec.page_size)
     total = spec.prompt_len + spec.new_tokens
     vps = layout.virtual_page_size
     warm_pages = -(-(spec.warmup_steps + 2) // vps) if spec.warmup_steps else 0
     pages = -(-total // vps) + warm_pages
-    pool = DeviceKVPool(layout, cfg.num_layers, cfg.kv_dim, cfg.torch_dtype, pages, device=device)
     alloc = PageAllocator(pages)
-    runner = DCPRunner(model, pool, backend=spec.backend, replicate_q=spec.replicate_q,
-                       attn_backend=spec.attn_backend)
     prompt = make_prompt(spec, cfg.vocab_size)
+    pool = runner = None
+    warm = RequestState()
+    if spec.warmup_steps:  # every rank allocates the same pages, so page tables agree
+        reserve(warm, alloc, 2 + spec.warmup_steps, vps)
+    if in_dcp:
+        pool = DeviceKVPool(layout, cfg.num_layers, cfg.kv_dim, cfg.torch_dtype, pages,
+                            device=device)
+        runner = DCPRunner(model, pool, backend=spec.backend, replicate_q=spec.replicate_q,
+                           attn_backend=spec.attn_backend, group=dcp_group)
+        if spec.warmup_steps:
+            runner.generate(warm, prompt[:2], spec.warmup_steps)
+        runner.stats = type(runner.stats)()
     if spec.warmup_steps:
-        warm = RequestState()
-        runner.generate(warm, prompt[:2], spec.warmup_steps, allocator=alloc)
         alloc.free(warm.page_table)
-    runner.stats = type(runner.stats)()
     state = RequestState()
-    reserve(state, alloc, total, layout.virtual_page_size)
+    reserve(state, alloc, total, vps)
+    _sync(world_size, device)
+    tokens: list[int] = []
+    times: list[float] = []
     t0 = time.perf_counter()
     with CollectiveCounter.measure() as m:
-        tokens, times = runner.generate(state, prompt, spec.new_tokens)
+        if spec.pcp > 1:
+            from hicache.pcp.prefill import pcp_prefill_request
+            last = pcp_prefill_request(model, pool, state, prompt, mode=spec.pcp_mode,
+                                       layout=layout, pcp_group=pcp_group)  # [V]
+        else:
+            last = runner.extend(state, prompt)[-1]  # [V]
+        prefill_s = time.perf_counter() - t0
+        if in_dcp:
+            for _ in range(spec.new_tokens):  # greedy, as DCPRunner.generate
+                nxt = int(last.argmax())
+                tokens.append(nxt)
+                ts = time.perf_counter()
+                last = runner.extend(state, [nxt])[-1]
+                times.append(time.perf_counter() - ts)
     wall = time.perf_counter() - t0
+    if not in_dcp:
+        return {"role": "pcp", "prompt": prompt, "prefill_time_s": prefill_s,
+                "collectives_total": m["n"], "wall_s": wall}
     rows = layout.local_length(state.length)
     elem = torch.empty((), dtype=cfg.torch_dtype).element_size()
     return {
+        "role": "dcp",
         "tokens": tokens,
         "prompt": prompt,
         "kv_rows": rows,
@@ -103,6 +168,7 @@ def decode_worker(rank: int, world_size: int, spec: DecodeSpec) -> dict:
         "collectives_per_layer": runner.stats.dcp_collectives_per_layer(),
         "tp_collectives_per_layer": runner.stats.tp_collectives / max(1, runner.stats.layers_run),
         "collectives_total": m["n"],
+        "prefill_time_s": prefill_s,
         "step_times": times,
         "wall_s": wall,
     }
@@ -114,12 +180,13 @@ def decode_worker_many(rank: int, world_size: int, specs: list) -> list[dict]:
 
 
 def run_spec(spec: DecodeSpec, timeout_s: float = 300.0) -> list[dict]:
-    """Run ``decode_worker`` on ``spec.dcp`` gloo processes (in-process when dcp == 1)."""
-    if spec.dcp == 1:
+    """Run ``decode_worker`` on max(pcp, dcp) gloo processes (in-process when that is 1)."""
+    world = spec.world_size
+    if world == 1:
         return [decode_worker(0, 1, spec)]
     from hicache.distributed import launch
     backend = "nccl" if spec.device == "cuda" else "gloo"
-    return launch(spec.dcp, decode_worker, spec, backend=backend, timeout_s=timeout_s)
+    return launch(world, decode_worker, spec, backend=backend, timeout_s=timeout_s)
 
 
 # ---- command line ----------------------------------------------------------------------------
@@ -135,6 +202,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--page-size", type=int, default=4, help="physical page size P")
+    p.add_argument("--pcp", type=int, default=1,
+                   help="prefill context-parallel ranks N (1: the ordinary DCP prefill); "
+                        "max(N, dcp) processes are launched")
+    p.add_argument("--pcp-mode", default="ring",
+                   help="PCP attention over other ranks' keys: ring | full_kv")
     p.add_argument("--model", default=None, help="model file written by MLAModel.save")
     p.add_argument("--device", default="cpu",
                    help="cpu (gloo ranks) or cuda (nccl ranks, one GPU per rank)")
@@ -152,19 +224,23 @@ def spec_from_args(args) -> DecodeSpec:
     if args.backend not in BACKENDS:
         raise DecodeArgsError(
             f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
-    for name in ("dcp", "prompt_len", "page_size"):
+    for name in ("dcp", "pcp", "prompt_len", "page_size"):
         if getattr(args, name) < 1:
             raise DecodeArgsError(
                 f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.new_tokens < 0:
         raise DecodeArgsError(f"--new-tokens must be >= 0, got {args.new_tokens}")
+    if args.pcp_mode not in MODES:
+        raise DecodeArgsError(
+            f"--pcp-mode must be one of {', '.join(MODES)}, got {args.pcp_mode!r}")
     if args.device not in ("cpu", "cuda"):
         raise DecodeArgsError(f"--device must be cpu or cuda, got {args.device!r}")
+    world = max(args.pcp, args.dcp)
     if args.device == "cuda":
         gpus = torch.cuda.device_count()
-        if gpus < args.dcp:
-            raise DecodeArgsError(f"--device cuda needs one GPU per rank: --dcp {args.dcp} but "
-                                  f"{gpus} GPU(s) visible")
+        if gpus < world:
+            raise DecodeArgsError(f"--device cuda needs one GPU per rank: --dcp {args.dcp} "
+                                  f"--pcp {args.pcp} launch {world} but {gpus} GPU(s) visible")
     tp = args.tp if args.tp is not None else args.dcp
     try:
         validate(tp, args.dcp, 1)
@@ -172,7 +248,8 @@ def spec_from_args(args) -> DecodeSpec:
         raise DecodeArgsError(f"--dcp {args.dcp} with --tp {tp}: {exc}") from None
     spec = DecodeSpec(dcp=args.dcp, backend=args.backend, replicate_q=args.replicate_q,
                       prompt_len=args.prompt_len, new_tokens=args.new_tokens, seed=args.seed,
-                      page_size=args.page_size, model_path=args.model, device=args.device)
+                      page_size=args.page_size, model_path=args.model, device=args.device,
+                      pcp=args.pcp, pcp_mode=args.pcp_mode)
     try:
         model = build_model(spec)
     except ValueError as exc:  # ModelLoadError / ModelConfigError
@@ -184,6 +261,9 @@ def spec_from_args(args) -> DecodeSpec:
 
 
 def summarize(spec: DecodeSpec, results: list[dict]) -> dict:
+    """One report from every rank's result (the DCP ranks are the first ``spec.dcp``)."""
+    prefill_s = max(r["prefill_time_s"] for r in results)  # the slowest rank ends the prefill
+    results = results[:spec.dcp]
     tokens = results[0]["tokens"]
     for r, res in enumerate(results):
         if res["tokens"] != tokens:
@@ -195,6 +275,8 @@ def summarize(spec: DecodeSpec, results: list[dict]) -> dict:
         "kv_bytes_per_rank": [r["kv_bytes"] for r in results],
         "collectives_per_layer": results[0]["collectives_per_layer"],
         "step_time_s": statistics.mean(steps) if steps else None,
+        "pcp": spec.pcp,
+        "prefill_time_s": prefill_s,
         "tp_collectives_per_layer": results[0]["tp_collectives_per_layer"],
         "spec": {k: v for k, v in asdict(spec).items() if k != "model_overrides"},
     }
@@ -220,6 +302,8 @@ def run(args) -> int:
     print(f"collectives per layer: {out['collectives_per_layer']:g} (backend {spec.backend}, "
           f"replicate_q {spec.replicate_q}; plus {out['tp_collectives_per_layer']:g} TP o_proj "
           "all-reduce)")
+    mode = f" ({spec.pcp_mode})" if spec.pcp > 1 else ""
+    print(f"prefill: pcp {spec.pcp}{mode}, {out['prefill_time_s'] * 1e3:.3f} ms")
     st = out["step_time_s"]
     print(f"step time: {st * 1e3:.3f} ms" if st is not None else "step time: n/a (no new tokens)")
     if args.verify:

@@ -189,7 +189,8 @@ class MLALayer(nn.Module):
         # [H', T, R] @ [H', R, dv] -> [H', T, dv] -> [T, H' * dv]
         v = torch.bmm(o_lat.float().transpose(0, 1), self.w_uv[heads].float().transpose(1, 2))
         cols = slice(heads.start * dv, heads.stop * dv)
-        return v.transpose(0, 1).reshape(v.shape[1], -1) @ self.wo[:, cols].float().T
+        # explicit width: reshape(T, -1) cannot infer it when T == 0
+        return v.transpose(0, 1).reshape(v.shape[1], v.shape[0] * dv) @ self.wo[:, cols].float().T
 
     def finish(self, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Residual, then the MLP block: h' = h + attn; h' + MLP(norm(h'))."""
