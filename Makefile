@@ -9,7 +9,6 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 	# Keep a CUDA torch that is already there; otherwise the pinned CPU build.
 	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
 	  || $(PY) -m pip install -q $(TORCH)
@@ -20,8 +19,7 @@ test: $(STAMP)
 	$(PY) -m pytest -n 2 -p no:cacheprovider tests
 
 bench: $(STAMP)
-	.venv/bin/hicache plan --model deepseek-r1 --tp 8 --memory 40
-	.venv/bin/hicache check-config examples/policy.toml
+	.venv/bin/hicache-bench --verify --out out/bench.json
 
 clean:
 	rm -rf .venv build *.egg-info

@@ -9,7 +9,7 @@ reference's), ``budget`` (L1 holds ``--budget`` of the trace's unique pages, no 
 like with the reference) and ``budget+l2`` (the same L1 plus an L2 four times its size). The baseline, run on the same trace in the same process, is the typical pure-Python
 prefix cache: a compressed radix tree over token lists whose key match walks one token at a
 time, with page-aligned caching, LRU leaf eviction, and node values holding page ids from the
-same PagePool, given the same L1 capacity. Per request both do match + lock + allocate
+same PageAllocator, given the same L1 capacity. Per request both do match + lock + allocate
 page ids (evicting) + insert (freeing duplicate pages) + unlock; ours also runs its L2 policy
 (write_through backups, host eviction, load-back) and the per-step agreement. Times are CPU
 time of this process (time.process_time, robust on a shared, busy machine), best of --reps;
@@ -33,7 +33,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from hicache.controller import CacheController, DeviceFullError, StepAgreement  # noqa: E402
-from hicache.controller.pages import PagePool  # noqa: E402
+from hicache.l1.allocator import PageAllocator  # noqa: E402
 from hicache.workloads import agentic_trace, chat_trace, trace_summary  # noqa: E402
 
 
@@ -53,11 +53,11 @@ class _RefNode:
 class RefRadixCache:
     """Compressed radix tree over token lists; children keyed by their first page (a tuple), the
     key match compares one token at a time.
-    Page ids come from the same PagePool as ours; LRU leaf eviction frees them."""
+    Page ids come from the same PageAllocator as ours; LRU leaf eviction frees them."""
 
     def __init__(self, page_size: int, num_pages: int):
         self.page = page_size
-        self.alloc = PagePool(num_pages)
+        self.alloc = PageAllocator(num_pages)
         self.root = _RefNode([], [], None)
         self.root.lock_ref = 1
         self.clock = 0

@@ -115,7 +115,8 @@ def summarize(mode: str, ranks: list[dict], opts: dict) -> dict:
         "passes": r0["passes"],
         "prefill_tokens": r0["prefill_tokens"],
         "outputs": {str(r[0]): r[2] for r in res},
-        "ttft_list_s": [r[3] for r in res],
+        "requests": [{"id": str(r[0]), "prompt_tokens": r[1], "ttft_s": r[3], "hit_tokens": r[4]}
+                     for r in res],
     }
     if opts["duration"]:
         row["soak"] = _soak_verdict([r["soak"] for r in ranks])

@@ -18,7 +18,7 @@ def plot_report(report: dict, path: str) -> None:
                              squeeze=False)
     for (ax_t, ax_h), w in zip(axes, workloads):
         for mode in w["modes"]:
-            ttft = np.sort(np.asarray(mode["ttft_list_s"]) * 1e3)
+            ttft = np.sort(np.asarray([r["ttft_s"] for r in mode["requests"]]) * 1e3)
             ax_t.step(ttft, np.arange(1, len(ttft) + 1) / max(len(ttft), 1), where="post",
                       label=mode["name"])
         ax_t.set_xscale("log")

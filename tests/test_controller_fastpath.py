@@ -1,14 +1,14 @@
-"""The controller's vectorised page bookkeeping: the numpy page pool, and insert's fast
+"""The controller's vectorised page bookkeeping: the allocator's array API, and insert's fast
 validation of pages that came straight from alloc_device ("grants") against the general path."""
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.controller import CacheController, PageOwnershipError
-from hicache.controller.pages import PagePool, id_array
-from hicache.l1.allocator import OutOfPagesError, PageError
+from hicache.l1.allocator import OutOfPagesError, PageAllocator, PageError, id_array
 
 PT = 4
 
@@ -18,8 +18,8 @@ def fresh_tokens(serial: int, n_pages: int) -> np.ndarray:
     return np.arange(n_pages * PT, dtype=np.int64) + 1_000_000 * (serial + 1)
 
 
-def test_page_pool_lifo_order_and_errors():
-    p = PagePool(6)
+def test_allocator_array_api_lifo_order_and_errors():
+    p = PageAllocator(6)
     assert p.alloc(3) == [0, 1, 2] and p.num_free == 3 and p.num_used == 3
     a = p.alloc_array(2)
     assert a.tolist() == [3, 4] and p.is_allocated(4) and not p.is_allocated(5)
@@ -39,15 +39,41 @@ def test_page_pool_lifo_order_and_errors():
         p.alloc(2)
     p.free(np.array([3, 4, 2], np.int32))             # int arrays are accepted too
     assert p.num_free == 4 and not p.is_allocated(3)
-    big = PagePool(100)
+    big = PageAllocator(100)
     ids = big.alloc_array(80)
     assert big.has_duplicates(np.concatenate([ids[:50], ids[10:11]]))
     assert not big.has_duplicates(ids)
 
 
+def test_vectorised_checks_and_trusted_free():
+    p = PageAllocator(8)
+    ids = p.alloc_array(5)                            # [0..4]
+    assert p.allocated(ids) and p.allocated(ids[:0])
+    assert not p.allocated(np.array([0, 5])) and not p.allocated(np.array([0, 8]))
+    assert not p.allocated(np.array([-1]))
+    assert p.in_range(np.array([0, 7])) and not p.in_range(np.array([8]))
+    assert not p.in_range(np.array([-1]))
+    p.free_array(ids[3:], trusted=True)               # skips the checks, keeps the books
+    assert (p.num_free, p.num_used) == (5, 3) and p.used_ids().tolist() == [0, 1, 2]
+    assert p.alloc_array(2).tolist() == [3, 4]
+    assert p.iota(3).tolist() == [0, 1, 2] and len(p.iota(100)) == 100
+
+
 def test_id_array_types():
     assert id_array([3, 1]).tolist() == [3, 1]
     assert id_array([np.int64(3), 2]).tolist() == [3, 2]
+    a = np.array([5, 6], np.int64)
+    assert id_array(a) is a                           # already int64 1-D: no copy
+    assert id_array(np.array([2, 9], np.uint8)).dtype == np.int64
+    t = torch.tensor([4, 7], dtype=torch.int32)
+    got = id_array(t)
+    assert got.dtype == np.int64 and got.tolist() == [4, 7]
+    got[0] = 99                                       # a copy: the caller's tensor is unchanged
+    assert t.tolist() == [4, 7]
+    assert id_array(torch.tensor([[1, 2], [3, 4]])).tolist() == [1, 2, 3, 4]
+    for bad_t in (torch.tensor([1.0]), torch.tensor([True]), np.array([1.5])):
+        with pytest.raises(PageError, match="integers"):
+            id_array(bad_t)
     for bad in ([1.0], ["a"], [None]):
         with pytest.raises(PageError):
             id_array(bad)

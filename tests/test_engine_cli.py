@@ -28,6 +28,7 @@ def test_json_run_matches_reference(capsys):
     assert out["kv_bytes_per_rank"] == [11 * cfg.kv_dim * 4 * cfg.num_layers]
     assert out["collectives_per_layer"] == 0
     assert out["step_time_s"] > 0
+    assert out["pcp"] == 1 and out["prefill_time_s"] > 0
 
 
 def test_text_run_with_saved_model(tmp_path, capsys):

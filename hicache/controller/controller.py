@@ -25,8 +25,7 @@ from hicache.controller.tree import Node, RadixTree, as_tokens, chain_pages
 from hicache.controller.types import (BackupOp, ControllerError, ControllerStats,
                                       DeviceFullError, InsertResult, LoadOp, LockError, Match,
                                       PageOwnershipError, StaleNodeError, UnknownOpError)
-from hicache.controller.pages import PagePool, id_array
-from hicache.l1.allocator import as_id_list
+from hicache.l1.allocator import PageAllocator, as_id_list, id_array
 
 Op = Union[BackupOp, LoadOp]
 _NO_IDS = np.zeros(0, np.int64)
@@ -71,8 +70,8 @@ class CacheController:
         self.tree = RadixTree(page_tokens)
         self.tree.on_split = self._on_split
         self.page_tokens = page_tokens
-        self.device = PagePool(device_pages)
-        self.host = PagePool(host_pages)
+        self.device = PageAllocator(device_pages)
+        self.host = PageAllocator(host_pages)
         self.stats = ControllerStats()
         self._key = self.policy.eviction_key()
         self._clock = 0
@@ -488,7 +487,7 @@ class CacheController:
                 del self._device_nodes[x]
                 x.device = x.darr = None
             if x.host is not None:
-                self.host.free(x.host)
+                self.host.free_array(id_array(x.host))
                 del self._host_nodes[x]
                 self.stats.host_evicted_pages += len(x.host)
                 x.host = None
@@ -516,7 +515,7 @@ class CacheController:
             _, n = heapq.heappop(heap)
             if not self._host_evictable(n):
                 continue
-            self.host.free(n.host)
+            self.host.free_array(id_array(n.host))
             freed += len(n.host)
             n.host = None
             n.host_valid = False
@@ -597,7 +596,7 @@ class CacheController:
                     raise InvariantError(f"node {n.nid} pending on unknown op {o}")
             if n.evicting:
                 evicting += n.npages
-        if dev_seen != set(np.flatnonzero(self.device._used).tolist()):
+        if dev_seen != set(self.device.used_ids().tolist()):
             raise InvariantError("device pool's allocated pages != pages held by the tree "
                                  "and requests")
         if len(dev_seen) != self.device.num_used:

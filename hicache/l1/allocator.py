@@ -1,23 +1,29 @@
-"""Widened-page id allocator shared by L1 and L2.
+"""Widened-page id allocator shared by L1, L2 and the cache controller.
 
-Deterministic (lowest free ids first) so that every rank, running the same control sequence,
-hands out the same ids. ``alloc`` and ``free`` are all-or-nothing: a bad request changes nothing.
-Invariant: ``num_free + num_used == num_pages`` at all times.
+A LIFO free stack kept in a numpy array plus a numpy used-map: alloc/free cost a few Python
+operations per call and vectorised work per page. Deterministic, so every rank running the same
+control sequence hands out the same ids: a fresh pool hands out 0, 1, 2, ...; freed ids are
+handed out again most recently freed call first, each call's ids in the order they were given.
+``alloc`` and ``free`` are all-or-nothing: a bad request changes nothing and its error names the
+offending id. Invariant: ``num_free + num_used == num_pages`` at all times.
+``alloc_array``/``free_array`` skip the conversion between python ints and numpy for callers that
+already hold int64 arrays.
 """
 
 from __future__ import annotations
 
-import heapq
+import array
 import operator
-from typing import Iterable, Union
+from typing import Iterable, Optional, Union
 
+import numpy as np
 import torch
 
-PageIds = Union[Iterable[int], torch.Tensor]
+PageIds = Union[Iterable[int], np.ndarray, torch.Tensor]
 
 
 class PageError(ValueError):
-    """A page id that is negative, outside the pool, or not currently allocated."""
+    """A page id that is not an int, negative, outside the pool, or not currently allocated."""
 
 
 class OutOfPagesError(MemoryError):
@@ -29,14 +35,18 @@ class OutOfPagesError(MemoryError):
 
 
 def as_id_list(ids: PageIds) -> list[int]:
-    """Page ids from a python iterable or an integer tensor, as python ints."""
+    """Page ids from a python iterable, an int array or an integer tensor, as python ints."""
     if isinstance(ids, torch.Tensor):
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise PageError(f"page ids must be integers, got a {ids.dtype} tensor")
         return [int(x) for x in ids.reshape(-1).tolist()]
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
+            raise PageError(f"page ids must be integers, got a {ids.dtype} array")
+        return ids.reshape(-1).tolist()
     out = []
     for x in ids:
-        if isinstance(x, bool):
+        if isinstance(x, (bool, np.bool_)):
             raise PageError(f"page id {x!r} is not an int")
         try:
             out.append(operator.index(x))
@@ -45,69 +55,163 @@ def as_id_list(ids: PageIds) -> list[int]:
     return out
 
 
+def id_array(ids: PageIds) -> np.ndarray:
+    """Page ids (list of ints, int array or integer tensor) as a 1-D int64 array [k];
+    PageError otherwise. A list is converted by ``array.array`` (a C loop that rejects floats,
+    strings and None, but takes bools as 0/1); a 1-D int64 array is returned as is (not copied)."""
+    if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1:
+        return ids
+    if type(ids) is list:
+        try:
+            return np.frombuffer(array.array("q", ids), np.int64)
+        except (TypeError, ValueError, OverflowError):
+            pass  # the slow path names the bad id
+    if isinstance(ids, np.ndarray) and ids.dtype.kind in "iu" and ids.ndim == 1:
+        return ids.astype(np.int64)
+    if (isinstance(ids, torch.Tensor) and ids.ndim == 1 and not ids.dtype.is_floating_point
+            and not ids.dtype.is_complex and ids.dtype != torch.bool):
+        return np.array(ids.detach().to("cpu", torch.int64).numpy())
+    try:
+        return np.array(as_id_list(ids), dtype=np.int64).reshape(-1)
+    except OverflowError:
+        raise PageError(f"page ids {ids!r} include one out of the int64 range") from None
+
+
 class PageAllocator:
-    """Free list over page ids ``[0, num_pages)``."""
+    """Free list over page ids ``[0, num_pages)``; alloc/free are all-or-nothing."""
 
     def __init__(self, num_pages: int) -> None:
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
             raise PageError(f"num_pages must be an int >= 0, got {num_pages!r}")
-        self._num_pages = num_pages
-        self._free_heap: list[int] = list(range(num_pages))  # already a valid heap
-        self._used = bytearray(num_pages)  # 1 = allocated
-        self._num_used = 0
+        self._n = num_pages
+        # stack: entries [0, _top) are the free ids, the end is handed out first
+        self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
+        self._top = num_pages
+        self._used = np.zeros(num_pages, np.bool_)  # [num_pages] True = allocated
+        self._mark = np.zeros(num_pages, np.int64)  # scratch for duplicate detection
+        self._iota = np.arange(0, dtype=np.int64)
 
     @property
     def num_pages(self) -> int:
-        return self._num_pages
+        return self._n
 
     @property
     def num_free(self) -> int:
-        return self._num_pages - self._num_used
+        return self._top
 
     @property
     def num_used(self) -> int:
-        return self._num_used
+        return self._n - self._top
 
     def is_allocated(self, page: int) -> bool:
-        self._check_range(page)
+        self._check_id(page)
         return bool(self._used[page])
 
-    def _check_range(self, page: int) -> None:
-        if isinstance(page, bool) or not isinstance(page, int):
-            raise PageError(f"page id {page!r} is not an int")
-        if page < 0:
-            raise PageError(f"page id {page} is negative")
-        if page >= self._num_pages:
-            raise PageError(f"page id {page} is outside the pool [0, {self._num_pages})")
+    def used_ids(self) -> np.ndarray:
+        """The allocated ids, ascending, as an int64 array."""
+        return np.flatnonzero(self._used)
 
+    def _check_id(self, page) -> None:
+        if isinstance(page, (bool, np.bool_)):
+            raise PageError(f"page id {page!r} is not an int")
+        try:
+            page = operator.index(page)
+        except TypeError:
+            raise PageError(f"page id {page!r} is not an int") from None
+        if page < 0:
+            raise PageError(f"page id {page} is negative (outside the pool [0, {self._n}))")
+        if page >= self._n:
+            raise PageError(f"page id {page} is outside the pool [0, {self._n})")
+
+    # ---- alloc -------------------------------------------------------------------------------
     def alloc(self, n: int) -> list[int]:
-        """``n`` free page ids, lowest first; raises ``OutOfPagesError`` and allocates nothing
-        when fewer than ``n`` are free."""
+        """``n`` free page ids; raises ``OutOfPagesError`` and allocates nothing when fewer
+        than ``n`` are free."""
+        return self.alloc_array(n).tolist()
+
+    def alloc_array(self, n: int) -> np.ndarray:
+        """``n`` free page ids as a fresh int64 array [n] (see ``alloc``)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise PageError(f"number of pages to allocate must be an int >= 0, got {n!r}")
-        if n > self.num_free:
-            raise OutOfPagesError(n, self.num_free, self._num_pages)
-        out = [heapq.heappop(self._free_heap) for _ in range(n)]
-        for p in out:
-            self._used[p] = 1
-        self._num_used += n
+        top = self._top
+        if n > top:
+            raise OutOfPagesError(n, top, self._n)
+        out = self._stack[top - n:top][::-1].copy()
+        self._top = top - n
+        self._used[out] = True
         return out
 
+    # ---- vectorised checks -------------------------------------------------------------------
+    def iota(self, k: int) -> np.ndarray:
+        """``arange(k)`` (int64), cached."""
+        if len(self._iota) < k:
+            self._iota = np.arange(max(k, 2 * len(self._iota)), dtype=np.int64)
+        return self._iota[:k]
+
+    def has_duplicates(self, idx: np.ndarray) -> bool:
+        """Whether the in-range ids ``idx`` [k] repeat one (vectorised: no sort, no set)."""
+        k = len(idx)
+        if k < 2:
+            return False
+        if k <= 32:
+            return len(set(idx.tolist())) != k
+        iota = self.iota(k)
+        self._mark[idx] = iota
+        return bool((self._mark[idx] != iota).any())
+
+    def in_range(self, idx: np.ndarray) -> bool:
+        """Whether every id of ``idx`` [k] lies in ``[0, num_pages)``."""
+        return not len(idx) or (int(idx.min()) >= 0 and int(idx.max()) < self._n)
+
+    def allocated(self, idx: np.ndarray) -> bool:
+        """Whether every id of ``idx`` [k] is in the pool and allocated."""
+        if not len(idx):
+            return True
+        try:
+            return int(idx.min()) >= 0 and bool(self._used[idx].all())
+        except IndexError:
+            return False
+
+    # ---- free --------------------------------------------------------------------------------
     def free(self, ids: PageIds) -> None:
-        """Return pages to the pool. Every id is checked first; on any bad id nothing is freed."""
-        pages = as_id_list(ids)
-        seen: set[int] = set()
-        for p in pages:
-            self._check_range(p)
-            if not self._used[p]:
-                raise PageError(f"page id {p} is not allocated (double free or foreign id)")
-            if p in seen:
-                raise PageError(f"page id {p} appears twice in one free() call")
-            seen.add(p)
-        for p in pages:
-            self._used[p] = 0
-            heapq.heappush(self._free_heap, p)
-        self._num_used -= len(pages)
+        """Return pages to the pool. Every id is checked first; on any bad id nothing is freed
+        and the error names it (a bool is not a page id)."""
+        if type(ids) is list and bool in map(type, ids):
+            as_id_list(ids)  # raises, naming the bool
+        self.free_array(id_array(ids))
+
+    def free_array(self, idx: np.ndarray, *, trusted: bool = False) -> None:
+        """Return the int64 ids ``idx`` [k] to the pool (see ``free``). ``trusted``: the
+        caller guarantees distinct allocated ids, so the checks are skipped."""
+        k = len(idx)
+        if not k:
+            return
+        if not trusted:
+            self._check_free(idx)
+        self._used[idx] = False
+        top = self._top
+        self._stack[top:top + k] = idx[::-1]
+        self._top = top + k
+
+    def _check_free(self, idx: np.ndarray) -> None:
+        if not self.in_range(idx):
+            bad = idx[(idx < 0) | (idx >= self._n)]
+            self._check_id(int(bad[0]))
+        used = self._used[idx]
+        if not used.all():
+            bad = int(idx[int(np.argmin(used))])
+            raise PageError(f"page id {bad} is not allocated (double free or foreign id)")
+        if self.has_duplicates(idx):
+            raise PageError(f"page id {_first_repeat(idx)} appears twice in one free() call")
 
     def __repr__(self) -> str:
-        return f"PageAllocator(num_pages={self._num_pages}, used={self._num_used})"
+        return f"PageAllocator(num_pages={self._n}, used={self.num_used})"
+
+
+def _first_repeat(idx: np.ndarray) -> Optional[int]:
+    seen: set[int] = set()
+    for p in idx.tolist():
+        if p in seen:
+            return p
+        seen.add(p)
+    return None

@@ -1,0 +1,35 @@
+"""The speed benchmarks in bench/ run and print the documented JSON (quick sizes)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(script, *args):
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--quick", "--json", *args],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_transfer_benchmark_json():
+    out = run("transfer.py", "--dcp", "2", "--pattern", "contiguous")
+    rows = out["results"]
+    assert {(r["layout"], r["direction"]) for r in rows} == {
+        (l, d) for l in ("page_first", "layer_first") for d in ("d2h", "h2d")}
+    for r in rows:
+        assert {"layout", "direction", "dcp", "bytes", "gbps", "memcpy_gbps", "ratio"} <= set(r)
+        assert r["dcp"] == 2 and r["bytes"] > 0 and r["gbps"] > 0
+        assert abs(r["ratio"] - r["gbps"] / r["memcpy_gbps"]) < 0.01
+
+
+def test_controller_benchmark_json():
+    out = run("controller.py")
+    assert out["ample_hits_identical"] is True  # same hit tokens as the reference tree
+    for r in out["rows"]:
+        assert r["us_per_request"] > 0 and r["ref_us_per_request"] > 0
+        if r["capacity"] == "ample":
+            assert r["hit_tokens"] == r["ref_hit_tokens"] and r["identical_hits"]
