@@ -32,6 +32,8 @@ from .controller.tree import as_tokens
 from .l1.pool import DeviceKVPool
 from .l2.pool import HostKVPool, check_host_memory
 from .l2.transfer import TransferEngine
+from .l3 import (AsyncWriter, CostModel, Namespace, PageStore, Prefetcher, PrefetchPolicy,
+                 agree_prefetch, chain_hashes, keys_for_rank, prefetch_signals, should_write)
 
 TIERS = ("l1", "l2", "l3")
 MODES = {"recompute": (), "l1": ("l1",), "l1+l2": ("l1", "l2"), "l1+l2+l3": ("l1", "l2", "l3")}
@@ -134,7 +136,6 @@ class HiCache:
 
     # ---- L3 -----------------------------------------------------------------------------------
     def _open_l3(self) -> None:
-        from .l3 import AsyncWriter, Namespace, PageStore, Prefetcher, PrefetchPolicy
         c = self.config
         self.namespace = Namespace.from_config(c)
         self.l3 = PageStore(c.l3.path, self.namespace, self.rank, c.l3.size_bytes)
@@ -144,7 +145,6 @@ class HiCache:
             p.prefetch, p.prefetch_timeout_s, p.prefetch_timeout_per_1k_s, p.prefetch_min_tokens))
 
     def _keys(self, chains: Sequence[bytes]) -> list[bytes]:
-        from .l3 import keys_for_rank
         return keys_for_rank(chains, self.namespace, self.rank)
 
     # ---- the engine's API ---------------------------------------------------------------------
@@ -188,7 +188,6 @@ class HiCache:
         waits on L3 depends only on replicated facts (its tokens, the hit, the policy), never on
         this rank's store, so every rank keeps the same pending list; what this rank found is
         MIN-agreed in ``step`` (a rank that lacks a page, or would rather recompute, says 0)."""
-        from .l3 import chain_hashes
         req.chains = chain_hashes(req.tokens[:-1], self.page_tokens)
         first = req.prefix.hit_len // self.page_tokens
         if (len(req.chains) - first) * self.page_tokens < max(
@@ -212,7 +211,6 @@ class HiCache:
                 0.8 * self._prefill_tok_s + 0.2 * rate)
 
     def _worth_loading(self, pages: int) -> bool:
-        from .l3 import CostModel
         st = self.l3.stats
         if not self._prefill_tok_s or st.bytes_read <= 0 or st.read_s <= 0:
             return True  # nothing measured yet: try the store
@@ -258,11 +256,11 @@ class HiCache:
         if self.tiers:
             res = self._ctl(self.ctrl.insert, arr[:whole * self.page_tokens], table[:whole])
             if self.l3 is not None:
-                from .l3 import chain_hashes
                 chains = chain_hashes(arr[:whole * self.page_tokens], self.page_tokens)
                 for i, (page, chain) in enumerate(zip(res.device_pages, chains)):
                     self._chain_of_page[page] = (chain, i)
-            tail = [p for p in table[whole:] if p in set(req.own_pages)]
+            own = set(req.own_pages)
+            tail = [p for p in table[whole:] if p in own]
             self._ctl(self.ctrl.unlock, req.lock)
             self._launch(self.ctrl.take_ops())
         else:
@@ -289,7 +287,6 @@ class HiCache:
         prefixes that became ready in this step."""
         self._launch(self.ctrl.take_ops())
         done = {o for o, (_op, job, _c) in self._jobs.items() if job.done()}
-        from .l3 import prefetch_signals, agree_prefetch
         handles = [r.prefetch for r in self._pending]
         t0 = time.perf_counter()
         res = self.ctrl.agree(self.agreement, done, prefetch_signals(handles))
@@ -397,7 +394,6 @@ class HiCache:
             self._stats.bytes["d2h"] += job.nbytes
             self._stats.transfer_s["d2h"] += job.seconds
             if self._writer is not None:
-                from .l3 import should_write
                 pairs = [(c[0], h) for c, h in zip(chains, op.host_pages)
                          if c is not None and should_write(c[1], *self.replica)]
                 if pairs:

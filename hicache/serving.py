@@ -2,11 +2,11 @@
 
 Each scheduler step, on every rank in lockstep:
   1. admit the next waiting request while fewer than ``max_running`` are active;
-  2. prefill, in chunks, only the unmatched suffix of requests whose prefix is ready
+  2. ``HiCache.step()``: the one agreement collective (finished transfers, L3 lookups);
+  3. prefill, in chunks, only the unmatched suffix of requests whose prefix is ready
      (``wait_layer`` before each layer overlaps the L2 load-back with compute);
-  3. one decode token for every decoding request (one batched extend);
-  4. finish requests that emitted all their tokens (insert, unlock, back up per policy);
-  5. ``HiCache.step()``: the one agreement collective.
+  4. one decode token for every decoding request (one batched extend);
+  5. finish requests that emitted all their tokens (insert, unlock, back up per policy).
 Cache hits change nothing in the output: the same token ids for every mode.
 """
 
@@ -97,6 +97,9 @@ class Server:
                                        f"L1 holds {capacity} (l1.num_pages)")
                 active.append(_Active(job, cache.admit(job.request_id, job.tokens),
                                       time.perf_counter()))
+            # The step's one collective right after admission: a request whose L3 lookup found
+            # nothing on any rank is ready in this same iteration.
+            cache.step()
             started = sum(self._prefill(a) for a in active
                           if a.state is None and a.prefix.ready)
             decoding = [a for a in active if a.state is not None and len(a.output) < a.job.output_len]
@@ -126,7 +129,6 @@ class Server:
                 results.append(r)
                 if on_done is not None:
                     on_done(r)
-            cache.step()
             if started or decoding or len(results) != progress:
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress > self.stall_timeout_s:

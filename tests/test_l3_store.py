@@ -1,18 +1,22 @@
 """PageStore: round trip, integrity, namespaces, restart, kill -9, capacity, full map."""
 
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import zlib
 
 import lmdb
+import msgpack
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.l3 import L3Error, Namespace, PageStore, page_keys, replica_of, should_write
+from hicache.l3 import (FORMAT_VERSION, L3Error, Namespace, PageStore, page_keys, replica_of,
+                        should_write)
 
 NS = Namespace("m", num_layers=2, kv_dim=8, dtype="bfloat16", page_size=4, dcp_size=2)
 PT = NS.page_tokens  # 8
@@ -147,6 +151,73 @@ def test_value_under_wrong_key_is_rejected(tmp_path):
     env.close()
     with PageStore(tmp_path, NS, 0, capacity_bytes=100 * SLOT) as s:
         assert s.get(k0, empty(1)) == 0 and s.stats.corrupt == 1
+
+
+def test_value_copied_under_another_key_of_the_same_rank_is_rejected(tmp_path):
+    """Same namespace and rank, other prefix: the checksum is seeded with the key, so it fails."""
+    ka = page_keys(tokens(1), PT, NS, 0)
+    kb = page_keys(tokens(1, 500), PT, NS, 0)
+    with PageStore(tmp_path, NS, 0, capacity_bytes=100 * SLOT) as s:
+        s.put(ka + kb, [shard(1), shard(2)])
+    env = lmdb.open(str(tmp_path), max_dbs=8, map_size=1 << 26)
+    dbs = [env.open_db(n) for n in (b"data", b"head")]
+    with env.begin(write=True) as txn:
+        for db in dbs:
+            txn.put(kb[0], bytes(txn.get(ka[0], db=db)), db=db)
+    env.close()
+    with PageStore(tmp_path, NS, 0, capacity_bytes=100 * SLOT) as s:
+        out = empty(1)
+        assert s.get(kb, out) == 0 and s.stats.corrupt == 1
+        assert torch.equal(out[0], empty(1)[0]) and s.exists_prefix(kb) == 0  # deleted
+        assert s.get(ka, out) == 1 and torch.equal(out[0], shard(1))  # the original is intact
+
+
+def test_old_format_is_a_miss_not_a_crash(tmp_path):
+    """Stores written with format 1 (CRC-32 checksum) never hit: their keys carry the old
+    namespace digest, and an old-format value found under a current key is a counted miss."""
+    old_ns = dataclasses.replace(NS, format_version=1)
+    assert FORMAT_VERSION == 2 and NS.format_version == 2 and old_ns.digest != NS.digest
+    k_old = page_keys(tokens(2), PT, old_ns, 0)
+    k = page_keys(tokens(2), PT, NS, 0)
+    with PageStore(tmp_path, old_ns, 0, capacity_bytes=100 * SLOT) as s:
+        s.put(k_old, [shard(0), shard(1)])
+    with PageStore(tmp_path, NS, 0, capacity_bytes=100 * SLOT) as s:
+        assert s.exists_prefix(k) == 0 and s.get(k, empty(2)) == 0
+        assert s.stats.corrupt == 0 and s.num_pages() == 2
+    # a format-1 value (CRC-32 header, as version 1 wrote it) planted under a current key
+    payload = shard(0).view(torch.uint8).reshape(-1).numpy().tobytes()
+    head = msgpack.packb({"v": 1, "ns": NS.digest, "rank": 0, "shape": list(NS.shard_shape),
+                          "dtype": NS.dtype, "n": PAGE,
+                          "crc": zlib.crc32(payload).to_bytes(4, "big")})
+    env = lmdb.open(str(tmp_path), max_dbs=8, map_size=1 << 26)
+    with env.begin(write=True) as txn:
+        txn.put(k[0], payload, db=env.open_db(b"data", txn=txn))
+        txn.put(k[0], head, db=env.open_db(b"head", txn=txn))
+    env.close()
+    with PageStore(tmp_path, NS, 0, capacity_bytes=100 * SLOT) as s:
+        out = empty(2)
+        assert s.exists_prefix(k) == 1
+        assert s.get(k, out) == 0 and (s.stats.corrupt, s.stats.misses) == (1, 1)
+        assert torch.equal(out[0], empty(1)[0]) and s.exists_prefix(k) == 0  # deleted
+        assert s.put(k, [shard(0), shard(1)]) == 2 and s.get(k, out) == 2
+        assert torch.equal(out[1], shard(1))
+
+
+def test_strided_destination_and_header_is_fixed_size(tmp_path):
+    """A non-contiguous destination is filled too; every header has the same length."""
+    k = page_keys(tokens(3), PT, NS, 0)
+    with PageStore(tmp_path, NS, 0, capacity_bytes=100 * SLOT) as s:
+        s.put(k, [shard(i) for i in range(3)])
+        big = torch.zeros(NS.shard_shape[::-1], dtype=NS.torch_dtype)  # [D, P, L]
+        dst = big.permute(2, 1, 0)  # [L, P, D], strided
+        assert not dst.is_contiguous()
+        assert s.get(k[:1], [dst]) == 1 and torch.equal(dst, shard(0))
+    env = lmdb.open(str(tmp_path), max_dbs=8, map_size=1 << 26)
+    with env.begin() as txn:
+        db = env.open_db(b"head", txn=txn)
+        lens = {len(v) for _, v in txn.cursor(db=db)}
+    env.close()
+    assert len(lens) == 1
 
 
 _KILL = textwrap.dedent("""

@@ -71,7 +71,8 @@ def test_every_mode_gives_the_same_tokens_and_each_tier_serves(tmp_path):
     jobs = revisit_trace()
     outs = {}
     for mode in MODES:
-        cfg = make_cfg(tmp_path / mode, l1_pages=24, l2_ratio=1.0 if "l3" in mode else 3.0)
+        cfg = make_cfg(tmp_path / mode, l1_pages=24, l2_ratio=1.0 if "l3" in mode else 3.0,
+                       prefetch="wait_complete")
         results, stats = serve(cfg, mode, jobs)
         outs[mode] = {r.request_id: r.output for r in results}  # completion order may differ
         hits = stats["hit_tokens"]

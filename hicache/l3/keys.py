@@ -20,7 +20,7 @@ import msgpack
 import numpy as np
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: XXH3-64 value checksum (1: CRC-32)
 DIGEST_BYTES = 16
 KEY_BYTES = 2 * DIGEST_BYTES + 2
 _CHAIN_SEED = b"hicache-l3-chain"

@@ -5,14 +5,18 @@ transactions, so shared bookkeeping (bytes used, the LRU clock) lives in the env
 
 Sub-databases of the environment:
     data   key -> raw shard bytes ([L, P, D] of this rank, C order)
-    head   key -> msgpack header {v, ns, rank, shape, dtype, n, crc (CRC-32 of data)}
+    head   key -> msgpack header {v, ns, rank, shape, dtype, n, xxh}; xxh = XXH3-64 of the data
+           seeded with a hash of the key (8 B), so a value copied under another key fails
     atime  key -> 8-byte stamp of the last access
     lru    stamp (8 B big endian) | key -> b""   (ordered: the oldest first)
     meta   b"used" -> bytes held (data + head), b"clock" -> last stamp issued
 
 A value whose header or checksum does not match is a counted miss: it is deleted (when this
-process is a writer) and never served. Capacity is in bytes for the whole environment; writes
-evict the least recently used pages first (within one batch, deeper pages before their prefixes).
+process is a writer) and never served. The header of a valid value is byte-for-byte the one this
+store would write, so a get checks it with one comparison and hashes the data once (XXH3-64 runs
+well above memcpy speed), then copies it once from the LMDB map into the caller's tensor.
+Capacity is in bytes for the whole environment; writes evict the least recently used pages
+first (within one batch, deeper pages before their prefixes).
 A full map is handled by evicting more, then growing the map, then dropping the write.
 """
 
@@ -21,8 +25,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence, Union
@@ -31,6 +33,7 @@ import lmdb
 import msgpack
 import numpy as np
 import torch
+import xxhash
 
 from .keys import FORMAT_VERSION, KEY_BYTES, L3Error, Namespace
 
@@ -114,9 +117,12 @@ def _u64(b) -> int:
     return int.from_bytes(bytes(b), "big") if b is not None else 0
 
 
-def _crc(buf) -> bytes:
-    """CRC-32 of the payload as 4 bytes (fixed-size headers; ~2 GB/s, releases the GIL)."""
-    return zlib.crc32(buf).to_bytes(4, "big")
+_SUM = 8  # checksum bytes: XXH3-64 digest
+
+
+def _checksum(key: bytes, buf) -> bytes:
+    """XXH3-64 of the payload seeded with the key's own XXH3-64: binds the bytes to their key."""
+    return xxhash.xxh3_64_digest(buf, seed=xxhash.xxh3_64_intdigest(key))
 
 
 def _dedupe(keys: list[bytes]) -> list[bytes]:
@@ -184,10 +190,20 @@ class PageStore:
         self._pending_touch: list[list[bytes]] = []  # served key batches, oldest batch first
         self._pending_count = 0
         self._soft_cap = capacity_bytes  # lowered when the map fills before the capacity
-        threads = verify_threads if verify_threads is not None else min(8, os.cpu_count() or 1)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hicache-l3-crc") \
-            if threads > 1 else None
+        del verify_threads  # accepted for compatibility: checksums now run inline
+        self._head_prefix = self._header_prefix()
+        self._head_len = len(self._head_prefix) + _SUM
         self._closed = False
+
+    def _header_prefix(self) -> bytes:
+        """Header bytes of every value this store writes, up to the 8 checksum bytes."""
+        ns = self.namespace
+        packed = msgpack.packb({"v": FORMAT_VERSION, "ns": ns.digest, "rank": self.rank,
+                                "shape": list(ns.shard_shape), "dtype": ns.dtype,
+                                "n": self.page_bytes, "xxh": bytes(_SUM)})
+        if packed[-_SUM - 2:-_SUM] != b"\xc4" + bytes([_SUM]):  # msgpack bin 8 of 8 bytes
+            raise AssertionError("unexpected msgpack encoding of the L3 header")
+        return packed[:-_SUM]
 
     # ---- keys --------------------------------------------------------------------------------
     def _check_keys(self, keys: Sequence[bytes]) -> list[bytes]:
@@ -253,12 +269,6 @@ class PageStore:
 
         res = self._run(fn, write=True)
         return 0 if res is _FULL else res
-
-    def _map(self, fn: Callable, items: list) -> list:
-        """``map`` on the checksum threads when there is more than one item."""
-        if self._pool is None or len(items) < 2:
-            return [fn(x) for x in items]
-        return list(self._pool.map(fn, items))
 
     def _bump(self, **kv) -> None:
         with self._lock:
@@ -340,12 +350,8 @@ class PageStore:
                             .numpy())
         t0 = time.perf_counter()
         items = []
-        for k, payload, crc in zip(keys, payloads, self._map(_crc, payloads)):
-            head = msgpack.packb({"v": FORMAT_VERSION, "ns": self.namespace.digest,
-                                  "rank": self.rank, "shape": list(self.namespace.shard_shape),
-                                  "dtype": self.namespace.dtype, "n": payload.nbytes,
-                                  "crc": crc})
-            items.append((k, payload, head))
+        for k, payload in zip(keys, payloads):
+            items.append((k, payload, self._head_prefix + _checksum(k, payload)))
         written = 0
         batch: list = []
         size = 0
@@ -428,17 +434,13 @@ class PageStore:
 
         return self._run(fn, write=False)
 
-    def _valid(self, head, data) -> bool:
-        ns = self.namespace
-        try:
-            h = msgpack.unpackb(bytes(head))
-        except Exception:
+    def _valid(self, key: bytes, head, data) -> bool:
+        """The header is exactly the one this store writes and the data hashes to its checksum
+        (format version, namespace, rank, shape, dtype and size all live in the header)."""
+        if data is None or len(data) != self.page_bytes or len(head) != self._head_len:
             return False
-        return (isinstance(h, dict) and h.get("v") == FORMAT_VERSION and h.get("ns") == ns.digest
-                and h.get("rank") == self.rank and h.get("shape") == list(ns.shard_shape)
-                and h.get("dtype") == ns.dtype and h.get("n") == self.page_bytes
-                and data is not None and len(data) == self.page_bytes
-                and h.get("crc") == _crc(data))
+        head = bytes(head)
+        return head[:-_SUM] == self._head_prefix and head[-_SUM:] == _checksum(key, data)
 
     def get(self, keys: Sequence[bytes], out: Out) -> int:
         """Copy stored shards into ``out`` (a list of [L, P, D] tensors, or ``out(i)`` returning
@@ -455,26 +457,26 @@ class PageStore:
         t0 = time.perf_counter()
 
         def fn(txn):
-            found = []  # (head, data) of the stored prefix
-            for k in keys:
+            # Page by page: hash the mapped bytes, then copy them while they are still in cache.
+            served, bad = 0, None
+            for i, k in enumerate(keys):
                 head = txn.get(k, db=self._head)
                 if head is None:
                     break
-                found.append((head, txn.get(k, db=self._data)))
-            # verify in parallel (crc32 releases the GIL), then copy up to the first bad value
-            valid = self._map(lambda hd: self._valid(*hd), found)
-            served, bad = 0, None
-            for i, ((head, data), ok) in enumerate(zip(found, valid)):
-                if not ok:
-                    bad = keys[i]
+                data = txn.get(k, db=self._data)  # a buffer into the map: no copy yet
+                if not self._valid(k, head, data):
+                    bad = k
                     break
                 dst = out(i)
                 self._check_tensor(dst, f"destination {i}")
-                src = np.frombuffer(data, dtype=np.uint8)
                 if dst.device.type == "cpu" and dst.is_contiguous():
-                    np.copyto(dst.view(torch.uint8).reshape(-1).numpy(), src)
-                else:
-                    dst.copy_(torch.from_numpy(src.copy()).view(dst.dtype).view(dst.shape))
+                    # the one copy (np.copyto releases the GIL: prefetch threads overlap)
+                    np.copyto(dst.view(torch.uint8).reshape(-1).numpy(),
+                              np.frombuffer(data, np.uint8))
+                else:  # strided or device tensor: stage once in host memory
+                    tmp = torch.empty(self.page_bytes, dtype=torch.uint8)
+                    np.copyto(tmp.numpy(), np.frombuffer(data, np.uint8))
+                    dst.copy_(tmp.view(dst.dtype).view(dst.shape))
                 served += 1
             return served, bad
 
@@ -561,8 +563,6 @@ class PageStore:
             self.flush_touches()
         finally:
             self._closed = True
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
             self._env.close()
 
     def __enter__(self) -> "PageStore":
