@@ -36,6 +36,7 @@ from .l3 import (AsyncWriter, CostModel, Namespace, PageStore, Prefetcher, Prefe
                  agree_prefetch, chain_hashes, keys_for_rank, prefetch_signals, should_write)
 
 TIERS = ("l1", "l2", "l3")
+RESTORE_RETRIES = 64  # steps an agreed L3 restore may wait for L1 room before recomputing
 MODES = {"recompute": (), "l1": ("l1",), "l1+l2": ("l1", "l2"), "l1+l2+l3": ("l1", "l2", "l3")}
 
 
@@ -71,6 +72,7 @@ class _Request:
     prefetch: object = None         # L3 PrefetchHandle
     staging: list = field(default_factory=list)     # reserved host buffers of the prefetch
     own_pages: list = field(default_factory=list)   # pages from alloc_device (not yet in tree)
+    restore_tries: int = 0          # steps an agreed L3 restore waited for L1 room
 
 
 @dataclass
@@ -296,9 +298,8 @@ class HiCache:
         ready = []
         decisions = agree_prefetch(handles, agreed=list(res.extras)) if handles else []
         for req, (ok, pages) in zip(list(self._pending), decisions):
-            if ok:
+            if ok and self._restore(req, pages):
                 self._pending.remove(req)
-                self._restore(req, pages)
                 ready.append(req.prefix)
         self._launch(self.ctrl.take_ops())
         self._stats.steps += 1
@@ -403,13 +404,19 @@ class HiCache:
             self._stats.bytes["h2d"] += job.nbytes
             self._stats.transfer_s["h2d"] += job.seconds
 
-    def _restore(self, req: _Request, pages: int) -> None:
-        """Every rank holds ``pages`` prefetched pages: copy them into fresh device pages."""
+    def _restore(self, req: _Request, pages: int) -> bool:
+        """Every rank holds ``pages`` prefetched pages: copy them into fresh device pages.
+        False (retry at a later step) while L1 has no room; after ``RESTORE_RETRIES`` steps the
+        tokens are recomputed instead. Both decisions follow the replicated controller state."""
         prefix = req.prefix
         try:
             dev = self._ctl(self.ctrl.alloc_device, pages)
         except DeviceFullError:
-            dev, pages = [], 0  # L1 has no room now: recompute those tokens instead
+            req.restore_tries += 1
+            if req.restore_tries <= RESTORE_RETRIES:
+                self._launch(self.ctrl.take_ops())
+                return False
+            dev, pages = [], 0
         self._launch(self.ctrl.take_ops())
         if pages:
             rows = self.layout.page_rows(torch.tensor(dev))
@@ -423,6 +430,7 @@ class HiCache:
         req.staging = []
         prefix.ready = True
         self._count_hits(prefix)
+        return True
 
     def _count_hits(self, prefix: Prefix) -> None:
         hits = self._stats.hit_tokens
