@@ -53,23 +53,36 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
                        leave=False, file=sys.stderr)
         t0 = time.perf_counter()
         results = server.run(jobs, on_done=(lambda r: bar.update(1)) if bar else None)
+        wall = time.perf_counter() - t0
+        first = cache.stats()  # the figures of the first pass; the soak only watches for leaks
+        prefill = (server.prefill_tokens, server.prefill_s)
         passes, soak = 1, []
-        while opts["duration"] and time.perf_counter() - t0 < opts["duration"]:
-            again = [_renamed(j, passes) for j in jobs]
-            server.run(again, on_done=(lambda r: bar.update(1)) if bar else None)
+        while _agree_continue(opts["duration"] > time.perf_counter() - t0, group):
+            server.run([_renamed(j, passes) for j in jobs],
+                       on_done=(lambda r: bar.update(1)) if bar else None)
             passes += 1
             s = cache.stats()
             soak.append({"pass": passes, "rss": psutil.Process().memory_info().rss,
                          "l1_pages": s["pages"]["l1"], "l2_pages": s["pages"]["l2"],
                          "locks": s["locks"], "request_pages": len(cache.ctrl.request_pages)})
-        wall = time.perf_counter() - t0
         if bar:
             bar.close()
         cache.ctrl.check()
-        out.update(stats=cache.stats(), wall_s=wall, passes=passes, soak=soak,
-                   prefill_tokens=server.prefill_tokens, prefill_s=server.prefill_s)
+        out.update(stats=first, wall_s=wall, passes=passes, soak=soak,
+                   prefill_tokens=prefill[0], prefill_s=prefill[1])
     out["results"] = [(r.request_id, r.prompt_len, r.output, r.ttft_s, r.hit) for r in results]
     return out
+
+
+def _agree_continue(local: bool, group) -> bool:
+    """Rank 0's clock decides whether the soak replays again, for every rank alike."""
+    if group is None:
+        return local
+    import torch
+    import torch.distributed as dist
+    flag = torch.tensor([int(local)])
+    dist.broadcast(flag, src=0, group=group)
+    return bool(flag.item())
 
 
 def _renamed(job, n: int):
@@ -303,6 +316,13 @@ def _print(workload: str, entry: dict, cfg: HiCacheConfig) -> None:
             if r is not base and r["ttft_s"]["p50"]:
                 print(f"  {r['name']}: TTFT p50 {base['ttft_s']['p50'] / r['ttft_s']['p50']:.2f}x "
                       f"faster than recompute")
+    for r in entry["modes"]:
+        soak = r.get("soak")
+        if soak:
+            rss = ", ".join(f"{a}->{b}" for a, b in soak.get("rss_mib", []))
+            print(f"  soak {r['name']}: {soak['passes']} passes; resident MiB per rank once warm "
+                  f"{rss or 'n/a'}; pages (l1, l2) per pass {soak.get('pages', [[]])[0]}; "
+                  f"leak: {soak['leak'] or 'none'}")
     if "verify" in entry:
         print(f"  verify: token ids {'equal' if entry['verify']['equal'] else 'DIFFER'} "
               "across modes")
