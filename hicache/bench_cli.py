@@ -235,6 +235,11 @@ def _resolve(args) -> tuple[HiCacheConfig, list[str], list[str]]:
         for w in workloads:
             if w not in WORKLOADS:
                 raise UsageError(f"--workload: unknown workload {w!r}; expected chat or agentic")
+    for name in ("max_running", "chunk"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_output < 0 or args.duration < 0:
+        raise UsageError("--max-output and --duration must be >= 0")
     if args.scale is not None and not 0 < args.scale <= 10:
         raise UsageError(f"--scale must be in (0, 10], got {args.scale}")
     if args.plot:

@@ -174,6 +174,8 @@ class HiCache:
                 if op is not None:
                     prefix.host_len = m.host_len
                     prefix.page_table += list(op.device_pages)
+                    if self.l3 is not None:  # the loaded pages now hold these positions
+                        self._map_chains(prefix.page_table, arr[:prefix.hit_len])
             self._launch(self.ctrl.take_ops(), owner=req)
             if m.wait_ops:  # device pages still being loaded for an earlier request
                 req.load_job = _Waits([self._jobs[o][1] for o in m.wait_ops if o in self._jobs]
@@ -227,6 +229,7 @@ class HiCache:
         if need <= 0:
             return []
         pages = self._ctl(self.ctrl.alloc_device, need)
+        self._unmap(pages)
         self._launch(self.ctrl.take_ops())
         req.own_pages += pages
         req.prefix.page_table += pages
@@ -258,9 +261,7 @@ class HiCache:
         if self.tiers:
             res = self._ctl(self.ctrl.insert, arr[:whole * self.page_tokens], table[:whole])
             if self.l3 is not None:
-                chains = chain_hashes(arr[:whole * self.page_tokens], self.page_tokens)
-                for i, (page, chain) in enumerate(zip(res.device_pages, chains)):
-                    self._chain_of_page[page] = (chain, i)
+                self._map_chains(res.device_pages, arr[:whole * self.page_tokens])
             own = set(req.own_pages)
             tail = [p for p in table[whole:] if p in own]
             self._ctl(self.ctrl.unlock, req.lock)
@@ -288,7 +289,12 @@ class HiCache:
         on finished transfers and L3 prefetches, apply what every rank finished. Returns the
         prefixes that became ready in this step."""
         self._launch(self.ctrl.take_ops())
-        done = {o for o, (_op, job, _c) in self._jobs.items() if job.done()}
+        done = set()
+        for o, (_op, job, _c) in self._jobs.items():
+            if job.done():
+                if job.failed:  # never agree a copy that did not happen: stop this rank loudly
+                    job.wait()  # raises TransferError naming the transfer and its cause
+                done.add(o)
         handles = [r.prefetch for r in self._pending]
         t0 = time.perf_counter()
         res = self.ctrl.agree(self.agreement, done, prefetch_signals(handles))
@@ -345,17 +351,25 @@ class HiCache:
         Safe to call twice."""
         if self._closed:
             return
-        if flush and self.ctrl.inflight_ops():  # replicated: every rank takes this branch
-            self.drain()
-        for _op, job, _c in list(self._jobs.values()):
-            job.wait()
         self._closed = True
-        if self._writer is not None:
-            self._writer.close()
-            self._prefetcher.close()
-            self.l3.close()
-            self._writer = self._prefetcher = self.l3 = None
-        self.transfer.close()
+        try:
+            if flush and self.ctrl.inflight_ops():  # replicated: every rank takes this branch
+                self.drain()
+        finally:
+            for _op, job, _c in list(self._jobs.values()):
+                try:  # copies must stop before the pools go; a failure was reported already
+                    job.wait()
+                except Exception:
+                    pass
+            try:
+                if self._writer is not None:
+                    self._writer.close()  # flushes; re-raises a background write error
+            finally:
+                if self._prefetcher is not None:
+                    self._prefetcher.close()
+                    self.l3.close()
+                self._writer = self._prefetcher = self.l3 = None
+                self.transfer.close()
 
     def __enter__(self) -> "HiCache":
         return self
@@ -364,6 +378,17 @@ class HiCache:
         self.close(flush=exc_type is None)
 
     # ---- internals ----------------------------------------------------------------------------
+    def _map_chains(self, pages: Sequence[int], tokens: np.ndarray) -> None:
+        """Device page i of a prefix holds page i of ``tokens``: remember its L3 chain hash, so
+        a later backup of the page writes it under the right key."""
+        for i, (page, chain) in enumerate(zip(pages, chain_hashes(tokens, self.page_tokens))):
+            self._chain_of_page[page] = (chain, i)
+
+    def _unmap(self, pages: Sequence[int]) -> None:
+        """Pages handed out afresh hold nothing yet: no backup may use an old key for them."""
+        for p in pages:
+            self._chain_of_page.pop(p, None)
+
     def _ctl(self, fn, *args):
         """Call the controller, timing it (the figure hicache-bench reports per request)."""
         t0 = time.perf_counter()
@@ -411,6 +436,7 @@ class HiCache:
         prefix = req.prefix
         try:
             dev = self._ctl(self.ctrl.alloc_device, pages)
+            self._unmap(dev)
         except DeviceFullError:
             req.restore_tries += 1
             if req.restore_tries <= RESTORE_RETRIES:
@@ -426,6 +452,7 @@ class HiCache:
             req.own_pages += dev
             prefix.page_table += dev
             prefix.storage_len = pages * self.page_tokens
+        req.prefetch.cancel(wait=False)  # pages past the agreed count are not needed
         req.prefetch = None
         req.staging = []
         prefix.ready = True

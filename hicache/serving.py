@@ -64,8 +64,11 @@ class Server:
 
     def __init__(self, model: MLAModel, cache: HiCache, *, backend: str = "a2a",
                  replicate_q: bool = True, group=None, chunk_tokens: int = 512,
-                 max_running: int = 4, stall_timeout_s: float = 120.0) -> None:
-        self.stall_timeout_s = stall_timeout_s
+                 max_running: int = 4, stall_steps: int = 200_000) -> None:
+        if chunk_tokens < 1 or max_running < 1:
+            raise ServingError(f"chunk_tokens and max_running must be >= 1, got {chunk_tokens} "
+                               f"and {max_running}")
+        self.stall_steps = stall_steps
         self.cache = cache
         self._waiting_on: list = []
         self.runner = DCPRunner(model, cache.l1, backend=backend, replicate_q=replicate_q,
@@ -86,7 +89,8 @@ class Server:
         waiting = deque(jobs)
         active: list[_Active] = []
         results: list[Result] = []
-        last_progress = time.monotonic()
+        admitted_at: dict = {}  # first admission: a preempted request's wait counts in its TTFT
+        stalled = 0
         while waiting or active:
             progress = len(results)
             if waiting and len(active) < self.max_running:
@@ -95,8 +99,8 @@ class Server:
                 if need > capacity:
                     raise ServingError(f"request {job.request_id!r} needs {need} tokens of KV but "
                                        f"L1 holds {capacity} (l1.num_pages)")
-                active.append(_Active(job, cache.admit(job.request_id, job.tokens),
-                                      time.perf_counter()))
+                t_admit = admitted_at.setdefault(job.request_id, time.perf_counter())
+                active.append(_Active(job, cache.admit(job.request_id, job.tokens), t_admit))
             # The step's one collective right after admission: a request whose L3 lookup found
             # nothing on any rank is ready in this same iteration.
             cache.step()
@@ -129,9 +133,9 @@ class Server:
                 results.append(r)
                 if on_done is not None:
                     on_done(r)
-            if started or decoding or len(results) != progress:
-                last_progress = time.monotonic()
-            elif time.monotonic() - last_progress > self.stall_timeout_s:
+            # Counted in steps, not seconds, so every rank gives up at the same step.
+            stalled = 0 if (started or decoding or len(results) != progress) else stalled + 1
+            if stalled > self.stall_steps:
                 raise ServingError("no request can get L1 pages: l1.num_pages is too small "
                                    f"for {len(active)} concurrent requests")
         return results

@@ -98,6 +98,8 @@ def test_trace_replay_soak_and_plot(cfg_file, tmp_path):
     (["--dcp", "3"], "parallel.dcp"),
     (["--trace", "/nonexistent/trace.jsonl"], "trace"),
     (["--scale", "0"], "--scale"),
+    (["--max-running", "0"], "--max-running"),
+    (["--chunk", "0"], "--chunk"),
 ])
 def test_bad_input_is_one_line_and_exit_2(cfg_file, args, words, capsys):
     argv = ["--config", str(cfg_file), "--no-progress", *args]

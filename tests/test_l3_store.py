@@ -395,3 +395,15 @@ def test_property_served_bytes_are_what_was_put(tmp_path_factory, ops):
                 assert all(torch.equal(out[i], empty(1)[0]) for i in range(got, n))
             assert s.used_bytes() <= cap
         assert s.stats.corrupt == 0
+
+
+def test_a_key_twice_in_one_put_is_stored_and_counted_once(tmp_path):
+    from hicache.l3 import Namespace, PageStore, page_keys
+    ns = Namespace("m", 2, 8, "float32", 4, 1)
+    shard = torch.ones(ns.shard_shape)
+    with PageStore(tmp_path / "s", ns, 0, 1 << 22) as store:
+        key = page_keys(list(range(4)), 4, ns, 0)[0]
+        assert store.put([key, key], [shard, shard]) == 1
+        assert store.num_pages() == 1
+        one = store.used_bytes()
+        assert store.delete([key]) == 1 and store.used_bytes() == 0 and one > 0

@@ -239,3 +239,89 @@ def test_one_l3_writer_per_page_among_replicas(tmp_path):
     assert stored == [i % 2 for i in range(10)]  # replica 1 of 2 writes the odd pages
     with pytest.raises(HiCacheError, match="replica"):
         HiCache(cfg, replica=(2, 2))
+
+
+def _fill(cache, table, value):
+    cache.l1.kv[:, cache.layout.page_rows(torch.tensor(table))] = value
+
+
+def test_reused_device_pages_never_carry_an_old_l3_key(tmp_path):
+    """write_back + L3: a page that held prefix M and is reused for prefix N by a load-back of a
+    request that is then preempted must not be written to L3 under M's keys."""
+    from hicache.controller import DeviceFullError
+    from hicache.l3 import chain_hashes
+    cfg = make_cfg(tmp_path, l1_pages=5, l2_ratio=0.4, write="write_back",
+                   prefetch="wait_complete")
+    rng = np.random.default_rng(1)
+    tn, tm, tx = rng.integers(0, 128, 8), rng.integers(0, 128, 16), rng.integers(0, 128, 8)
+
+    def run(cache, rid, prompt, value):  # a request whose computed KV is all `value`
+        p = cache.admit(rid, np.concatenate([prompt, [1]]))
+        while not p.ready:
+            cache.step()
+        cache.alloc(rid, len(prompt) + 1)
+        _fill(cache, p.page_table[p.hit_len // 4:], value)
+        cache.finish(rid, prompt)
+        cache.step()
+
+    def pressure(cache, rid, tokens):  # forces evictions, then is preempted
+        cache.admit(rid, tokens)
+        try:
+            cache.alloc(rid, len(tokens))
+        except DeviceFullError:
+            pass
+        cache.abort(rid)
+        for _ in range(3):
+            cache.drain()
+
+    with HiCache(cfg, mode="l1+l2+l3") as cache:
+        run(cache, "N", tn, 1.0)
+        pressure(cache, "x", np.arange(20))
+        run(cache, "M", tm, 2.0)
+        cache.admit("R", np.concatenate([tn, [5]]))  # L2 hit on N lands on M's old pages
+        cache.abort("R")
+        cache.drain()
+        run(cache, "X", tx, 3.0)
+        cache.admit("t", np.concatenate([tn, [9]]))
+        cache.abort("t")
+        pressure(cache, "z", np.arange(300, 305))
+        pressure(cache, "y", np.arange(100, 120))  # N evicted: backed up and written to L3
+        cache.drain()
+        cache._writer.flush()
+        q = cache.admit("Q", np.concatenate([tm, [7]]))  # M's prompt
+        while not q.ready:
+            cache.step()
+        restored = cache.l1.kv[:, cache.layout.page_rows(torch.tensor(q.page_table))]
+        assert set(restored.unique().tolist()) <= {2.0}  # M's KV or nothing, never N's 1.0
+        keys = cache._keys(chain_hashes(tn, 4))
+        assert cache.l3.exists_prefix(keys) == 2  # N itself went to L3 under its own keys
+        cache.abort("Q")
+
+
+def test_a_failed_copy_is_never_agreed(tmp_path, monkeypatch):
+    import hicache.l2.transfer as transfer
+    from hicache.l2.transfer import TransferError
+    from hicache.l3 import chain_hashes
+    cfg = make_cfg(tmp_path, l1_pages=8)
+    tokens = np.random.default_rng(0).integers(0, 128, 8)
+    cache = HiCache(cfg, mode="l1+l2+l3")
+    p = cache.admit("a", np.concatenate([tokens, [1]]))
+    cache.alloc("a", 9)
+    _fill(cache, p.page_table, 1.0)
+
+    def broken(*args, **kwargs):
+        raise OSError("simulated copy failure")
+    monkeypatch.setattr(transfer, "run_block_plan", broken)
+    cache.finish("a", tokens)  # the write-through backup's D2H copy fails
+    for _op, job, _c in cache._jobs.values():
+        with pytest.raises(TransferError):
+            job.wait()
+    with pytest.raises(TransferError, match="simulated copy failure"):
+        cache.step()
+    node = next(n for n in cache.ctrl.iter_nodes() if n.parent is not None)
+    assert not node.host_valid  # the host copy was never made valid
+    keys = cache._keys(chain_hashes(tokens, 4))
+    cache.close(flush=False)
+    from hicache.l3 import PageStore
+    with PageStore(cfg.l3.path, cache.namespace, 0, cfg.l3.size_bytes) as store:
+        assert store.exists_prefix(keys) == 0  # nothing reached L3

@@ -328,6 +328,11 @@ class TransferJob:
                 or not 0 <= layer < self.num_layers:
             raise PoolError(f"layer {layer!r} is outside [0, {self.num_layers})")
 
+    @property
+    def failed(self) -> bool:
+        """The copy raised: ``done()`` is True but the data is not there (``wait`` raises)."""
+        return self._error is not None
+
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise TransferError(f"{self.direction} transfer of {self.plan.num_pages} pages "

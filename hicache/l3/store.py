@@ -349,8 +349,11 @@ class PageStore:
             payloads.append(t.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
                             .numpy())
         t0 = time.perf_counter()
-        items = []
+        items, seen = [], set()
         for k, payload in zip(keys, payloads):
+            if k in seen:  # one key twice in a put (merged submissions): store it once
+                continue
+            seen.add(k)
             items.append((k, payload, self._head_prefix + _checksum(k, payload)))
         written = 0
         batch: list = []
