@@ -54,6 +54,7 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
         t0 = time.perf_counter()
         results = server.run(jobs, on_done=(lambda r: bar.update(1)) if bar else None)
         wall = time.perf_counter() - t0
+        cache.drain()  # every rank: apply the last transfers and L3 writes before counting
         first = cache.stats()  # the figures of the first pass; the soak only watches for leaks
         prefill = (server.prefill_tokens, server.prefill_s)
         passes, soak = 1, []

@@ -117,7 +117,10 @@ class PolicySection:
     selective_threshold: int = opt(2, "write_through_selective: hits before a page is backed up",
                                    min=1, max=1 << 20)
     eviction: str = opt("lru", "eviction order", choices=("lru", "lfu"))
-    prefetch: str = opt("best_effort", "L3 prefetch policy",
+    prefetch: str = opt("timeout", "L3 prefetch policy: wait for the read until it finishes or "
+                                   "the timeout passes (timeout), until it finishes "
+                                   "(wait_complete), or use what arrived by the next step "
+                                   "(best_effort)",
                         choices=("best_effort", "wait_complete", "timeout"))
     prefetch_timeout_s: float = opt(1.0, "timeout policy: base seconds", min=0.0, max=3600.0,
                                     type=(int, float))

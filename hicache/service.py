@@ -312,10 +312,13 @@ class HiCache:
         return ready
 
     def drain(self) -> None:
-        """Wait for every local transfer, then ``step`` so all ranks apply them (collective)."""
+        """Wait for every local transfer, ``step`` so all ranks apply them (collective), and
+        flush the L3 writes that followed."""
         for _op, job, _c in list(self._jobs.values()):
             job.wait()
         self.step()
+        if self._writer is not None:
+            self._writer.flush()
 
     def prefix(self, request_id) -> Prefix:
         return self._req(request_id).prefix
