@@ -163,7 +163,6 @@ class HiCache:
         req = _Request(prefix, arr)
         self._reqs[request_id] = req
         self._stats.requests += 1
-        self._stats.prompt_tokens += int(arr.size)
         if self.tiers:
             m = self._ctl(self.ctrl.match, arr[:-1])
             req.lock = self._ctl(self.ctrl.lock, m)
@@ -277,8 +276,8 @@ class HiCache:
         req = self._req(request_id)
         s, p = self._stats, req.prefix
         s.requests -= 1
-        s.prompt_tokens -= p.prompt_len
         if p.ready:
+            s.prompt_tokens -= p.prompt_len
             s.hit_tokens["l1"] -= p.device_len
             s.hit_tokens["l2"] -= p.host_len
             s.hit_tokens["l3"] -= p.storage_len
@@ -463,6 +462,9 @@ class HiCache:
         return True
 
     def _count_hits(self, prefix: Prefix) -> None:
+        """Counted once the prefix is final, so hit + miss == prompt tokens of ready requests
+        (a request still waiting on L3 is in neither)."""
+        self._stats.prompt_tokens += prefix.prompt_len
         hits = self._stats.hit_tokens
         hits["l1"] += prefix.device_len
         hits["l2"] += prefix.host_len

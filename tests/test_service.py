@@ -131,6 +131,8 @@ def test_l2_and_l3_restored_kv_is_bit_identical_to_prefill(tmp_path):
     with HiCache(cfg, mode="l1+l2+l3") as cache:
         p = cache.admit("warm", prompt)
         assert not p.ready and p.device_len == p.host_len == 0
+        st = cache.stats()  # a request still waiting on L3 counts as neither hit nor miss
+        assert st["prompt_tokens"] == st["miss_tokens"] == 0 and st["requests"] == 1
         while not cache.step():
             pass
         assert p.ready and p.storage_len == 32
