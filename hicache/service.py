@@ -31,7 +31,7 @@ from .controller import BackupOp, CacheController, DeviceFullError, StepAgreemen
 from .controller.tree import as_tokens
 from .l1.pool import DeviceKVPool
 from .l2.pool import HostKVPool, check_host_memory
-from .l2.transfer import TransferEngine
+from .l2.transfer import TransferEngine, TransferError
 from .l3 import (AsyncWriter, CostModel, Namespace, PageStore, Prefetcher, PrefetchPolicy,
                  agree_prefetch, chain_hashes, keys_for_rank, prefetch_signals, should_write)
 
@@ -288,20 +288,27 @@ class HiCache:
         on finished transfers and L3 prefetches, apply what every rank finished. Returns the
         prefixes that became ready in this step."""
         self._launch(self.ctrl.take_ops())
-        done = set()
+        done, failed = set(), []
         for o, (_op, job, _c) in self._jobs.items():
-            if job.done():
-                if job.failed:  # never agree a copy that did not happen: stop this rank loudly
-                    job.wait()  # raises TransferError naming the transfer and its cause
+            if job.failed:
+                failed.append(job)
+            elif job.done():
                 done.add(o)
         handles = [r.prefetch for r in self._pending]
         t0 = time.perf_counter()
-        res = self.ctrl.agree(self.agreement, done, prefetch_signals(handles))
+        # extras[0] is this rank's health: a copy that failed anywhere stops every rank at the
+        # same step, instead of one rank raising while the others wait in the next collective.
+        res = self.ctrl.agree(self.agreement, done, [int(not failed)] + prefetch_signals(handles))
         self._stats.agreement_s += time.perf_counter() - t0  # the collective, waits included
+        if res.extras[0] == 0:
+            if failed:
+                failed[0].wait()  # raises TransferError naming the transfer and its cause
+            raise TransferError("a transfer failed on another rank of the DCP group; "
+                                "stopping at the same step")
         for o in res.done_ops:
             self._finished(*self._jobs.pop(o))
         ready = []
-        decisions = agree_prefetch(handles, agreed=list(res.extras)) if handles else []
+        decisions = agree_prefetch(handles, agreed=list(res.extras[1:])) if handles else []
         for req, (ok, pages) in zip(list(self._pending), decisions):
             if ok and self._restore(req, pages):
                 self._pending.remove(req)
@@ -314,7 +321,10 @@ class HiCache:
         """Wait for every local transfer, ``step`` so all ranks apply them (collective), and
         flush the L3 writes that followed."""
         for _op, job, _c in list(self._jobs.values()):
-            job.wait()
+            try:
+                job.wait()
+            except TransferError:
+                pass  # reported by the step below, on every rank at once
         self.step()
         if self._writer is not None:
             self._writer.flush()

@@ -327,3 +327,33 @@ def test_a_failed_copy_is_never_agreed(tmp_path, monkeypatch):
     from hicache.l3 import PageStore
     with PageStore(cfg.l3.path, cache.namespace, 0, cfg.l3.size_bytes) as store:
         assert store.exists_prefix(keys) == 0  # nothing reached L3
+
+
+def _one_rank_copy_fails(rank, world, cfg_dict, tokens):
+    import torch.distributed as dist
+    import hicache.l2.transfer as transfer
+    from hicache.l2.transfer import TransferError
+    cfg = HiCacheConfig.from_dict(cfg_dict)
+    cache = HiCache(cfg, rank, dist.group.WORLD, mode="l1+l2")
+    cache.admit("a", np.concatenate([tokens, [1]]))
+    cache.alloc("a", len(tokens) + 1)
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise OSError("simulated copy failure")
+        transfer.run_block_plan = broken
+    cache.finish("a", tokens)  # the backup's copy fails on rank 1 only
+    try:
+        cache.drain()
+        outcome = "no error"
+    except TransferError as e:
+        outcome = str(e)
+    cache.close(flush=False)
+    return outcome
+
+
+def test_a_copy_failing_on_one_rank_stops_both_at_the_same_step(tmp_path):
+    cfg = make_cfg(tmp_path, dcp=2)
+    tokens = np.random.default_rng(4).integers(0, 128, 16)
+    out = launch(2, _one_rank_copy_fails, cfg.to_dict(), tokens, timeout_s=120)
+    assert "another rank" in out[0]
+    assert "simulated copy failure" in out[1]
