@@ -90,7 +90,7 @@ class DCPLayout:
         return owned, self.physical(owned)
 
     def owned_mask(self, virtual_slots: torch.Tensor) -> torch.Tensor:
-        return self.owner(torch.as_tensor(virtual_slots, dtype=torch.int64)) == self.rank
+        return self.owns(torch.as_tensor(virtual_slots, dtype=torch.int64))
 
     def page_rows(self, pages: torch.Tensor) -> torch.Tensor:
         """Physical rows of whole widened pages on this rank: [len(pages) * P], page-major."""
@@ -100,10 +100,6 @@ class DCPLayout:
     def local_length(self, length: int) -> int:
         """How many of the first ``length`` positions this rank holds."""
         return local_length(length, self.dcp_size, self.rank, self.interleave)
-
-    def local_prefix_rows(self, length: int) -> int:
-        """Local rows that hold positions < ``length`` are exactly rows [0, local_length)."""
-        return self.local_length(length)
 
     def for_rank(self, rank: int) -> "DCPLayout":
         return DCPLayout(self.dcp_size, rank, self.page_size, self.interleave)
