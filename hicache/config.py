@@ -103,11 +103,35 @@ class L2Section:
 
 @dataclass(frozen=True)
 class L3Section:
-    enabled: bool = opt(False, "persist pages in the LMDB store")
-    backend: str = opt("lmdb", "storage backend", choices=("lmdb",))
-    path: str = opt("hicache-l3", "LMDB environment directory (one per node)")
-    size_bytes: int = opt(1 << 30, "store capacity in bytes (LRU eviction beyond)", min=1 << 20,
-                          max=1 << 50)
+    enabled: bool = opt(False, "persist pages in the L3 page store")
+    backend: str = opt("lmdb", "page store: lmdb (embedded, one per node) or redis (a Redis 7+ / "
+                               "Valkey 8+ server or cluster shared by the fleet)",
+                       choices=("lmdb", "redis"))
+    path: str = opt("hicache-l3", "lmdb: environment directory (one per node)")
+    size_bytes: int = opt(1 << 30, "lmdb: store capacity in bytes (LRU eviction beyond); redis: "
+                                   "the server's maxmemory", min=1 << 20, max=1 << 50)
+    url: Any = opt("", "redis: redis://host:port/db, unix:///path.sock, or a list of "
+                       "redis://host:port cluster nodes", type=(str, list, tuple))
+    timeout_s: float = opt(2.0, "redis: bound on every call (connect, read, write) in seconds",
+                           min=0.001, max=600.0, type=(int, float))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.url, list):
+            object.__setattr__(self, "url", tuple(self.url))
+        if self.backend != "redis":
+            if self.url:
+                raise ConfigError(f"l3.url: only used with l3.backend = \"redis\" (backend is "
+                                  f"{self.backend!r})")
+            return
+        if not self.url:
+            raise ConfigError("l3.url: l3.backend = \"redis\" needs a url (redis://host:port/db, "
+                              "unix:///path.sock, or a list of cluster node URLs)")
+        from .l3.keys import L3Error
+        from .l3.redis_store import parse_url
+        try:
+            parse_url(list(self.url) if isinstance(self.url, tuple) else self.url)
+        except L3Error as e:
+            raise ConfigError(f"l3.url: {e}") from None
 
 
 @dataclass(frozen=True)

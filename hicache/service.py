@@ -32,8 +32,8 @@ from .controller.tree import as_tokens
 from .l1.pool import DeviceKVPool
 from .l2.pool import HostKVPool, check_host_memory
 from .l2.transfer import TransferEngine, TransferError
-from .l3 import (AsyncWriter, CostModel, Namespace, PageStore, Prefetcher, PrefetchPolicy,
-                 agree_prefetch, chain_hashes, keys_for_rank, prefetch_signals, should_write)
+from .l3 import (AsyncWriter, CostModel, Namespace, Prefetcher, PrefetchPolicy, agree_prefetch,
+                 chain_hashes, keys_for_rank, open_store, prefetch_signals, should_write)
 
 TIERS = ("l1", "l2", "l3")
 RESTORE_RETRIES = 64  # steps an agreed L3 restore may wait for L1 room before recomputing
@@ -140,7 +140,7 @@ class HiCache:
     def _open_l3(self) -> None:
         c = self.config
         self.namespace = Namespace.from_config(c)
-        self.l3 = PageStore(c.l3.path, self.namespace, self.rank, c.l3.size_bytes)
+        self.l3 = open_store(c.l3, self.namespace, self.rank)  # LMDB or Redis, per the policy
         self._writer = AsyncWriter(self.l3)
         p = c.policy
         self._prefetcher = Prefetcher(self.l3, PrefetchPolicy(
@@ -344,7 +344,7 @@ class HiCache:
                      for d in ("d2h", "h2d")},
             "evictions": {"l1": ctrl.device_evicted_pages, "l2": ctrl.host_evicted_pages,
                           "l3": 0},
-            "corrupt": 0, "controller_s": s.controller_s, "steps": s.steps,
+            "corrupt": 0, "l3_errors": 0, "controller_s": s.controller_s, "steps": s.steps,
             "agreement_s": s.agreement_s,
             "pages": {"l1": self.ctrl.device.num_used, "l2": self.ctrl.host.num_used},
             "locks": sum(1 for r in self._reqs.values() if r.lock is not None),
@@ -353,6 +353,7 @@ class HiCache:
             l3 = self.l3.stats
             out["evictions"]["l3"] = l3.evictions
             out["corrupt"] = l3.corrupt
+            out["l3_errors"] = l3.errors  # calls that found the store unavailable (misses)
             out["bytes"]["l3_read"] = l3.bytes_read
             out["bytes"]["l3_write"] = l3.bytes_written
         return out

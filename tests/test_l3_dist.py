@@ -24,7 +24,7 @@ def _worker(rank, world, path):
     for req in range(20):
         toks = list(range(req * 1000, req * 1000 + 3 * PT))
         keys = page_keys(toks, PT, NS, rank)
-        assert store.put(keys, [shard(rank, req * 10 + i) for i in range(3)]) == 3
+        assert store.put(keys, [shard(rank, req * 10 + i) for i in range(3)]).written == 3
     dist.barrier()
     assert store.num_pages() == 2 * 20 * 3  # both ranks' shards are in the one env
     for req in range(20):

@@ -10,7 +10,7 @@ not load reports 0) so every rank decides alike.
 from __future__ import annotations
 
 from .keys import L3Error
-from .store import L3Stats
+from .base import L3Stats
 
 
 class CostModel:

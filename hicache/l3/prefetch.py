@@ -1,7 +1,7 @@
 """Background L3 traffic: an asynchronous writer (L2 -> L3) and a prefetcher (L3 -> host pages).
 
 AsyncWriter: ``submit(keys, shards)`` queues pages; one thread merges queued submissions into
-batched ``PageStore.put`` calls (few transactions). The caller keeps the shard tensors alive and
+batched ``put`` calls of any :class:`L3Store` (few transactions). The caller keeps the shard tensors alive and
 unchanged until the returned future is done (e.g. keeps the host pages locked). ``close`` flushes.
 
 Prefetcher: ``start(request_id, keys, out)`` reads, in a thread, the stored prefix of ``keys``
@@ -26,7 +26,7 @@ import torch
 
 from .agree import min_across_ranks
 from .keys import L3Error
-from .store import Out, PageStore
+from .base import L3Store, Out
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
@@ -51,9 +51,9 @@ class PrefetchPolicy:
 
 # ---- writer ----------------------------------------------------------------------------------
 class AsyncWriter:
-    """One background thread writing queued pages to a PageStore in batched transactions."""
+    """One background thread writing queued pages to a store in batched ``put`` calls."""
 
-    def __init__(self, store: PageStore, batch_pages: int = 64,
+    def __init__(self, store: L3Store, batch_pages: int = 64,
                  max_pending_pages: int = 4096) -> None:
         if batch_pages < 1 or max_pending_pages < 1:
             raise L3Error("batch_pages and max_pending_pages must be >= 1")
@@ -75,9 +75,9 @@ class AsyncWriter:
             return self._pending
 
     def submit(self, keys: Sequence[bytes], shards: Sequence[torch.Tensor]) -> Future:
-        """Queue pages. The future resolves once the store handled them (written, already
-        present, or dropped for capacity); then the shards may be reused. Blocks while
-        ``max_pending_pages`` pages wait."""
+        """Queue pages. The future resolves once the store handled them, with a tuple of bools
+        (stored or not: dropped for capacity, or the store was unavailable); then the shards
+        may be reused. Blocks while ``max_pending_pages`` pages wait."""
         if self._closed:
             raise L3Error("AsyncWriter is closed")
         if len(keys) != len(shards):
@@ -85,9 +85,9 @@ class AsyncWriter:
         if len(keys) > self._max_pending:
             raise L3Error(f"a submission of {len(keys)} pages exceeds max_pending_pages "
                           f"{self._max_pending}")
-        keys = self.store._check_keys(keys)  # bad input fails here, not in a merged batch
+        keys = self.store.check_keys(keys)  # bad input fails here, not in a merged batch
         for i, t in enumerate(shards):
-            self.store._check_tensor(t, f"shard {i}")
+            self.store.check_tensor(t, f"shard {i}")
         fut: Future = Future()
         for _ in keys:
             self._room.acquire()
@@ -117,9 +117,11 @@ class AsyncWriter:
             keys = [k for j in jobs for k in j[0]]
             shards = [s for j in jobs for s in j[1]]
             try:
-                self.store.put(keys, shards)
-                for j in jobs:
-                    j[2].set_result(None)
+                stored = self.store.put(keys, shards).stored
+                at = 0
+                for j in jobs:  # each future: which of its pages are stored
+                    j[2].set_result(stored[at:at + len(j[0])])
+                    at += len(j[0])
             except BaseException as e:  # surfaced on flush/close and on each future
                 self._error = e
                 for j in jobs:
@@ -212,7 +214,7 @@ class PrefetchHandle:
 class Prefetcher:
     """Reads stored prefixes into reserved host buffers on worker threads."""
 
-    def __init__(self, store: PageStore, policy: PrefetchPolicy | None = None,
+    def __init__(self, store: L3Store, policy: PrefetchPolicy | None = None,
                  chunk_pages: int = 8, num_threads: int = 1) -> None:
         if chunk_pages < 1 or num_threads < 1:
             raise L3Error("chunk_pages and num_threads must be >= 1")
@@ -227,7 +229,7 @@ class Prefetcher:
     def start(self, request_id, keys: Sequence[bytes], out: Out) -> PrefetchHandle:
         """Begin reading ``keys`` (this rank's keys of the pages after the L1/L2 hit) into
         ``out``: a list of reserved [L, P, D] host tensors or ``out(i)`` giving page i's."""
-        keys = self.store._check_keys(keys)
+        keys = self.store.check_keys(keys)
         if not callable(out) and len(out) < len(keys):
             raise L3Error(f"prefetch of {len(keys)} pages got only {len(out)} buffers")
         h = PrefetchHandle(request_id, keys, self.page_tokens, self.policy)

