@@ -1,13 +1,19 @@
-"""L3 store benchmark: PageStore put/get GB/s per rank against raw LMDB put/get of the same bytes,
-and loading a prefix from L3 against recomputing it with the engine's prefill, in one run.
+"""L3 store benchmark: store put/get GB/s per rank against the raw client of the same backend
+moving the same bytes (LMDB, and Redis / Valkey), the Redis store against the LMDB store, and
+loading a prefix from L3 against recomputing it with the engine's prefill, in one run.
 
     python bench/l3.py [--json] [--quick] [--ranks N] [--pages N] [--sync]
+                       [--backend lmdb|redis|both] [--url URL] [--shapes]
 
-Each rank is a process writing/reading its own shards into ONE shared environment (one per
-node), concurrently with the other ranks. The raw baseline writes the same payload bytes under
-the same keys into a plain LMDB environment (no header, checksum, LRU or accounting) and reads
-them back into the same buffers. The recompute baseline runs ``MLAModel`` prefill (dense forward)
-over the tokens whose KV one page set holds.
+Each rank is a process writing/reading its own shards into ONE shared store, concurrently with the
+other ranks. LMDB: the raw baseline writes the same payload bytes under the same keys into a
+plain LMDB environment (no header, checksum, LRU or accounting) and reads them back into the same
+buffers. Redis: the raw baseline is pipelined SET / GET of the same payload bytes with the same
+client set-up and batch sizes, copied into the same buffers; without ``--url`` a local
+valkey-server is started on a private port (and stopped). ``--shapes`` also times raw SET / GET
+with each command packer (hiredis / pure Python) and reply parser (hiredis / pure Python).
+The recompute baseline runs ``MLAModel`` prefill (dense forward) over the tokens whose KV one
+page set holds.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from hicache.l3 import CostModel, Namespace, PageStore, page_keys  # noqa: E402
+from hicache.l3 import CostModel, Namespace, PageStore, RedisStore, page_keys  # noqa: E402
 
 GB = 1e9
 
@@ -60,6 +66,8 @@ def _rank_worker(rank, ranks, args, path_store, path_raw, barrier, queue):
     import lmdb
 
     res = {"store_put": [], "store_get": [], "raw_put": [], "raw_get": []}
+    if args.url:
+        res.update({"redis_put": [], "redis_get": [], "redis_raw_put": [], "redis_raw_get": []})
     it = range(args.repeats)
     if rank == 0:
         it = tqdm(it, desc=f"l3 bench ({ranks} rank(s))", file=sys.stderr)
@@ -99,10 +107,108 @@ def _rank_worker(rank, ranks, args, path_store, path_raw, barrier, queue):
         assert served == args.pages and torch.equal(outs[-1], shards[-1])
         store.close()
 
-    for rep in it:  # alternate which side goes first so neither gets a warmer machine
-        for fn in ((raw, ours) if rep % 2 == 0 else (ours, raw)):
+    def redis_raw(rep):
+        import redis
+        client = redis.Redis.from_url(args.url, **_client_kw())
+        rkeys = [b"raw%d:" % rep + k for k in keys]
+        barrier.wait()
+        t0 = time.perf_counter()
+        for i in range(0, args.pages, args.batch_pages):
+            pipe = client.pipeline(transaction=False)
+            for k, p in zip(rkeys[i:i + args.batch_pages], payloads[i:i + args.batch_pages]):
+                pipe.set(k, memoryview(p))
+            pipe.execute()
+        res["redis_raw_put"].append(time.perf_counter() - t0)
+        barrier.wait()
+        t0 = time.perf_counter()
+        for i in range(0, args.pages, args.batch_pages):
+            pipe = client.pipeline(transaction=False)
+            for k in rkeys[i:i + args.batch_pages]:
+                pipe.get(k)
+            for o, v in zip(outs[i:i + args.batch_pages], pipe.execute()):
+                np.copyto(o.view(torch.uint8).reshape(-1).numpy(), np.frombuffer(v, np.uint8))
+        res["redis_raw_get"].append(time.perf_counter() - t0)
+        client.delete(*rkeys)
+        client.close()
+
+    def redis_ours(rep):
+        store = RedisStore(args.url, ns, rank, batch_bytes=batch, key_prefix=b"store%d:" % rep,
+                           timeout_s=30.0, check_policy=False)
+        barrier.wait()
+        t0 = time.perf_counter()
+        stored = store.put(keys, shards)
+        res["redis_put"].append(time.perf_counter() - t0)
+        barrier.wait()
+        t0 = time.perf_counter()
+        served = store.get(keys, outs)
+        res["redis_get"].append(time.perf_counter() - t0)
+        assert stored.written == args.pages and served == args.pages
+        assert torch.equal(outs[-1], shards[-1]) and store.stats.errors == 0
+        store.delete(keys)
+        store.close()
+
+    sides = [raw, ours] if args.backend in ("lmdb", "both") else []
+    if args.url:
+        sides += [redis_raw, redis_ours]
+    for rep in it:  # alternate the order so no side always gets a warmer machine
+        for fn in (sides if rep % 2 == 0 else sides[::-1]):
             fn(rep)
-    queue.put((rank, {k: statistics.median(v) for k, v in res.items()}, nbytes))
+    queue.put((rank, {k: statistics.median(v) for k, v in res.items() if v}, nbytes))
+
+
+def _client_kw():
+    """The client set-up RedisStore uses: pure-Python command packer (a large value goes out as
+    its own buffer), hiredis reply parser (the default when hiredis is installed)."""
+    import redis
+    from redis.connection import PythonRespSerializer
+    enc = redis.connection.Encoder("utf-8", "strict", False)
+    return {"command_packer": PythonRespSerializer(6000, enc.encode), "socket_timeout": 30}
+
+
+def _shapes(url: str, pages: int, page_bytes: int, batch: int, repeats: int) -> list[dict]:
+    """Raw pipelined SET / GET GB/s for each command packer x reply parser."""
+    import redis
+    from redis.connection import HiredisRespSerializer, PythonRespSerializer, _RESP2Parser
+    from redis.utils import HIREDIS_AVAILABLE
+    enc = redis.connection.Encoder("utf-8", "strict", False)
+    vals = [np.random.default_rng(i).integers(0, 255, page_bytes, dtype=np.uint8)
+            for i in range(pages)]
+    out = np.empty(page_bytes, np.uint8)
+    rows = []
+    packers = {"python": PythonRespSerializer(6000, enc.encode)}
+    if HIREDIS_AVAILABLE:
+        packers["hiredis"] = HiredisRespSerializer()
+    parsers = {"python": _RESP2Parser}
+    if HIREDIS_AVAILABLE:
+        from redis.connection import _HiredisParser
+        parsers["hiredis"] = _HiredisParser
+    for pk, packer in packers.items():
+        for ps, parser in parsers.items():
+            c = redis.Redis.from_url(url, command_packer=packer, parser_class=parser)
+            keys = [b"shape:%d" % i for i in range(pages)]
+            tp, tg = [], []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for i in range(0, pages, batch):
+                    pipe = c.pipeline(transaction=False)
+                    for k, v in zip(keys[i:i + batch], vals[i:i + batch]):
+                        pipe.set(k, memoryview(v))
+                    pipe.execute()
+                tp.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                for i in range(0, pages, batch):
+                    pipe = c.pipeline(transaction=False)
+                    for k in keys[i:i + batch]:
+                        pipe.get(k)
+                    for v in pipe.execute():
+                        np.copyto(out, np.frombuffer(v, np.uint8))
+                tg.append(time.perf_counter() - t0)
+            c.delete(*keys)
+            c.close()
+            n = pages * page_bytes
+            rows.append({"packer": pk, "parser": ps, "set_gbs": n / statistics.median(tp) / GB,
+                         "get_gbs": n / statistics.median(tg) / GB})
+    return rows
 
 
 def _recompute_seconds(args, n_tokens: int) -> tuple[float, int]:
@@ -140,6 +246,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--sync", action="store_true", help="fsync each commit (both sides)")
     ap.add_argument("--dir", default=None, help="where to put the environments (default: tmp)")
+    ap.add_argument("--backend", default="both", choices=("lmdb", "redis", "both"))
+    ap.add_argument("--url", default=None, help="Redis / Valkey URL (default: start a local "
+                    "valkey-server on a private port)")
+    ap.add_argument("--shapes", action="store_true",
+                    help="also time raw SET/GET per command packer and reply parser")
     args = ap.parse_args(argv)
     if args.ranks < 1 or (args.pages is not None and args.pages < 1):
         ap.error("--ranks and --pages must be >= 1")
@@ -147,7 +258,19 @@ def main(argv=None) -> int:
     args.repeats = args.repeats or (2 if args.quick else 3)
 
     root = tempfile.mkdtemp(prefix="hicache-l3-bench-", dir=args.dir)
+    server = None
+    shapes = []
     try:
+        if args.backend != "lmdb" and not args.url:
+            from hicache.l3.localserver import start_server
+            server = start_server(os.path.join(root, "valkey"), maxmemory=0)
+            args.url = server.url
+        if args.backend == "lmdb":
+            args.url = None
+        if args.shapes and args.url:
+            ns0 = Namespace("bench", 4, 576, "bfloat16", args.page_size, args.ranks)
+            shapes = _shapes(args.url, args.pages, ns0.shard_bytes, args.batch_pages,
+                             args.repeats)
         ctx = mp.get_context("spawn")
         barrier, queue = ctx.Barrier(args.ranks), ctx.SimpleQueue()
         procs = [ctx.Process(target=_rank_worker, args=(r, args.ranks, args,
@@ -166,6 +289,8 @@ def main(argv=None) -> int:
             rank, med, nbytes = queue.get()
             per_rank[rank] = med
     finally:
+        if server is not None:
+            server.stop()
         shutil.rmtree(root, ignore_errors=True)
 
     cfg = _model_config(args.quick)
@@ -174,19 +299,34 @@ def main(argv=None) -> int:
     rows = []
     for r in sorted(per_rank):
         m = per_rank[r]
-        rows.append({"rank": r, "store_put_gbs": nbytes / m["store_put"] / GB,
-                     "raw_put_gbs": nbytes / m["raw_put"] / GB,
-                     "store_get_gbs": nbytes / m["store_get"] / GB,
-                     "raw_get_gbs": nbytes / m["raw_get"] / GB,
-                     "put_ratio": m["raw_put"] / m["store_put"],
-                     "get_ratio": m["raw_get"] / m["store_get"],
-                     "load_s": m["store_get"]})
+        row = {"rank": r}
+        if "store_get" in m:
+            row.update({"store_put_gbs": nbytes / m["store_put"] / GB,
+                        "raw_put_gbs": nbytes / m["raw_put"] / GB,
+                        "store_get_gbs": nbytes / m["store_get"] / GB,
+                        "raw_get_gbs": nbytes / m["raw_get"] / GB,
+                        "put_ratio": m["raw_put"] / m["store_put"],
+                        "get_ratio": m["raw_get"] / m["store_get"],
+                        "load_s": m["store_get"]})
+        if "redis_get" in m:
+            row.update({"redis_put_gbs": nbytes / m["redis_put"] / GB,
+                        "redis_raw_put_gbs": nbytes / m["redis_raw_put"] / GB,
+                        "redis_get_gbs": nbytes / m["redis_get"] / GB,
+                        "redis_raw_get_gbs": nbytes / m["redis_raw_get"] / GB,
+                        "redis_put_ratio": m["redis_raw_put"] / m["redis_put"],
+                        "redis_get_ratio": m["redis_raw_get"] / m["redis_get"]})
+            if "store_get" in m:
+                row["redis_vs_lmdb_put"] = m["store_put"] / m["redis_put"]
+                row["redis_vs_lmdb_get"] = m["store_get"] / m["redis_get"]
+            else:
+                row["load_s"] = m["redis_get"]
+        rows.append(row)
     load_s = max(r["load_s"] for r in rows)  # ranks load in parallel: the slowest decides
     cost = CostModel(read_bytes_per_s=nbytes / load_s, prefill_tokens_per_s=n_tokens / recompute_s)
     result = {
         "bench": "l3", "ranks": args.ranks, "pages_per_rank": args.pages,
         "shard_bytes": nbytes // args.pages, "bytes_per_rank": nbytes, "sync": args.sync,
-        "per_rank": rows,
+        "per_rank": rows, "backend": args.backend, "redis_shapes": shapes,
         "recompute": {"tokens": n_tokens, "measured_tokens": measured, "prefill_s": recompute_s, "load_s": load_s,
                       "speedup_load_vs_recompute": recompute_s / load_s,
                       "cost_model_should_load": cost.should_load(n_tokens, nbytes),
@@ -200,12 +340,24 @@ def main(argv=None) -> int:
         return 0
     print(f"L3 store, {args.ranks} rank(s) sharing one env, {args.pages} pages x "
           f"{nbytes // args.pages / 1e6:.2f} MB per rank, sync={args.sync}")
-    print(f"{'rank':>4} {'put GB/s':>9} {'raw put':>8} {'ratio':>6} "
-          f"{'get GB/s':>9} {'raw get':>8} {'ratio':>6}")
-    for r in rows:
-        print(f"{r['rank']:>4} {r['store_put_gbs']:>9.2f} {r['raw_put_gbs']:>8.2f} "
-              f"{r['put_ratio']:>6.2f} {r['store_get_gbs']:>9.2f} {r['raw_get_gbs']:>8.2f} "
-              f"{r['get_ratio']:>6.2f}")
+    for pre, name in (("", "lmdb"), ("redis_", "redis")):
+        if f"{pre}put_ratio" not in rows[0]:
+            continue
+        sp, sg = ("store_put_gbs", "store_get_gbs") if not pre else ("redis_put_gbs",
+                                                                     "redis_get_gbs")
+        print(f"{name:>6} {'rank':>4} {'put GB/s':>9} {'raw put':>8} {'ratio':>6} "
+              f"{'get GB/s':>9} {'raw get':>8} {'ratio':>6}")
+        for r in rows:
+            print(f"{'':>6} {r['rank']:>4} {r[sp]:>9.2f} {r[pre + 'raw_put_gbs']:>8.2f} "
+                  f"{r[pre + 'put_ratio']:>6.2f} {r[sg]:>9.2f} {r[pre + 'raw_get_gbs']:>8.2f} "
+                  f"{r[pre + 'get_ratio']:>6.2f}")
+    if "redis_vs_lmdb_get" in rows[0]:
+        print("redis store vs lmdb store: " + ", ".join(
+            f"rank {r['rank']} put {r['redis_vs_lmdb_put']:.2f}x get {r['redis_vs_lmdb_get']:.2f}x"
+            for r in rows))
+    for sh in shapes:
+        print(f"raw redis packer={sh['packer']:<7} parser={sh['parser']:<7} "
+              f"SET {sh['set_gbs']:.2f} GB/s  GET {sh['get_gbs']:.2f} GB/s")
     rc = result["recompute"]
     print(f"load {n_tokens} tokens' KV from L3: {load_s * 1e3:.1f} ms; recompute with MLAModel "
           f"prefill: {recompute_s * 1e3:.1f} ms (measured on {measured} tokens, scaled "

@@ -181,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chat, agentic, or both comma-separated (default: both)")
     p.add_argument("--config", default=str(EXAMPLE), help="policy file (default: the example)")
     p.add_argument("--l3-path", help="L3 directory (overrides the policy file)")
+    p.add_argument("--l3-url", help="shared L3 on Redis / Valkey (overrides the policy file): "
+                   "redis://host:port/db, unix:///path.sock, or comma-separated cluster nodes")
     p.add_argument("--dcp", type=int, help="DCP ranks to spawn (overrides the policy file)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated, any of "
                    + ", ".join(MODES))
@@ -221,6 +223,9 @@ def _resolve(args) -> tuple[HiCacheConfig, list[str], list[str]]:
     cfg = load_config(args.config)
     if args.l3_path:
         cfg = cfg.replace(l3={"path": args.l3_path})
+    if args.l3_url:
+        urls = [u.strip() for u in args.l3_url.split(",") if u.strip()]
+        cfg = cfg.replace(l3={"backend": "redis", "url": urls if len(urls) > 1 else args.l3_url})
     if args.dcp is not None:  # the policy file's tp / attn_dp must allow it
         cfg = cfg.replace(parallel={"dcp": args.dcp})
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

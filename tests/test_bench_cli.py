@@ -76,6 +76,21 @@ def test_json_shape_table_verify_and_warm_restart(cfg_file, tmp_path, capsys):
     assert warm["outputs"] == modes["recompute"]["outputs"]
 
 
+def test_shared_l3_url_second_group_starts_warm(cfg_file, tmp_path, redis_url):
+    """Two runs are two independent groups of processes: the second restores the first's
+    pages from the shared Redis store, with the same tokens."""
+    rc, a = bench(cfg_file, tmp_path, "--modes", "recompute,l1+l2+l3", "--l3-url", redis_url,
+                  name="a")
+    assert rc == 0 and a["config"]["l3"]["backend"] == "redis"
+    rc, b = bench(cfg_file, tmp_path, "--modes", "l1+l2+l3", "--l3-url", redis_url, name="b")
+    assert rc == 0
+    cold, warm = a["modes"][1], b["modes"][0]
+    assert {r["id"]: r for r in cold["requests"]}["0"]["hit_tokens"]["l3"] == 0
+    assert {r["id"]: r for r in warm["requests"]}["0"]["hit_tokens"]["l3"] > 0
+    assert warm["outputs"] == a["modes"][0]["outputs"]  # equal to recompute
+    assert warm["hit_tokens"]["l3"] > cold["hit_tokens"]["l3"]
+
+
 def test_trace_replay_soak_and_plot(cfg_file, tmp_path):
     trace = tmp_path / "trace.jsonl"
     lines = [{"length": 40, "prefix_id": "sys", "prefix_len": 24, "output_len": 2}
@@ -100,6 +115,7 @@ def test_trace_replay_soak_and_plot(cfg_file, tmp_path):
     (["--scale", "0"], "--scale"),
     (["--max-running", "0"], "--max-running"),
     (["--chunk", "0"], "--chunk"),
+    (["--l3-url", "http://localhost:1"], "l3.url"),
 ])
 def test_bad_input_is_one_line_and_exit_2(cfg_file, args, words, capsys):
     argv = ["--config", str(cfg_file), "--no-progress", *args]

@@ -33,3 +33,13 @@ def test_controller_benchmark_json():
         assert r["us_per_request"] > 0 and r["ref_us_per_request"] > 0
         if r["capacity"] == "ample":
             assert r["hit_tokens"] == r["ref_hit_tokens"] and r["identical_hits"]
+
+
+def test_l3_benchmark_json_with_redis(redis_server):
+    out = run("l3.py", "--pages", "6", "--repeats", "1", "--url", redis_server.url)
+    assert out["backend"] == "both" and len(out["per_rank"]) == 2
+    for r in out["per_rank"]:
+        for k in ("put_ratio", "get_ratio", "redis_put_ratio", "redis_get_ratio",
+                  "redis_vs_lmdb_get"):
+            assert r[k] > 0, k
+        assert abs(r["redis_get_ratio"] - r["redis_get_gbs"] / r["redis_raw_get_gbs"]) < 0.01
