@@ -125,3 +125,23 @@ def test_property_any_split_equals_dense(n, parts, q, seed, mask_p):
     assert torch.equal(mo[~ok], torch.zeros_like(mo[~ok]))
     assert torch.allclose(ml.double()[ok], lse_ref[ok], atol=1e-5)
     assert torch.isneginf(ml[~ok]).all()
+
+
+def test_fp64_inputs_merge_in_fp64():
+    # the wider of fp32 and the input dtype: fp64 parts merge to ~1e-15 (fp32 math gave ~1e-7)
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(6, 40, generator=g, dtype=torch.float64) * 3
+    values = torch.randn(40, 9, generator=g, dtype=torch.float64)
+    o_ref, lse_ref = dense_attention(scores, values)
+    os_, ls_ = split_attention(scores, values, [0, 7, 19, 33, 40])
+    mo, ml = merge_attn_states(os_, ls_)
+    assert mo.dtype == torch.float64 and ml.dtype == torch.float64
+    assert (mo - o_ref).abs().max() < 1e-12
+    assert (ml - lse_ref).abs().max() < 1e-12
+    w, lse = merge_weights(torch.stack(ls_))
+    assert w.dtype == torch.float64 and (w.sum(0) - 1).abs().max() < 1e-14
+    # fp32 and narrower inputs keep fp32 arithmetic and return fp32 LSEs
+    _, ml32 = merge_attn_states([o.float() for o in os_], [x.float() for x in ls_])
+    assert ml32.dtype == torch.float32
+    ob, lb = merge_attn_states([o.bfloat16() for o in os_], [x.float() for x in ls_])
+    assert ob.dtype == torch.bfloat16 and lb.dtype == torch.float32

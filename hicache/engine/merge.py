@@ -6,7 +6,8 @@ log-sum-exp ``lse_r`` (base e or 2, as the attention backend produced it):
     lse = logsumexp_r(lse_r)            o = sum_r exp(lse_r - lse) * o_r
 
 Empty parts (no keys: lse = -inf) get weight 0 exactly; a query with no keys at all gets o = 0
-and lse = -inf, never NaN. NaN and +inf LSEs are treated as empty (sanitised).
+and lse = -inf, never NaN. NaN and +inf LSEs are treated as empty (sanitised). The arithmetic
+runs in the wider of fp32 and the inputs' dtype (fp64 inputs merge to ~1e-15, not ~1e-7).
 """
 
 from __future__ import annotations
@@ -23,15 +24,25 @@ class MergeError(ValueError):
     """Partial states that cannot be merged (bad base, shapes that disagree)."""
 
 
-def merge_weights(lse_parts: torch.Tensor, base: str = "e") -> tuple[torch.Tensor, torch.Tensor]:
+def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The wider of fp32 and ``dtypes`` (fp16/bf16 -> fp32, fp64 -> fp64)."""
+    out = torch.float32
+    for d in dtypes:
+        out = torch.promote_types(out, d) if d.is_floating_point else out
+    return out
+
+
+def merge_weights(lse_parts: torch.Tensor, base: str = "e",
+                  dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge weights and merged LSE from partial LSEs.
 
-    lse_parts: [R, ...] (base e or 2). Returns (w [R, ...] fp32 with ``sum_r w = 1`` where any
-    part is non-empty and all zeros where every part is empty, lse [...] fp32 in ``base``).
+    lse_parts: [R, ...] (base e or 2). Returns (w [R, ...] with ``sum_r w = 1`` where any
+    part is non-empty and all zeros where every part is empty, lse [...] in ``base``), both in
+    ``dtype`` (default: the wider of fp32 and ``lse_parts.dtype``).
     """
     if base not in ("e", "2"):
         raise MergeError(f"base must be 'e' or '2', got {base!r}")
-    lse = lse_parts.float()
+    lse = lse_parts.to(dtype or compute_dtype(lse_parts.dtype))
     if base == "2":
         lse = lse * LN2
     lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, -math.inf))
@@ -54,7 +65,8 @@ def merge_attn_states(o_parts: Sequence[torch.Tensor] | torch.Tensor,
 
     o_parts:   [R, ..., D] (or a sequence of R tensors [..., D])
     lse_parts: [R, ...]    (or a sequence of R tensors [...])
-    Returns (o [..., D] in o's dtype, lse [...] fp32 in the same base).
+    Returns (o [..., D] in o's dtype, lse [...] in the same base), computed in the wider of fp32
+    and the inputs' dtypes; lse comes back in that dtype (fp32 unless an input is fp64).
     """
     if base not in ("e", "2"):
         raise MergeError(f"base must be 'e' or '2', got {base!r}")
@@ -62,9 +74,9 @@ def merge_attn_states(o_parts: Sequence[torch.Tensor] | torch.Tensor,
     lse = lse_parts if isinstance(lse_parts, torch.Tensor) else torch.stack(list(lse_parts))
     if o.shape[:-1] != lse.shape:
         raise MergeError(f"o parts {tuple(o.shape)} and lse parts {tuple(lse.shape)} disagree")
-    w, out_lse = merge_weights(lse, base)
+    ct = compute_dtype(o.dtype, lse.dtype)
+    w, out_lse = merge_weights(lse, base, ct)
     # an empty part may carry garbage (even NaN) in o: it must not leak through 0 * NaN
-    parts = torch.where(w[..., None] > 0, o.float(), torch.zeros((), dtype=torch.float32,
-                                                                  device=o.device))
+    parts = torch.where(w[..., None] > 0, o.to(ct), torch.zeros((), dtype=ct, device=o.device))
     out = (w[..., None] * parts).sum(dim=0)
     return out.to(o.dtype), out_lse

@@ -48,9 +48,11 @@ if triton is not None:
         BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
         BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
     ):
-        t = tl.program_id(0)
+        # 64-bit token, split and key indices: t * s_qt alone passes 2**31 at 32768 tokens of
+        # 128 heads x 512 dims, and a product of int32 values wraps silently.
+        t = tl.program_id(0).to(tl.int64)
         hb = tl.program_id(1)
-        sp = tl.program_id(2)
+        sp = tl.program_id(2).to(tl.int64)
         offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_r = tl.arange(0, BLOCK_R)
         offs_d = tl.arange(0, BLOCK_DR)
@@ -74,7 +76,7 @@ if triton is not None:
         start = sp * split_len
         end = tl.minimum(start + split_len, N)
         for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
+            offs_n = n0 + tl.arange(0, BLOCK_N)  # int64, as start is: offs_n * s_kn
             nmask = offs_n < end
             kpos = tl.load(kv_pos_ptr + offs_n, mask=nmask, other=0)
             allowed = nmask & (kpos <= qpos)
