@@ -21,7 +21,9 @@ def main(policy: str = "examples/policy.toml") -> list[list[int]]:
     model = MLAModel(model_config(cfg))
     system = np.random.default_rng(0).integers(0, cfg.model.vocab_size, 200)  # shared prefix
     outputs = []
-    with HiCache(cfg) as cache:
+    # the model's digest names its weights in the L3 keys (or set [model] signature)
+    with HiCache(cfg, weights_signature=model.weights_signature()) as cache:
+        model.to(cache.l1.device)                      # the engine runs where L1 lives
         current = {"rid": None}
         runner = DCPRunner(model, cache.l1,  # the engine's KV lives in the cache's L1 pool
                            layer_hook=lambda i: cache.wait_layer(current["rid"], i))

@@ -43,7 +43,10 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
     group = dist.group.WORLD if dist.is_initialized() else None
     model = MLAModel(model_config(cfg, seed=opts["seed"]))
     out: dict = {"rank": rank}
-    with HiCache(cfg, rank, group, mode=mode) as cache:
+    # the built-in model's digest names its weights in the L3 keys
+    with HiCache(cfg, rank, group, mode=mode,
+                 weights_signature=model.weights_signature()) as cache:
+        model.to(cache.l1.device)  # the engine computes where its KV pool lives
         server = Server(model, cache, group=group, backend=opts["backend"],
                         chunk_tokens=opts["chunk"], max_running=opts["max_running"])
         bar = None

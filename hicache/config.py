@@ -46,6 +46,9 @@ class ModelSection:
     hidden_size: int = opt(128, "built-in engine: hidden size", min=1, max=1 << 20)
     num_heads: int = opt(4, "built-in engine: attention heads", min=1, max=4096)
     vocab_size: int = opt(512, "built-in engine: vocabulary size", min=2, max=1 << 24)
+    signature: str = opt("", "weights identity (a checkpoint hash or revision), part of the L3 "
+                             "namespace; required when L3 is on (HiCache(weights_signature=...) "
+                             "overrides it)")
 
     def __post_init__(self) -> None:
         if self.preset:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .config import HiCacheConfig
+from .config import ConfigError, HiCacheConfig
 from .controller import BackupOp, CacheController, DeviceFullError, StepAgreement
 from .controller.tree import as_tokens
 from .l1.pool import DeviceKVPool
@@ -90,15 +90,28 @@ class TierStats:
 
 class HiCache:
     """One rank's cache hierarchy. ``mode`` picks the tiers: recompute, l1, l1+l2, l1+l2+l3
-    (default: l1+l2, plus l3 when the policy file enables it)."""
+    (default: l1+l2, plus l3 when the policy file enables it). ``weights_signature`` (default:
+    the policy's ``[model] signature``) names the weights in the L3 keys, so a store written by
+    other weights of the same shapes never hits; L3 refuses to start without one."""
 
     def __init__(self, config: HiCacheConfig, rank: int = 0, group=None, *,
                  mode: str | None = None, device: str | torch.device | None = None,
-                 replica: tuple[int, int] = (0, 1), debug: bool = False) -> None:
+                 replica: tuple[int, int] = (0, 1), debug: bool = False,
+                 weights_signature: str | None = None) -> None:
         if mode is None:
             mode = "l1+l2+l3" if config.l3.enabled else "l1+l2"
         if mode not in MODES:
             raise HiCacheError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        if weights_signature is None:
+            weights_signature = config.model.signature
+        if not isinstance(weights_signature, str):
+            raise HiCacheError(f"weights_signature must be a str, got {weights_signature!r}")
+        if "l3" in MODES[mode] and not weights_signature:
+            raise ConfigError(
+                "model.signature: L3 is enabled but no weights signature is set, so another "
+                "checkpoint of the same shapes could be served this one's KV; set [model] "
+                "signature (a checkpoint hash or revision) or pass HiCache(weights_signature=...)")
+        self.weights_signature = weights_signature
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         if world != config.parallel.dcp:
             raise HiCacheError(f"the process group has {world} ranks but parallel.dcp is "
@@ -139,7 +152,7 @@ class HiCache:
     # ---- L3 -----------------------------------------------------------------------------------
     def _open_l3(self) -> None:
         c = self.config
-        self.namespace = Namespace.from_config(c)
+        self.namespace = Namespace.from_config(c, model=self.weights_signature)
         self.l3 = open_store(c.l3, self.namespace, self.rank)  # LMDB or Redis, per the policy
         self._writer = AsyncWriter(self.l3)
         p = c.policy

@@ -165,3 +165,16 @@ def test_config_errors():
     assert ModelConfig().kv_dim == 40
     with pytest.raises(ValueError, match="token ids"):
         MLAModel(ModelConfig(num_layers=1)).embed([CFG.vocab_size])
+
+
+def test_weights_signature_names_the_weights(model, tmp_path):
+    from hicache.engine.model import file_digest
+    same = MLAModel(model.cfg)  # the same seed: the same weights, the same signature
+    assert same.weights_signature() == model.weights_signature()
+    other = MLAModel(ModelConfig(**{**model.cfg.to_dict(), "seed": model.cfg.seed + 1}))
+    assert other.weights_signature() != model.weights_signature()
+    model.save(tmp_path / "a.pt")
+    other.save(tmp_path / "b.pt")
+    a, b = MLAModel.load(tmp_path / "a.pt"), MLAModel.load(tmp_path / "b.pt")
+    assert a.weights_signature() == f"mla-file:{file_digest(tmp_path / 'a.pt')}"
+    assert a.weights_signature() != b.weights_signature()

@@ -16,7 +16,7 @@ from hicache.workloads import Request
 def make_cfg(tmp_path, dcp=1, l1_pages=24, l2_ratio=2.0, **policy) -> HiCacheConfig:
     return HiCacheConfig.from_dict({
         "model": {"num_layers": 2, "kv_lora_rank": 32, "rope_dim": 8, "hidden_size": 64,
-                  "num_heads": 4, "vocab_size": 128},
+                  "num_heads": 4, "vocab_size": 128, "signature": "test-weights"},
         "parallel": {"tp": dcp, "dcp": dcp},
         "cache": {"page_size": 4},
         "l1": {"num_pages": l1_pages},
@@ -141,6 +141,53 @@ def test_l2_and_l3_restored_kv_is_bit_identical_to_prefill(tmp_path):
         warm = Server(model, cache, chunk_tokens=16).run([req("w", prompt)])[0]
         assert warm.output == fresh.output and warm.hit["l1"] == 32
         assert cache.stats()["hit_tokens"] == {"l1": 32, "l2": 0, "l3": 32}
+
+
+def _serve_signed(cfg, model, mode, jobs):
+    """Serve with ``model``'s own weights digest as the L3 weights signature."""
+    with HiCache(cfg, mode=mode, weights_signature=model.weights_signature()) as cache:
+        results = Server(model, cache, chunk_tokens=16).run(jobs)
+        cache.drain()
+        stats = cache.stats()
+    return {r.request_id: r.output for r in results}, stats
+
+
+def test_other_weights_of_the_same_shapes_never_hit_l3(tmp_path):
+    cfg = make_cfg(tmp_path, prefetch="wait_complete")
+    prompts = [np.random.default_rng(20 + i).integers(0, 128, 33) for i in range(3)]
+    jobs = [req(i, p, out=6) for i, p in enumerate(prompts)]
+    old = MLAModel(model_config(cfg, seed=0))
+    new = MLAModel(model_config(cfg, seed=1))  # a new checkpoint, same architecture
+    assert old.weights_signature() != new.weights_signature()
+    _, first = _serve_signed(cfg, old, "l1+l2+l3", jobs)
+    assert first["bytes"]["l3_write"] > 0
+    again, warm = _serve_signed(cfg, old, "l1+l2+l3", jobs)  # control: same weights do hit
+    assert warm["hit_tokens"]["l3"] == 3 * 32
+    out, stats = _serve_signed(cfg, new, "l1+l2+l3", jobs)  # same L3 path, other weights
+    assert stats["hit_tokens"]["l3"] == 0 and stats["bytes"]["l3_read"] == 0
+    ref, _ = _serve_signed(cfg, new, "recompute", jobs)
+    assert out == ref
+    assert out != again  # the weights really differ: the old KV would have changed tokens
+
+
+def test_l3_needs_a_weights_signature(tmp_path):
+    from hicache.config import ConfigError
+    from hicache.l3 import Namespace
+    cfg = make_cfg(tmp_path).replace(model={"signature": ""})
+    with pytest.raises(ConfigError, match=r"model\.signature"):
+        HiCache(cfg, mode="l1+l2+l3")
+    with pytest.raises(ConfigError, match=r"model\.signature"):
+        HiCache(cfg)  # the policy file enables L3
+    HiCache(cfg, mode="l1+l2").close()  # no L3, no signature needed
+    with HiCache(cfg, mode="l1+l2+l3", weights_signature="ckpt-a") as a:
+        ns_a = a.namespace
+    signed = cfg.replace(model={"signature": "ckpt-a"})
+    with HiCache(signed) as b:  # the file's key names the same weights: same namespace
+        assert b.namespace.digest == ns_a.digest
+    with HiCache(signed, weights_signature="ckpt-b") as c:  # the argument overrides the file
+        assert c.namespace.digest != ns_a.digest
+    assert Namespace.from_config(signed, model="x").digest == \
+        Namespace.from_config(cfg, model="x").digest  # the field itself is not signed twice
 
 
 def test_api_misuse_is_a_clear_error(tmp_path):

@@ -13,12 +13,14 @@ caller needs to run attention itself (a DCP rank over its shard, a ring step):
     layer.output(o_lat [T, H, R], h) -> h'                           (W_UV, o_proj, MLP)
 
 ``MLAModel.forward(tokens)`` is the dense single-process reference. Compute is fp32; weights and
-KV rows are stored in ``config.dtype``.
+KV rows are stored in ``config.dtype``. ``weights_signature()`` names the weights for the L3 keys
+(a digest of the file it was loaded from, else of the tensors).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 from dataclasses import dataclass
@@ -204,10 +206,30 @@ class MLALayer(nn.Module):
         return self.finish(self.attn_out(o_lat), h)
 
 
+def file_digest(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """BLAKE2b-128 of a file's bytes, read in chunks (a weights file's identity)."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tensors_digest(state: dict) -> str:
+    """BLAKE2b-128 over every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(state):
+        t = state[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 class MLAModel(nn.Module):
     def __init__(self, cfg: ModelConfig, init: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
+        self.source_digest: Optional[str] = None  # set by ``load``: the file's digest
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size),
                                          requires_grad=False)
         self.layers = nn.ModuleList(MLALayer(cfg) for _ in range(cfg.num_layers))
@@ -269,6 +291,13 @@ class MLAModel(nn.Module):
             seq.append(nxt)
         return out
 
+    def weights_signature(self) -> str:
+        """The weights' identity for ``HiCache(weights_signature=...)``: the digest of the file
+        the model was loaded from, else a digest of its tensors (seeded weights)."""
+        if self.source_digest is not None:
+            return f"mla-file:{self.source_digest}"
+        return f"mla-weights:{tensors_digest(self.state_dict())}"
+
     # ---- files -------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
         """Write config and weights to one file (atomic rename)."""
@@ -308,6 +337,7 @@ class MLAModel(nn.Module):
                     f"{tuple(v.shape)}")
         for k, p in model.named_parameters():
             p.data = state[k].to(cfg.torch_dtype)
+        model.source_digest = file_digest(path)
         if device is not None:
             model.to(device)
         return model

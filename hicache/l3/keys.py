@@ -97,10 +97,12 @@ class Namespace:
     @classmethod
     def from_config(cls, config: Any, model: str = "mla") -> "Namespace":
         """Build from a ``HiCacheConfig`` (duck-typed: model/parallel/cache sections). Pass
-        ``model`` = a weights signature when the same shapes can carry different weights."""
+        ``model`` = a weights signature when the same shapes can carry different weights (the
+        model section's own ``signature`` field is left to the caller: it may be overridden)."""
         m, par = config.model, config.parallel
         if dataclasses.is_dataclass(m):  # every model field (shapes, preset, ...) signs the bytes
-            sig = ",".join(f"{k}={v}" for k, v in sorted(dataclasses.asdict(m).items()))
+            sig = ",".join(f"{k}={v}" for k, v in sorted(dataclasses.asdict(m).items())
+                           if k != "signature")
         else:
             sig = f"lora{m.kv_lora_rank}:rope{m.rope_dim}"
         return cls(model=f"{model}:{sig}", num_layers=m.num_layers,
