@@ -84,8 +84,10 @@ def _agree_continue(local: bool, group) -> bool:
         return local
     import torch
     import torch.distributed as dist
-    flag = torch.tensor([int(local)])
-    dist.broadcast(flag, src=0, group=group)
+
+    from .distributed import control_group
+    flag = torch.tensor([int(local)])  # a CPU flag: over the group's gloo twin under NCCL
+    dist.broadcast(flag, src=0, group=control_group(group))
     return bool(flag.item())
 
 

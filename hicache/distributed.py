@@ -5,11 +5,15 @@
   with the failing rank's traceback when one fails. Always bounded by a timeout.
 - Collective wrappers that feature-detect names that moved between torch 2.11 and 2.13.
 - ``CollectiveCounter`` counts collectives issued, so tests can assert "exactly one per step".
+- ``control_group(group)``: the group the CPU control plane (per-step agreement, L3 MIN,
+  benchmark flags) talks over: ``group`` itself when its backend takes CPU tensors (gloo), else a
+  gloo group over the same ranks, created once beside it (NCCL takes only CUDA tensors).
 """
 
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 import pickle
 import socket
@@ -163,3 +167,48 @@ def all_gather_object(obj: Any, world_size: int, group=None) -> list:
     out: list = [None] * world_size
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+# ---- the control plane's CPU group -----------------------------------------------------------
+_CONTROL: dict[int, tuple] = {}  # id(group) -> (group, its gloo twin)
+
+
+def device_types(group=None) -> set[str]:
+    """Device types whose tensors ``group``'s backend accepts ({"cuda"} for NCCL)."""
+    pg = group if group is not None else dist.group.WORLD
+    types = getattr(pg, "_device_types", None)  # torch >= 2.2
+    if types is not None:
+        return {torch.device(t).type for t in types}
+    backend = str(dist.get_backend(group))
+    if ":" in backend:  # "cuda:nccl,cpu:gloo"
+        return {part.split(":")[0] for part in backend.split(",")}
+    return {"cpu", "cuda"} if backend == "gloo" else {"cuda"}
+
+
+def group_timeout(group=None) -> datetime.timedelta | None:
+    """``group``'s collective timeout where this torch exposes it, else None (torch default)."""
+    pg = group if group is not None else dist.group.WORLD
+    for dev in sorted(device_types(pg)):
+        try:
+            return pg._get_backend(torch.device(dev)).options._timeout
+        except Exception:
+            continue
+    return None
+
+
+def control_group(group=None):
+    """A group over ``group``'s ranks that takes CPU tensors: ``group`` itself when it does,
+    else a gloo group created beside it on the first call (collective: every member of
+    ``group`` calls this, in the same order as its other group creations) and reused after."""
+    pg = group if group is not None else dist.group.WORLD
+    if "cpu" in device_types(pg):
+        return group
+    hit = _CONTROL.get(id(pg))
+    if hit is not None and hit[0] is pg:
+        return hit[1]
+    kwargs: dict[str, Any] = {"backend": "gloo", "timeout": group_timeout(pg)}
+    if "use_local_synchronization" in inspect.signature(dist.new_group).parameters:
+        kwargs["use_local_synchronization"] = True  # only the members take part
+    ctl = dist.new_group(dist.get_process_group_ranks(pg), **kwargs)
+    _CONTROL[id(pg)] = (pg, ctl)
+    return ctl

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import distributed as hd
 from .config import ConfigError, HiCacheConfig
 from .controller import BackupOp, CacheController, DeviceFullError, StepAgreement
 from .controller.tree import as_tokens
@@ -138,7 +139,9 @@ class HiCache:
                                     write=p.write, eviction=p.eviction,
                                     selective_threshold=p.selective_threshold,
                                     load_back_threshold=p.load_back_threshold)
-        self.agreement = StepAgreement(group=group, debug=debug, local=world == 1)
+        # the control plane runs on CPU tensors: over a gloo twin of an NCCL group (made once)
+        self.control_group = hd.control_group(group) if world > 1 else group
+        self.agreement = StepAgreement(group=self.control_group, debug=debug, local=world == 1)
         self._reqs: dict[object, _Request] = {}
         self._jobs: dict[int, tuple] = {}   # op id -> (op, job, L3 chains of its device pages)
         self._pending: list = []                             # requests waiting on L3

@@ -17,20 +17,15 @@ from hicache import distributed as hd
 from .keys import L3Error
 
 
-def _device(group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def min_across_ranks(values: Sequence[int], group=None) -> list[int]:
-    """Element-wise MIN of ``values`` over the group with one all-reduce (no-op alone)."""
+    """Element-wise MIN of ``values`` over the group with one all-reduce (no-op alone). A CPU
+    tensor over the group's control group (a gloo twin of an NCCL group): no GPU sync."""
     vals = [int(v) for v in values]
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return vals
-    t = torch.tensor(vals, dtype=torch.int64, device=_device(group))
-    hd.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return [int(v) for v in t.cpu().tolist()]
+    t = torch.tensor(vals, dtype=torch.int64)
+    hd.all_reduce(t, op=dist.ReduceOp.MIN, group=hd.control_group(group))
+    return [int(v) for v in t.tolist()]
 
 
 def _check_len(x, what: str) -> int:
