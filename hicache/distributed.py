@@ -48,9 +48,22 @@ def init_process_group(rank: int, world_size: int, port: int, backend: str | Non
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def local_world_size() -> int:
+    """Ranks sharing this host's memory: LOCAL_WORLD_SIZE (torchrun, ``launch``), else one per
+    visible GPU up to the world size, else 1."""
+    env = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    if torch.cuda.is_available() and dist.is_available() and dist.is_initialized():
+        return max(1, min(torch.cuda.device_count(), dist.get_world_size()))
+    return 1
+
+
 def _worker(rank: int, world_size: int, port: int, backend: str | None, timeout_s: float,
             fn: Callable, args: tuple, queue) -> None:
     torch.set_num_threads(1)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # every rank runs on this host
+    os.environ["LOCAL_RANK"] = str(rank)
     try:
         init_process_group(rank, world_size, port, backend, timeout_s)
         result = fn(rank, world_size, *args)

@@ -30,8 +30,8 @@ from . import distributed as hd
 from .config import ConfigError, HiCacheConfig
 from .controller import BackupOp, CacheController, DeviceFullError, StepAgreement
 from .controller.tree import as_tokens
-from .l1.pool import DeviceKVPool
-from .l2.pool import HostKVPool, check_host_memory
+from .l1.pool import DeviceKVPool, pick_device
+from .l2.pool import HostKVPool, check_host_memory, check_node_memory
 from .l2.transfer import TransferEngine, TransferError
 from .l3 import (AsyncWriter, CostModel, Namespace, Prefetcher, PrefetchPolicy, agree_prefetch,
                  chain_hashes, keys_for_rank, open_store, prefetch_signals, should_write)
@@ -120,13 +120,20 @@ class HiCache:
         self.config, self.rank, self.group, self.mode = config, rank, group, mode
         if not (len(replica) == 2 and 0 <= replica[0] < replica[1]):
             raise HiCacheError(f"replica must be (id, count) with 0 <= id < count, got {replica}")
-        self.replica = replica  # (id, count) of TP replicas holding this shard: one L3 writer
+        # (id, count) among the TP replicas of this shard that share this rank's L3 store (one
+        # writer per page per store: l3.store_replica computes it from the ranks' nodes)
+        self.replica = replica
         self._prefill_tok_s = 0.0
         self.tiers = MODES[mode]
         m = config.model
         self.layout = config.layout(rank)
         self.page_tokens = self.layout.virtual_page_size
         host_pages = config.l2_num_pages if "l2" in self.tiers else 0
+        # every rank of this node pins its L2 (and holds its L1 when that is on the host)
+        l1_host = config.l1.num_pages * config.page_bytes_per_rank \
+            if pick_device(device).type == "cpu" else 0
+        check_node_memory(host_pages * config.page_bytes_per_rank, l1_host,
+                          hd.local_world_size())
         self.l1 = DeviceKVPool(self.layout, m.num_layers, m.kv_dim, m.torch_dtype,
                                config.l1.num_pages, device=device)
         if host_pages:

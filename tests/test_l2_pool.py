@@ -94,3 +94,36 @@ def test_pool_larger_than_host_memory_fails_before_allocating():
     with pytest.raises(HostMemoryError):
         check_host_memory(avail * 2)
     check_host_memory(1024)  # a small pool fits
+
+
+def test_node_memory_counts_every_local_rank():
+    from hicache.l2.pool import check_node_memory, node_host_bytes, pinned_host_tensor
+    assert node_host_bytes(100, 0, 8) == 800
+    assert node_host_bytes(100, 30, 4) == 520  # L1 on the host counts too
+    assert check_node_memory(100, 0, 8, total_bytes=1000) == 800
+    with pytest.raises(HostMemoryError, match=r"8 ranks on this node x \(L2 150 bytes\) = 1200"):
+        check_node_memory(150, 0, 8, total_bytes=1000)  # one rank alone (150) would fit
+    with pytest.raises(HostMemoryError, match="L1 50 on the host"):
+        check_node_memory(100, 50, 8, total_bytes=1000)
+    with pytest.raises(PoolError, match="local_ranks"):
+        node_host_bytes(1, 0, 0)
+    # exactly the bytes asked for: no power-of-two rounding (plain memory without CUDA)
+    t = pinned_host_tensor((3, 5, 7), torch.bfloat16, pin=torch.cuda.is_available())
+    assert t.untyped_storage().nbytes() == 3 * 5 * 7 * 2 and not t.any()
+    h = HostKVPool(LAY, 3, 6, torch.float16, 5, pin="auto")
+    assert h.buf.untyped_storage().nbytes() == h.nbytes == 5 * 3 * LAY.page_size * 6 * 2
+
+
+def test_hicache_checks_host_memory_for_the_whole_node(tmp_path, monkeypatch):
+    from hicache.config import HiCacheConfig
+    from hicache.service import HiCache
+    total = psutil.virtual_memory().total
+    cfg = HiCacheConfig.from_dict({"l2": {"size_bytes": total // 4}, "l1": {"num_pages": 4}})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 8 ranks x a quarter of the node
+    rss = psutil.Process().memory_info().rss
+    with pytest.raises(HostMemoryError, match="8 ranks on this node"):
+        HiCache(cfg, mode="l1+l2")
+    assert psutil.Process().memory_info().rss < rss + 2**28  # refused before allocating
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    small = cfg.replace(l2={"size_bytes": 1 << 20})
+    HiCache(small, mode="l1+l2").close()

@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.l3 import (FORMAT_VERSION, L3Error, L3Store, Namespace, PageStore, RedisStore,
-                        open_store, page_keys, replica_of, should_write)
+                        open_store, page_keys, replica_of, should_write,
+                        store_replica)
 
 NS = Namespace("m", num_layers=2, kv_dim=8, dtype="bfloat16", page_size=4, dcp_size=2)
 PT = NS.page_tokens  # 8
@@ -500,3 +501,23 @@ def test_a_key_twice_in_one_put_is_stored_and_counted_once(backend):
             assert store.delete([key]) == 1 and store.used_bytes() == 0 and used > 0
         else:
             assert store.delete([key]) == 1 and backend.num_pages() == 0
+
+
+def test_each_store_gets_every_page_from_one_replica_on_it():
+    # tp 8, dcp 2: replicas of each shard on two nodes of 4 ranks (one LMDB store per node).
+    tp, dcp, per_node = 8, 2, 4
+    node = [r // per_node for r in range(tp)]
+    for page in range(12):
+        for store in (0, 1):
+            for shard in range(dcp):
+                writers = [r for r in range(tp) if node[r] == store and r % dcp == shard
+                           and should_write(page, *store_replica(r, tp, dcp, node))]
+                assert len(writers) == 1, (page, store, shard, writers)
+    # rotating over every replica instead leaves each node's store with half of the pages
+    held = {p for p in range(12) for r in range(per_node) if r % dcp == 0
+            and should_write(p, *replica_of(r, tp, dcp)[1:])}
+    assert held == {p for p in range(12) if p % 4 < 2}
+    assert store_replica(5, tp, dcp, node) == (0, 2)  # rank 5: shard 1, node 1, first there
+    assert store_replica(3, tp, dcp, [0] * tp) == replica_of(3, tp, dcp)[1:]  # one store
+    with pytest.raises(L3Error, match="stores for"):
+        store_replica(0, tp, dcp, [0, 1])

@@ -6,19 +6,25 @@ Two layouts:
   page to and from L3).
 
 Pinned when CUDA exists (``pin="auto"``); plain memory otherwise, since pinning raises without
-CUDA. The size is checked against available host memory (psutil) before allocating, and the
-memory is faulted in (zero-filled) at creation, on transparent huge pages when unpinned (Linux).
+CUDA. Pinning page-locks an ordinary allocation of exactly the pool's bytes (``cudaHostRegister``):
+torch's pinned allocator would round a 150 GiB pool up to 256 GiB. The size is checked against
+host memory before allocating (per rank against what is available; every rank of the node
+together against the node's memory: ``check_node_memory``), and the memory is faulted in
+(zero-filled) at creation, on transparent huge pages (Linux).
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
+import warnings
+import weakref
 
 import psutil
 import torch
 
 from hicache.l1.allocator import PageError
-from hicache.l1.pool import PoolError, check_shape_args, zeroed
+from hicache.l1.pool import PoolError, advise_hugepages, check_shape_args
 from hicache.layout import DCPLayout
 
 LAYOUTS = ("layer_first", "page_first")
@@ -58,6 +64,75 @@ def check_host_memory(nbytes: int, max_fraction: float = 0.9) -> None:
             "lower l2.size_bytes or l2.ratio")
 
 
+def node_host_bytes(l2_bytes: int, l1_host_bytes: int, local_ranks: int) -> int:
+    """Host bytes every rank of one node pins together: each holds its L2 pool, plus its L1
+    pool when L1 lives on the host (no GPU)."""
+    for name, v in (("l2_bytes", l2_bytes), ("l1_host_bytes", l1_host_bytes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise PoolError(f"{name} must be an int >= 0, got {v!r}")
+    if isinstance(local_ranks, bool) or not isinstance(local_ranks, int) or local_ranks < 1:
+        raise PoolError(f"local_ranks must be a positive int, got {local_ranks!r}")
+    return local_ranks * (l2_bytes + l1_host_bytes)
+
+
+def check_node_memory(l2_bytes: int, l1_host_bytes: int, local_ranks: int,
+                      total_bytes: int | None = None, max_fraction: float = 0.9) -> int:
+    """Raise ``HostMemoryError`` when the node's ranks together would pin more than
+    ``max_fraction`` of the node's memory (``total_bytes``, default: this host's); the bytes."""
+    need = node_host_bytes(l2_bytes, l1_host_bytes, local_ranks)
+    total = psutil.virtual_memory().total if total_bytes is None else total_bytes
+    if need > total * max_fraction:
+        l1 = f" + L1 {l1_host_bytes} on the host" if l1_host_bytes else ""
+        raise HostMemoryError(
+            f"host memory: {local_ranks} ranks on this node x (L2 {l2_bytes}{l1} bytes) = "
+            f"{need} bytes ({need / 2**30:.2f} GiB) exceed {max_fraction:.0%} of the node's "
+            f"{total} bytes ({total / 2**30:.2f} GiB); lower l2.size_bytes or l2.ratio (or run "
+            "fewer ranks per node: LOCAL_WORLD_SIZE)")
+    return need
+
+
+_CUDA_SUCCESS = 0
+_REGISTER_PORTABLE_MAPPED = 1 | 2  # every context, and a device address (the Triton copy path)
+
+
+def _cudart():
+    """torch's CUDA runtime binding, or libcudart through ctypes when it lacks host register."""
+    rt = torch.cuda.cudart()
+    if hasattr(rt, "cudaHostRegister") and hasattr(rt, "cudaHostUnregister"):
+        return (lambda p, n: int(rt.cudaHostRegister(p, n, _REGISTER_PORTABLE_MAPPED)),
+                lambda p: int(rt.cudaHostUnregister(p)))
+    for name in ("libcudart.so", "libcudart.so.12", "libcudart.so.13", "libcudart.so.11.0"):
+        try:
+            lib = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        raise OSError("neither torch.cuda.cudart() nor libcudart offer cudaHostRegister")
+    lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+    return (lambda p, n: int(lib.cudaHostRegister(p, n, _REGISTER_PORTABLE_MAPPED)),
+            lambda p: int(lib.cudaHostUnregister(p)))
+
+
+def pinned_host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A zero-filled CPU tensor of exactly ``shape`` (no rounding), page-locked in place when
+    ``pin`` (unregistered again when the tensor is freed). Raises OSError when CUDA refuses."""
+    t = torch.empty(shape, dtype=dtype)
+    advise_hugepages(t)
+    t.zero_()  # faulted in now, not on the first transfer
+    nbytes = t.numel() * t.element_size()
+    if not pin or nbytes == 0:
+        return t
+    register, unregister = _cudart()
+    err = register(t.data_ptr(), nbytes)
+    if err != _CUDA_SUCCESS:
+        raise OSError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {err} "
+                      "(locked-memory limit? see ulimit -l)")
+    weakref.finalize(t, unregister, t.data_ptr())
+    return t
+
+
 def resolve_pin(pin: str) -> bool:
     if pin not in PIN_MODES:
         raise PoolError(f"pin must be one of {PIN_MODES}, got {pin!r}")
@@ -90,8 +165,14 @@ class HostKVPool:
                  else (num_pages, num_layers, P, kv_dim))
         itemsize = torch.empty((), dtype=dtype).element_size()
         check_host_memory(math.prod(shape) * itemsize, max_memory_fraction)
-        # Faulted in now (zero-filled), not on the first transfer; huge pages when unpinned.
-        self.buf = zeroed(shape, dtype, torch.device("cpu"), pin_memory=self.pinned)
+        try:  # exactly the policy's bytes, page-locked in place
+            self.buf = pinned_host_tensor(shape, dtype, self.pinned)
+        except OSError as e:
+            if pin == "on":
+                raise HostMemoryError(f"cannot pin the host KV pool: {e}") from None
+            warnings.warn(f"host KV pool left unpinned (slower copies): {e}", RuntimeWarning)
+            self.pinned = False
+            self.buf = pinned_host_tensor(shape, dtype, False)
 
     # ---- sizes ---------------------------------------------------------------------------------
     @property

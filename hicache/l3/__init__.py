@@ -10,12 +10,12 @@ from .keys import (FORMAT_VERSION, L3Error, Namespace, chain_hashes, keys_for_ra
 from .prefetch import (PREFETCH_POLICIES, AsyncWriter, PrefetchHandle, PrefetchPolicy, Prefetcher,
                        agree_prefetch, prefetch_signals)
 from .redis_store import RedisStore
-from .store import PageStore, replica_of, should_write
+from .store import PageStore, replica_of, should_write, store_replica
 
 __all__ = [
     "open_store", "L3Store", "PutResult", "Out", "BACKENDS", "PageStore", "RedisStore",
     "FORMAT_VERSION", "L3Error", "Namespace", "chain_hashes", "keys_for_rank", "make_key",
-    "page_keys", "L3Stats", "should_write", "replica_of", "CostModel",
+    "page_keys", "L3Stats", "should_write", "replica_of", "store_replica", "CostModel",
     "AsyncWriter", "Prefetcher", "PrefetchHandle", "PrefetchPolicy", "PREFETCH_POLICIES",
     "agree_prefetch", "prefetch_signals", "min_across_ranks", "restore_length", "restore_lengths",
 ]

@@ -60,6 +60,19 @@ def replica_of(tp_rank: int, tp_size: int, dcp_size: int) -> tuple[int, int, int
     return tp_rank % dcp_size, tp_rank // dcp_size, tp_size // dcp_size
 
 
+def store_replica(tp_rank: int, tp_size: int, dcp_size: int,
+                  store_of: Sequence[object]) -> tuple[int, int]:
+    """``(writer_id, num_writers)`` of a TP rank among the replicas of its shard that share its
+    L3 store, for ``HiCache(replica=...)``. ``store_of[r]`` names TP rank r's store (its node
+    for LMDB, one environment per node; the same id for every rank sharing one Redis). Rotating writers over the replicas of one
+    store only, every store holds every page (replicas on other nodes fill their own stores)."""
+    dcp_rank, _, _ = replica_of(tp_rank, tp_size, dcp_size)
+    if len(store_of) != tp_size:
+        raise L3Error(f"store_of names {len(store_of)} stores for {tp_size} TP ranks")
+    peers = [r for r in range(dcp_rank, tp_size, dcp_size) if store_of[r] == store_of[tp_rank]]
+    return peers.index(tp_rank), len(peers)
+
+
 class _Gate:
     """Shared/exclusive gate: transactions share it; a map resize takes it alone."""
 
