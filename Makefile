@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.stamp-install
 TORCH   ?= torch==2.13.0
 
-.PHONY: test bench setup clean
+.PHONY: test bench setup clean gpu-check
 
 setup: $(STAMP)
 
@@ -24,6 +24,16 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	.venv/bin/hicache-bench --verify --out out/bench.json
+
+# Every CUDA path checked, then GPU figures (not part of `make test`); exits 0 without a GPU. The
+# venv sees the machine's packages, so a CUDA torch and its triton already there are used as they
+# are; the package runs from the tree (PYTHONPATH), so nothing is rebuilt or downloaded for it.
+gpu-check:
+	test -x $(PY) || python3 -m venv --system-site-packages .venv
+	$(PY) -c "import torch" 2>/dev/null || $(MAKE) setup
+	$(PY) -c "import numpy, msgpack, xxhash, psutil, tqdm" 2>/dev/null \
+	  || $(PY) -m pip install -q numpy msgpack xxhash psutil tqdm
+	PYTHONPATH=$(CURDIR) $(PY) bench/gpu_check.py
 
 clean:
 	rm -rf .venv build *.egg-info

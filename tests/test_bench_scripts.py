@@ -5,6 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -43,3 +46,11 @@ def test_l3_benchmark_json_with_redis(redis_server):
                   "redis_vs_lmdb_get"):
             assert r[k] > 0, k
         assert abs(r["redis_get_ratio"] - r["redis_get_gbs"] / r["redis_raw_get_gbs"]) < 0.01
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the script runs every check")
+def test_gpu_check_says_there_is_no_gpu_and_exits_0():
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "no GPU here" in r.stdout
