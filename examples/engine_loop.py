@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from hicache import HiCache, load_config
+from hicache.config import ConfigError
 from hicache.engine.model import MLAModel
 from hicache.engine.runner import DCPRunner, RequestState
 from hicache.serving import model_config
@@ -51,4 +52,8 @@ def main(policy: str = "examples/policy.toml") -> list[list[int]]:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    try:
+        main(*sys.argv[1:])
+    except ConfigError as e:  # a bad or too large policy: one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -18,11 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .cli import UsageError, run_guarded
+from . import preflight
+from .cli import UsageError, number, run_guarded
 from .config import HiCacheConfig, load_config
 from .report import table
 from .service import MODES, HiCache
-from .workloads import agentic_trace, chat_trace, load_trace, trace_summary
+from .workloads import (MAX_REQUEST_TOKENS, SCALE_MAX, SEED_MAX, agentic_trace, chat_trace,
+                        load_trace, trace_summary)
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "policy.toml"
 WORKLOADS = {"chat": chat_trace, "agentic": agentic_trace}
@@ -194,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=float, default=None,
                    help="trace size, 1.0 = full (default: chat 0.1, agentic 0.02: ~2 min on "
                         "2 CPU cores)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="in [0, 2**63 - 1]")
     p.add_argument("--trace", help="replay a recorded JSONL trace instead of a workload")
     p.add_argument("--max-output", type=int, default=24,
                    help="cap generated tokens per request (0 = as the trace says)")
@@ -221,42 +223,98 @@ def _jobs(args, workload: str, cfg: HiCacheConfig) -> list:
     if args.max_output:
         from dataclasses import replace
         jobs = [replace(j, output_len=max(1, min(j.output_len, args.max_output))) for j in jobs]
+    check_fit(jobs, cfg, args.trace or "")
     return jobs
+
+
+def _names(flag: str, text: str, known) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise UsageError(f"{flag}: no name given in {text!r}; expected any of {', '.join(known)}")
+    for x in names:
+        if x not in known:
+            raise UsageError(f"{flag}: unknown {flag[2:].rstrip('s')} {x!r}; expected any of "
+                             f"{', '.join(known)}")
+    return names
+
+
+def check_destination(flag: str, path: str, suffixes: tuple[str, ...] = ()) -> Path:
+    """An output file the run will write: checked (and its directory made) before the run, so
+    a long run never ends in a report it cannot save."""
+    if not path or "\0" in path:
+        raise UsageError(f"{flag}: {path!r} is not a file name")
+    p = Path(path)
+    real = os.path.realpath(p)
+    for d in preflight.SYSTEM_DIRS:
+        if real == d or real.startswith(d + "/"):
+            raise UsageError(f"{flag}: {path!r} is under {d}; give a file in a normal directory")
+    if p.is_dir() or path.endswith(("/", os.sep)):
+        raise UsageError(f"{flag}: {path!r} is a directory; give a file name")
+    if suffixes and p.suffix.lower().lstrip(".") not in suffixes:
+        raise UsageError(f"{flag}: {path!r} has no supported extension; use one of "
+                         f"{', '.join('.' + s for s in suffixes)}")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise UsageError(f"{flag}: {path!r} is not writable")
+    parent = p.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{flag}: cannot create directory {str(parent)!r}: "
+                         f"{e.strerror or e}") from None
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag}: directory {str(parent)!r} is not writable")
+    return p
 
 
 def _resolve(args) -> tuple[HiCacheConfig, list[str], list[str]]:
     cfg = load_config(args.config)
-    if args.l3_path:
+    if args.l3_path is not None:  # "" is an error (preflight), not "use the policy file's"
         cfg = cfg.replace(l3={"path": args.l3_path})
     if args.l3_url:
         urls = [u.strip() for u in args.l3_url.split(",") if u.strip()]
         cfg = cfg.replace(l3={"backend": "redis", "url": urls if len(urls) > 1 else args.l3_url})
     if args.dcp is not None:  # the policy file's tp / attn_dp must allow it
+        if not 1 <= args.dcp <= 4096:
+            raise UsageError(f"--dcp must be in [1, 4096], got {args.dcp}")
         cfg = cfg.replace(parallel={"dcp": args.dcp})
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for m in modes:
-        if m not in MODES:
-            raise UsageError(f"--modes: unknown mode {m!r}; expected any of {', '.join(MODES)}")
+    modes = _names("--modes", args.modes, MODES)
     if "l1+l2+l3" in modes and not cfg.l3.enabled:
         cfg = cfg.replace(l3={"enabled": True})
-    workloads = [w.strip() for w in args.workload.split(",") if w.strip()]
     if args.trace:
         workloads = [Path(args.trace).stem]
     else:
-        for w in workloads:
-            if w not in WORKLOADS:
-                raise UsageError(f"--workload: unknown workload {w!r}; expected chat or agentic")
-    for name in ("max_running", "chunk"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.max_output < 0 or args.duration < 0:
-        raise UsageError("--max-output and --duration must be >= 0")
-    if args.scale is not None and not 0 < args.scale <= 10:
-        raise UsageError(f"--scale must be in (0, 10], got {args.scale}")
+        workloads = _names("--workload", args.workload, WORKLOADS)
+    for name, hi in (("max_running", 1 << 16), ("chunk", MAX_REQUEST_TOKENS)):
+        number(f"--{name.replace('_', '-')}", getattr(args, name), 1, hi)
+    number("--max-output", args.max_output, 0, MAX_REQUEST_TOKENS)
+    number("--duration (seconds)", args.duration, 0, 30 * 86400)
+    number("--seed", args.seed, 0, SEED_MAX)
+    if args.scale is not None:
+        number("--scale", args.scale, 0, SCALE_MAX, lo_open=True)
     if args.plot:
+        from .plot import FORMATS
+        check_destination("--plot", args.plot, FORMATS)
         if importlib.util.find_spec("matplotlib") is None:
             raise UsageError("--plot needs matplotlib: pip install 'hicache[plot]'")
+    if args.out is not None:
+        check_destination("--out", args.out)
+    tiers = tuple(sorted({t for m in modes for t in MODES[m]}))
+    for w in preflight.validate(cfg, tiers=tiers):  # before any rank is spawned
+        print(f"warning: {w}", file=sys.stderr)
     return cfg, modes, workloads
+
+
+def check_fit(jobs: list, cfg: HiCacheConfig, source: str) -> None:
+    """Every request must fit L1 whole (prompt + output); checked before the run."""
+    capacity = cfg.l1_tokens
+    for i, j in enumerate(jobs):
+        need = len(j.tokens) + j.output_len
+        if need > capacity:
+            where = f"{source}: request {i + 1}" if source else f"request {j.request_id}"
+            raise UsageError(f"{where}: request needs {need} tokens of KV (prompt "
+                             f"{len(j.tokens)} + output {j.output_len}) but L1 holds {capacity} "
+                             f"(l1.num_pages {cfg.l1.num_pages} x {cfg.effective_page_size}); "
+                             "raise l1.num_pages or lower --max-output / --scale")
 
 
 def machine() -> dict:
@@ -270,8 +328,9 @@ def _main(args) -> int:
     cfg, modes, workloads = _resolve(args)
     report = {"config": cfg.to_dict(), "machine": machine(), "workloads": []}
     failed = []
+    all_jobs = {w: _jobs(args, w, cfg) for w in workloads}  # every trace checked before a run
     for w in workloads:
-        jobs = _jobs(args, w, cfg)
+        jobs = all_jobs[w]
         opts = {"seed": args.seed, "backend": args.backend, "chunk": args.chunk,
                 "max_running": args.max_running, "progress": not args.no_progress,
                 "duration": args.duration, "workload": w}
@@ -295,7 +354,6 @@ def _main(args) -> int:
         report["modes"] = report["workloads"][0]["modes"]
     text = json.dumps(report, indent=1, default=str)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)
     if args.json:
         print(text)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from . import topology
@@ -19,10 +20,34 @@ class UsageError(ValueError):
     """A bad command-line argument (exit 2, one line)."""
 
 
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def number(flag: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    """A numeric argument that must be finite and in range; else one ``UsageError`` line."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value)
+            and (lo < value if lo_open else lo <= value) and value <= hi):
+        raise UsageError(f"{flag} must be in {'(' if lo_open else '['}{_num(lo)}, {_num(hi)}], "
+                         f"got {value}")
+    return value
+
+
 def _check_config(args) -> int:
+    from . import preflight
     cfg = load_config(args.file)
+    if args.ranks is not None:
+        number("--ranks", args.ranks, 1, 4096)
+    machine = preflight.Machine.detect()
+    warnings = preflight.validate(cfg, ranks=args.ranks, machine=machine)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
     p = cfg.parallel
     per_rank_tokens = cfg.l1_tokens_per_rank
+    ranks = p.dcp if args.ranks is None else args.ranks
+    need = preflight.memory_need(cfg, ranks, cuda=machine.cuda,
+                                 pinned=cfg.l2.pin == "on" or (cfg.l2.pin == "auto"
+                                                               and machine.cuda))
     info = {
         "file": args.file,
         "topology": f"valid: tp {p.tp}, attn_dp {p.attn_dp}, dcp {p.dcp} "
@@ -33,6 +58,9 @@ def _check_config(args) -> int:
         "l2_pages": cfg.l2_num_pages,
         "l2_tokens_total": cfg.l2_num_pages * cfg.effective_page_size,
         "page_bytes_per_rank": cfg.page_bytes_per_rank,
+        "host_memory": f"{need.host_total / GiB:.3f} GiB for {ranks} rank(s) on this node "
+                       f"({machine.host_available / GiB:.1f} GiB available)",
+        "warnings": warnings,
         "policy": cfg.to_dict(),
     }
     if args.json:
@@ -44,7 +72,7 @@ def _check_config(args) -> int:
     print(table(rows, ["key", "value", "meaning"]))
     print()
     for key in ("topology", "effective_page_size", "l1_tokens_per_rank", "l1_tokens_total",
-                "l2_pages", "l2_tokens_total", "page_bytes_per_rank"):
+                "l2_pages", "l2_tokens_total", "page_bytes_per_rank", "host_memory"):
         print(f"{key:>22}: {info[key]}")
     return 0
 
@@ -74,8 +102,8 @@ def _shape_from_args(args) -> KVShape:
 
 def _plan(args) -> int:
     shape = _shape_from_args(args)
-    if args.memory is not None and args.memory <= 0:
-        raise UsageError(f"--memory must be > 0 GiB, got {args.memory}")
+    if args.memory is not None:
+        number("--memory (GiB)", args.memory, 0, 1 << 30, lo_open=True)
     memory = (args.memory or 0) * GiB
     rows = topology.plan(shape, args.tp, args.attn_dp, memory, args.dcp)
     lo, hi = 1, topology.max_dcp(args.tp, shape.num_kv_heads, args.attn_dp)
@@ -107,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check-config", help="validate a policy file and print what it resolves to")
     c.add_argument("file")
     c.add_argument("--json", action="store_true")
+    c.add_argument("--ranks", type=int, default=None,
+                   help="ranks sharing this node's memory (default parallel.dcp, as "
+                        "hicache-bench spawns)")
     c.set_defaults(func=_check_config)
     p = sub.add_parser("plan", help="KV duplication, valid DCP sizes and capacity for a model")
     p.add_argument("--model", help=f"one of {', '.join(sorted(topology.MODELS))}")

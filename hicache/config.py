@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -41,7 +43,8 @@ class ModelSection:
                       choices=("", "deepseek-r1", "deepseek-v3", "kimi-k2"))
     num_layers: int = opt(4, "MLA layers whose KV is cached", min=1, max=1024)
     kv_lora_rank: int = opt(64, "latent KV width (512 in DeepSeek-V3)", min=1, max=65536)
-    rope_dim: int = opt(16, "decoupled RoPE key width (64 in DeepSeek-V3)", min=0, max=65536)
+    rope_dim: int = opt(16, "decoupled RoPE key width, even (64 in DeepSeek-V3)", min=2,
+                        max=65536)
     dtype: str = opt("float32", "KV dtype", choices=tuple(DTYPES))
     hidden_size: int = opt(128, "built-in engine: hidden size", min=1, max=1 << 20)
     num_heads: int = opt(4, "built-in engine: attention heads", min=1, max=4096)
@@ -56,6 +59,9 @@ class ModelSection:
             object.__setattr__(self, "num_layers", shape.num_layers)
             object.__setattr__(self, "kv_lora_rank", shape.kv_lora_rank)
             object.__setattr__(self, "rope_dim", shape.rope_dim)
+        if self.rope_dim % 2:
+            raise ConfigError(f"model.rope_dim: {self.rope_dim} is odd; RoPE rotates pairs of "
+                              "dimensions, so it must be even")
 
     @property
     def kv_dim(self) -> int:
@@ -255,9 +261,14 @@ def _suggest(name: str, options) -> str:
 def _build_section(section: str, kind: type, values: Mapping[str, Any]):
     fields = {f.name: f for f in dataclasses.fields(kind)}
     kwargs = {}
-    if section == "model" and values.get("preset"):
+    if section == "model" and isinstance(values.get("preset"), str) and values["preset"]:
+        try:
+            shape = topology.get_model(values["preset"])
+        except TopologyError:
+            shape = None  # the choices check below names the bad preset
         for key in ("num_layers", "kv_lora_rank", "rope_dim"):
-            if key in values:
+            # the preset's own value is no conflict: a resolved config's dict round-trips
+            if key in values and (shape is None or values[key] != getattr(shape, key)):
                 raise ConfigError(f"model.{key}: conflicts with model.preset "
                                   f"{values['preset']!r}, which sets it; give one or the other")
     for key, value in values.items():
@@ -275,7 +286,7 @@ def _build_section(section: str, kind: type, values: Mapping[str, Any]):
             raise ConfigError(f"{full}: {value!r} is not one of "
                               f"{', '.join(repr(c) for c in meta['choices'])}")
         lo, hi = meta.get("min"), meta.get("max")
-        if lo is not None and value < lo or hi is not None and value > hi:
+        if value != value or (lo is not None and value < lo) or (hi is not None and value > hi):
             raise ConfigError(f"{full}: {value!r} is out of range [{lo}, {hi}]")
         kwargs[key] = value
     try:
@@ -292,14 +303,40 @@ def loads(text: str, source: str = "<string>") -> HiCacheConfig:
     return HiCacheConfig.from_dict(data)
 
 
+MAX_POLICY_BYTES = 1 << 20
+
+
+def read_regular_file(path: str | Path, what: str, limit: int) -> bytes:
+    """At most ``limit`` bytes of a regular file (never a FIFO, a device or a directory, which
+    could block or never end); raises ``OSError`` with a one-line reason."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the open
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO"
+                    if stat.S_ISFIFO(st.st_mode) else "a device or special file")
+            raise OSError(0, f"{what} must be a regular file, but this is {kind}")
+        if st.st_size > limit:
+            raise OSError(0, f"{what} is {st.st_size} bytes; the limit is {limit}")
+        with os.fdopen(fd, "rb", closefd=True) as f:
+            fd = -1
+            data = f.read(limit + 1)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if len(data) > limit:
+        raise OSError(0, f"{what} is larger than the limit of {limit} bytes")
+    return data
+
+
 def load_config(path: str | Path) -> HiCacheConfig:
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular_file(path, "the policy file", MAX_POLICY_BYTES).decode("utf-8")
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the policy file: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: the policy file is not UTF-8 text") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: the policy file is not UTF-8 text (byte {e.start})") from None
     return loads(text, str(path))
 
 

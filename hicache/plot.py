@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")  # --plot file extensions
 TIER_COLORS = {"l1": "#2b6cb0", "l2": "#dd8a2b", "l3": "#3b9c5a"}
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import distributed as hd
+from . import preflight
 from .config import ConfigError, HiCacheConfig
 from .controller import BackupOp, CacheController, DeviceFullError, StepAgreement
 from .controller.tree import as_tokens
@@ -125,6 +126,8 @@ class HiCache:
         self.replica = replica
         self._prefill_tok_s = 0.0
         self.tiers = MODES[mode]
+        # the checks check-config and hicache-bench run (engine needs aside); this rank's pools
+        preflight.validate(config, tiers=self.tiers, ranks=1, engine=False)
         m = config.model
         self.layout = config.layout(rank)
         self.page_tokens = self.layout.virtual_page_size

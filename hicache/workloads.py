@@ -18,6 +18,13 @@ class TraceError(ValueError):
     """A trace file or generator argument that cannot be used."""
 
 
+SCALE_MAX = 4.0               # generated traces: scale in (0, SCALE_MAX]
+SEED_MAX = (1 << 63) - 1      # seeds in [0, SEED_MAX]
+MAX_TRACE_BYTES = 1 << 30     # a trace file is read up to this size, never past it
+MAX_LINE_BYTES = 64 << 20     # one JSONL line
+MAX_REQUEST_TOKENS = 1 << 24  # prompt length or output_len of one request
+
+
 @dataclass(frozen=True, eq=False)
 class Request:
     """One request: ``tokens`` int32 [prompt_len]; ``output_len`` tokens to generate."""
@@ -33,12 +40,17 @@ class Request:
 
 
 def _check(seed: int, scale: float, vocab_size: int) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TraceError(f"seed must be an int, got {seed!r}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale <= 4):
-        raise TraceError(f"scale must be a number in (0, 4], got {scale!r}")
+    _check_seed(seed)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+            or not (0 < scale <= SCALE_MAX):
+        raise TraceError(f"scale must be a number in (0, {SCALE_MAX:g}], got {scale!r}")
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
         raise TraceError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
+
+
+def _check_seed(seed: int) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+        raise TraceError(f"seed must be an int in [0, 2**63 - 1], got {seed!r}")
 
 
 def _n(base: float, scale: float, lo: int = 1) -> int:
@@ -129,38 +141,51 @@ def load_trace(path: str | Path, vocab_size: int = 32000, seed: int = 0) -> list
     tokens are shared by every line with the same prefix_id; the rest are unique)."""
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
         raise TraceError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
+    _check_seed(seed)
+    from .config import read_regular_file
     p = Path(path)
     try:
-        text = p.read_text()
+        data = read_regular_file(p, "a trace", MAX_TRACE_BYTES)
     except OSError as e:
         raise TraceError(f"cannot read trace {p}: {e.strerror or e}") from None
     prefixes: dict[str, np.ndarray] = {}
     rng = np.random.default_rng([seed, 3])
     out: list[Request] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, raw in enumerate(data.split(b"\n"), start=1):
+        where = f"{p}:{lineno}"
+        if len(raw) > MAX_LINE_BYTES:
+            raise TraceError(f"{where}: line is {len(raw)} bytes; the limit is {MAX_LINE_BYTES}")
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TraceError(f"{where}: not UTF-8 text (byte {e.start} of the line); a trace "
+                             "is UTF-8 JSON Lines") from None
         if not line.strip():
             continue
-        where = f"{p}:{lineno}"
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise TraceError(f"{where}: not valid JSON ({e.msg})") from None
         if not isinstance(obj, dict):
             raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-        olen = _int_field(obj, "output_len", where, default=1, lo=0)
-        session = _int_field(obj, "session", where, default=len(out), lo=0)
+        olen = _int_field(obj, "output_len", where, default=1, lo=0, hi=MAX_REQUEST_TOKENS)
+        session = _int_field(obj, "session", where, default=len(out), lo=0, hi=SEED_MAX)
         if "tokens" in obj:
             toks = obj["tokens"]
             if (not isinstance(toks, list) or not toks
                     or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks)):
                 raise TraceError(f"{where}: 'tokens' must be a non-empty list of ints")
-            arr = np.asarray(toks, dtype=np.int64)
-            if arr.min() < 0 or arr.max() >= vocab_size:
-                raise TraceError(f"{where}: token ids must be in [0, {vocab_size})")
-            arr = arr.astype(np.int32)
+            if len(toks) > MAX_REQUEST_TOKENS:
+                raise TraceError(f"{where}: 'tokens' has {len(toks)} ids; the limit is "
+                                 f"{MAX_REQUEST_TOKENS}")
+            bad = next((i for i, t in enumerate(toks) if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise TraceError(f"{where}: 'tokens'[{bad}] = {toks[bad]} is outside the "
+                                 f"vocabulary [0, {vocab_size}) (model.vocab_size)")
+            arr = np.asarray(toks, dtype=np.int32)
         elif "length" in obj:
-            n = _int_field(obj, "length", where, lo=1)
-            k = _int_field(obj, "prefix_len", where, default=0, lo=0)
+            n = _int_field(obj, "length", where, lo=1, hi=MAX_REQUEST_TOKENS)
+            k = _int_field(obj, "prefix_len", where, default=0, lo=0, hi=MAX_REQUEST_TOKENS)
             if k > n:
                 raise TraceError(f"{where}: prefix_len {k} exceeds length {n}")
             pid = obj.get("prefix_id", None)
@@ -188,14 +213,15 @@ def load_trace(path: str | Path, vocab_size: int = 32000, seed: int = 0) -> list
     return out
 
 
-def _int_field(obj: dict, name: str, where: str, default: int | None = None, lo: int = 0) -> int:
+def _int_field(obj: dict, name: str, where: str, default: int | None = None, lo: int = 0,
+               hi: int = SEED_MAX) -> int:
     if name not in obj:
         if default is None:
             raise TraceError(f"{where}: missing '{name}'")
         return default
     v = obj[name]
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise TraceError(f"{where}: '{name}' must be an int >= {lo}, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise TraceError(f"{where}: '{name}' must be an int in [{lo}, {hi}], got {v!r:.40}")
     return v
 
 

@@ -1,6 +1,7 @@
 """Seeded workload generators and the JSONL trace loader."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -86,8 +87,11 @@ def test_load_trace_both_formats(tmp_path):
     ("[1, 2]", "JSON object"),
     ('{"tokens": []}', "non-empty list of ints"),
     ('{"tokens": [1, "a"]}', "non-empty list of ints"),
-    ('{"tokens": [1, 500]}', "token ids must be in"),
-    ('{"length": 0}', "'length' must be an int >= 1"),
+    ('{"tokens": [1, 500]}', r"'tokens'\[1\] = 500 is outside the vocabulary"),
+    ('{"tokens": [1, 100000000000000000000000]}', r"'tokens'\[1\] = 1000.* is outside"),
+    ('{"length": 0}', r"'length' must be an int in \[1, "),
+    ('{"length": 100000000000}', r"'length' must be an int in \[1, 16777216\]"),
+    ('{"length": 1e11}', r"'length' must be an int"),
     ('{"length": 5, "prefix_len": 9, "prefix_id": 1}', "exceeds length"),
     ('{"length": 5, "prefix_len": 2}', "without prefix_id"),
     ('{"length": 5, "output_len": -1}', "'output_len'"),
@@ -99,6 +103,21 @@ def test_load_trace_bad_lines(tmp_path, line, msg):
     with pytest.raises(TraceError, match=msg) as e:
         load_trace(p, vocab_size=100)
     assert ":2:" in str(e.value)
+
+
+def test_load_trace_bounded_regular_utf8(tmp_path):
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"tokens": [1]}\n{"session": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(TraceError, match=r"latin.jsonl:2: not UTF-8"):
+        load_trace(latin)
+    with pytest.raises(TraceError, match="must be a regular file, but this is a device"):
+        load_trace("/dev/zero")
+    with pytest.raises(TraceError, match="this is a directory"):
+        load_trace(tmp_path)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # nobody writes: opening it must not block
+    with pytest.raises(TraceError, match="this is a FIFO"):
+        load_trace(fifo)
 
 
 def test_load_trace_missing_and_empty(tmp_path):

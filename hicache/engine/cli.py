@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -35,6 +36,12 @@ import torch
 
 from hicache.engine.dcp import BACKENDS
 from hicache.pcp.ring import MODES
+
+
+MAX_RANKS = 256          # processes one decode run may launch
+MAX_TOKENS = 1 << 20     # prompt + generated tokens of the one request
+MAX_PAGE_SIZE = 65536    # as cache.page_size in the policy file
+MAX_TIMEOUT_S = 86400
 
 
 class DecodeArgsError(ValueError):
@@ -224,12 +231,20 @@ def spec_from_args(args) -> DecodeSpec:
     if args.backend not in BACKENDS:
         raise DecodeArgsError(
             f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
-    for name in ("dcp", "pcp", "prompt_len", "page_size"):
-        if getattr(args, name) < 1:
+    for name, lo, hi in (("dcp", 1, MAX_RANKS), ("pcp", 1, MAX_RANKS),
+                         ("prompt_len", 1, MAX_TOKENS), ("new_tokens", 0, MAX_TOKENS),
+                         ("page_size", 1, MAX_PAGE_SIZE)):
+        if not lo <= getattr(args, name) <= hi:
             raise DecodeArgsError(
-                f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.new_tokens < 0:
-        raise DecodeArgsError(f"--new-tokens must be >= 0, got {args.new_tokens}")
+                f"--{name.replace('_', '-')} must be in [{lo}, {hi}], got {getattr(args, name)}")
+    if args.prompt_len + args.new_tokens > MAX_TOKENS:
+        raise DecodeArgsError(f"--prompt-len + --new-tokens must be <= {MAX_TOKENS}, got "
+                              f"{args.prompt_len + args.new_tokens}")
+    if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT_S):
+        raise DecodeArgsError(f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT_S}], "
+                              f"got {args.timeout}")
+    if args.seed < 0 or args.seed >= 1 << 63:
+        raise DecodeArgsError(f"--seed must be in [0, 2**63 - 1], got {args.seed}")
     if args.pcp_mode not in MODES:
         raise DecodeArgsError(
             f"--pcp-mode must be one of {', '.join(MODES)}, got {args.pcp_mode!r}")

@@ -1,0 +1,159 @@
+"""Checks a config against this machine before any rank starts: one validation for everyone.
+
+``hicache check-config``, ``hicache-bench`` (in the parent, before spawning), the example loop
+and ``HiCache`` itself call :func:`validate`; whatever it rejects, every one of them rejects, with
+the same one line naming the key. The memory arithmetic is :func:`memory_need`, a pure function of
+the config, the tiers used and the number of ranks sharing the node; :func:`check_memory` compares
+it with the memory a :class:`Machine` reports.
+
+What a ``HiCacheConfig`` cannot know by itself lives here: whether CUDA exists (``l2.pin = "on"``),
+how much memory the node has (L1 on CPU plus L2 of every rank on the node), whether the L3 path is
+usable, and what the built-in engine needs (even ``rope_dim``, heads divisible by ``dcp``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import ConfigError, HiCacheConfig
+
+MEMORY_FRACTION = 0.9  # of available memory a node's pools may take
+SYSTEM_DIRS = ("/proc", "/sys", "/dev")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the node offers; ``detect()`` reads it, tests build one by hand."""
+
+    cuda: bool
+    host_available: int              # bytes of host memory available now
+    device_free: int | None = None   # bytes free on one GPU (None without CUDA)
+
+    @classmethod
+    def detect(cls) -> "Machine":
+        import psutil
+        import torch
+        cuda = torch.cuda.is_available()
+        free = torch.cuda.mem_get_info()[0] if cuda else None
+        return cls(cuda, int(psutil.virtual_memory().available), free)
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """Bytes the pools of ``ranks`` ranks on one node take (per rank, then node totals)."""
+
+    ranks: int
+    l1_per_rank: int
+    l2_per_rank: int          # as allocated: pinned allocations round up to a power of two
+    l1_on_host: bool          # L1 lives in host memory (no CUDA)
+
+    @property
+    def host_total(self) -> int:
+        return self.ranks * (self.l2_per_rank + (self.l1_per_rank if self.l1_on_host else 0))
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """What a pinned host allocation of ``nbytes`` takes: torch's caching host allocator rounds
+    each block up to a power of two."""
+    return 1 << max(0, (nbytes - 1).bit_length()) if nbytes > 0 else 0
+
+
+def memory_need(cfg: HiCacheConfig, ranks: int, *, l2: bool = True, cuda: bool = False,
+                pinned: bool = False) -> MemoryNeed:
+    """Pure: the bytes L1 and L2 of ``ranks`` ranks of ``cfg`` take on one node."""
+    page = cfg.page_bytes_per_rank
+    l1 = cfg.l1.num_pages * page
+    l2_bytes = max(cfg.l2_num_pages, 1) * page if l2 else page  # the service keeps >= 1 page
+    if pinned:
+        l2_bytes = pinned_bytes(l2_bytes)
+    return MemoryNeed(ranks, l1, l2_bytes, l1_on_host=not cuda)
+
+
+def check_memory(need: MemoryNeed, machine: Machine, fraction: float = MEMORY_FRACTION) -> None:
+    """Raise ``ConfigError`` when the node's pools cannot fit, naming the keys to lower."""
+    gib = 1 << 30
+    if need.host_total > machine.host_available * fraction:
+        parts = (f"L1 {need.l1_per_rank / gib:.2f} GiB + " if need.l1_on_host else "") \
+            + f"L2 {need.l2_per_rank / gib:.2f} GiB"
+        raise ConfigError(
+            f"memory: {need.ranks} rank(s) on this node need {need.host_total / gib:.2f} GiB of "
+            f"host memory ({parts} per rank) but {machine.host_available / gib:.2f} GiB are "
+            f"available (limit {fraction:.0%}); lower l1.num_pages, l2.ratio or l2.size_bytes")
+    if not need.l1_on_host and machine.device_free is not None \
+            and need.l1_per_rank > machine.device_free * fraction:
+        raise ConfigError(
+            f"l1.num_pages: the device pool needs {need.l1_per_rank / gib:.2f} GiB per GPU but "
+            f"{machine.device_free / gib:.2f} GiB are free (limit {fraction:.0%})")
+
+
+def check_l3_path(path: str) -> None:
+    """The L3 directory must be a directory, or creatable, outside /proc, /sys and /dev."""
+    if not path or not path.strip():
+        raise ConfigError("l3.path: is empty; give the LMDB directory")
+    if "\0" in path:
+        raise ConfigError(f"l3.path: {path!r} contains a NUL character")
+    real = os.path.realpath(path)
+    for d in SYSTEM_DIRS:
+        if real == d or real.startswith(d + "/"):
+            raise ConfigError(f"l3.path: {path!r} is under {d}, not a place for a store")
+    p = Path(real)
+    if p.exists():
+        if not p.is_dir():
+            raise ConfigError(f"l3.path: {path!r} exists and is not a directory")
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise ConfigError(f"l3.path: directory {path!r} is not writable")
+        return
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"l3.path: {path!r} cannot be created: {str(parent)!r} is not a "
+                          "directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"l3.path: {path!r} cannot be created: {str(parent)!r} is not "
+                          "writable")
+
+
+def check_engine(cfg: HiCacheConfig) -> None:
+    """What the built-in engine (hicache-bench, the examples) needs beyond the cache."""
+    m, c = cfg.model, cfg.parallel.dcp
+    if m.num_heads % c:
+        raise ConfigError(f"model.num_heads: {m.num_heads} is not divisible by parallel.dcp {c} "
+                          "(the built-in engine splits attention heads over the DCP ranks)")
+
+
+def validate(cfg: HiCacheConfig, *, tiers: tuple[str, ...] = ("l1", "l2", "l3"),
+             ranks: int | None = None, machine: Machine | None = None,
+             engine: bool = True, memory: bool = True) -> list[str]:
+    """Check ``cfg`` for a run with ``tiers`` on ``ranks`` ranks of this node (default: the DCP
+    group). Raises ``ConfigError`` (one line naming the key) for what cannot run; returns
+    warnings (one line each, naming the keys) for what runs but is useless."""
+    machine = machine or Machine.detect()
+    ranks = cfg.parallel.dcp if ranks is None else ranks
+    warnings: list[str] = []
+    if cfg.l2.pin == "on" and not machine.cuda:
+        raise ConfigError('l2.pin: "on" needs CUDA (pinned host memory cannot be allocated '
+                          'without it); use "auto" or "off"')
+    if cfg.l2.size_bytes and cfg.l2.size_bytes < cfg.page_bytes_per_rank:
+        raise ConfigError(f"l2.size_bytes: {cfg.l2.size_bytes} is smaller than one page "
+                          f"({cfg.page_bytes_per_rank} bytes per rank); 0 = use l2.ratio")
+    use_l2 = "l2" in tiers
+    use_l3 = "l3" in tiers and cfg.l3.enabled
+    if use_l3:
+        check_l3_path(cfg.l3.path)
+        if cfg.l3.size_bytes < cfg.page_bytes_per_rank:
+            raise ConfigError(f"l3.size_bytes: {cfg.l3.size_bytes} is smaller than one page "
+                              f"shard ({cfg.page_bytes_per_rank} bytes per rank)")
+        if cfg.l2_num_pages == 0:
+            warnings.append("l3.enabled with 0 L2 pages (l2.ratio / l2.size_bytes): pages reach "
+                            "L3 through L2, so L3 will store nothing")
+    if engine:
+        check_engine(cfg)
+    if memory:
+        pinned = cfg.l2.pin == "on" or (cfg.l2.pin == "auto" and machine.cuda)
+        check_memory(memory_need(cfg, ranks, l2=use_l2, cuda=machine.cuda, pinned=pinned),
+                     machine)
+    return warnings
+
