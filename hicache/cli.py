@@ -160,15 +160,30 @@ def build_parser() -> argparse.ArgumentParser:
 USER_ERRORS = (ConfigError, TopologyError, LayoutError, UsageError)
 
 
+def _user_error(e: BaseException | None) -> bool:
+    return isinstance(e, USER_ERRORS) or (isinstance(e, ValueError)
+                                          and type(e).__module__.startswith("hicache"))
+
+
 def run_guarded(func, args) -> int:
-    """Run a command; a user error prints one line and exits 2, never a traceback."""
+    """Run a command; a user error prints one line and exits 2, never a traceback. A rank that
+    fails or dies is one line naming the rank and how (exit 1; ``HICACHE_DEBUG=1`` adds that
+    rank's traceback)."""
+    import os
+    from .distributed import RankError
     try:
         return func(args)
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # other libraries' bad-input errors (argument values)
-        if type(e).__module__.startswith("hicache"):
+    except RankError as e:
+        if _user_error(e.cause):
+            print(f"error: rank {e.rank}: {e.cause}", file=sys.stderr)
+            return 2
+        if e.detail and os.environ.get("HICACHE_DEBUG"):
+            print(e.detail, file=sys.stderr, end="")
+        hint = " (HICACHE_DEBUG=1 shows its traceback)" if e.detail else ""
+        print(f"error: {e}{hint}; the other ranks were stopped", file=sys.stderr)
+        return 1
+    except ValueError as e:  # ours, and other libraries' bad-input errors (argument values)
+        if _user_error(e):
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise

@@ -1,8 +1,9 @@
 """torch.distributed plumbing shared by the engine, the cache and the tests.
 
 - ``launch(world_size, fn, *args)`` spawns real processes (gloo on CPU, nccl on GPU), runs
-  ``fn(rank, world_size, *args)`` in each and returns every rank's result (picklable), raising
-  with the failing rank's traceback when one fails. Always bounded by a timeout.
+  ``fn(rank, world_size, *args)`` in each and returns every rank's result (picklable). When a
+  rank fails (an exception, a signal, an exit) the others are stopped and ``RankError`` names
+  the rank and how. Always bounded by a timeout; ranks exit without interpreter teardown.
 - Collective wrappers that feature-detect names that moved between torch 2.11 and 2.13.
 - ``CollectiveCounter`` counts collectives issued, so tests can assert "exactly one per step".
 - ``control_group(group)``: the group the CPU control plane (per-step agreement, L3 MIN,
@@ -16,7 +17,9 @@ import datetime
 import inspect
 import os
 import pickle
+import signal
 import socket
+import sys
 import time
 import traceback
 from contextlib import contextmanager
@@ -59,30 +62,76 @@ def local_world_size() -> int:
     return 1
 
 
+class RankError(RuntimeError):
+    """A launched rank failed. ``rank``, ``how`` (one line: the exception, the signal or the exit
+    code), ``detail`` (that rank's traceback, when it raised) and ``cause`` (the exception itself
+    when it could be sent back, so a user error keeps its type)."""
+
+    def __init__(self, rank: int, how: str, detail: str = "", cause: BaseException | None = None):
+        super().__init__(f"rank {rank} {how}")
+        self.rank, self.how, self.detail, self.cause = rank, how, detail, cause
+
+
+def _exit_now(code: int) -> None:
+    """Leave without interpreter teardown: C++ threads (gloo, torch) destroyed during Python's
+    finalization abort the process ("terminate called without an active exception")."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def _worker(rank: int, world_size: int, port: int, backend: str | None, timeout_s: float,
             fn: Callable, args: tuple, queue) -> None:
     torch.set_num_threads(1)
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # every rank runs on this host
     os.environ["LOCAL_RANK"] = str(rank)
+    code = 0
     try:
         init_process_group(rank, world_size, port, backend, timeout_s)
         result = fn(rank, world_size, *args)
         # pickled here: tensors would otherwise travel as shared memory that dies with us
         queue.put((rank, True, pickle.dumps(result)))
-    except BaseException:  # report every failure to the parent, then exit non-zero
-        queue.put((rank, False, traceback.format_exc()))
-        raise SystemExit(1)
+    except BaseException as e:  # report every failure to the parent, then exit non-zero
+        code = 1
+        line = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
+        try:
+            cause = pickle.dumps(e)
+            pickle.loads(cause)
+        except Exception:
+            cause = None
+        queue.put((rank, False, (line, traceback.format_exc(), cause)))
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                code = code or 1
+    _exit_now(code)
+
+
+def _how_it_died(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        hint = " (the kernel's OOM killer sends SIGKILL: out of memory?)" \
+            if -exitcode == signal.SIGKILL else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with code {exitcode} without a result"
 
 
 def launch(world_size: int, fn: Callable, *args: Any, backend: str | None = None,
-           timeout_s: float = 120.0) -> list:
+           timeout_s: float = 120.0, grace_s: float = 2.0) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; results by rank.
 
-    ``fn`` must be importable (module level). A rank that raises makes ``launch`` raise a
-    RuntimeError carrying that rank's traceback; nothing hangs past ``timeout_s``.
+    ``fn`` must be importable (module level). When a rank fails (raises, is killed, exits),
+    the others are stopped within ``grace_s`` and ``launch`` raises ``RankError`` naming the
+    rank that failed first and how: a rank that died without a word (a signal, an exit code)
+    is the cause over ranks that merely lost their peer. Nothing hangs past ``timeout_s``.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
@@ -92,31 +141,61 @@ def launch(world_size: int, fn: Callable, *args: Any, backend: str | None = None
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
-    errors: list[str] = []
-    deadline = timeout_s + 60.0
+    errors: dict[int, tuple] = {}  # rank -> (line, traceback, pickled exception), arrival order
+    deaths: dict[int, int] = {}    # rank -> exit code of a rank that left without reporting
+
+    def drain() -> None:
+        while not queue.empty():
+            rank, ok, payload = queue.get()
+            if ok:
+                results[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
+
     start = time.monotonic()
-    while len(results) + len(errors) < world_size:
-        if time.monotonic() - start > deadline:
+    failed_at = None
+    timed_out = False
+    while len(results) + len(errors) + len(deaths) < world_size:
+        drain()
+        exited = [r for r, p in enumerate(procs) if p.exitcode is not None
+                  and r not in results and r not in errors and r not in deaths]
+        if exited:
+            drain()  # a message sent just before exiting
+            for r in exited:
+                if r not in results and r not in errors:
+                    deaths[r] = procs[r].exitcode
+        if (errors or deaths) and failed_at is None:
+            failed_at = time.monotonic()
+        now = time.monotonic()
+        if failed_at is not None and now - failed_at > grace_s:
             break
-        if queue.empty():
-            if all(not p.is_alive() for p in procs) and queue.empty():
-                break
-            time.sleep(0.01)
-            continue
-        rank, ok, payload = queue.get()
-        if ok:
-            results[rank] = pickle.loads(payload)
-        else:
-            errors.append(f"rank {rank} failed:\n{payload}")
-    for p in procs:
-        p.join(timeout=5)
+        if now - start > timeout_s + 60.0:
+            timed_out = True
+            break
+        time.sleep(0.01)
+    for p in procs:  # stop the survivors: they would wait on a dead peer until the timeout
+        if p.is_alive() and (errors or deaths or timed_out):
+            p.kill()
+        p.join(timeout=10)
         if p.is_alive():
             p.kill()
+            p.join(timeout=5)
+    drain()
+    if deaths:
+        rank = min(deaths)
+        raise RankError(rank, _how_it_died(deaths[rank]))
     if errors:
-        raise RuntimeError("\n".join(errors))
+        rank = next(iter(errors))
+        line, detail, cause = errors[rank]
+        try:
+            exc = pickle.loads(cause) if cause else None
+        except Exception:
+            exc = None
+        raise RankError(rank, f"failed: {line}", detail, exc)
     if len(results) != world_size:
         missing = sorted(set(range(world_size)) - set(results))
-        raise RuntimeError(f"ranks {missing} returned no result (timed out or died)")
+        raise RankError(missing[0], f"returned no result within {timeout_s:g} s (timed out); "
+                                    f"ranks without a result: {missing}")
     return [results[r] for r in range(world_size)]
 
 
