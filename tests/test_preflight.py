@@ -169,3 +169,16 @@ def test_every_valid_config_round_trips(d):
             if not (name == "model" and cfg.model.preset and key in
                     ("num_layers", "kv_lora_rank", "rope_dim")):
                 assert got == value or (isinstance(value, float) and math.isclose(got, value))
+
+
+def test_a_preset_passes_hicache_bench_resolution(tmp_path):
+    from hicache import bench_cli
+    policy = tmp_path / "p.toml"
+    policy.write_text('[model]\npreset = "deepseek-r1"\n[parallel]\ntp = 2\ndcp = 2\n'
+                      f'[l1]\nnum_pages = 8\n[l3]\npath = "{tmp_path}/l3"\n')
+    args = bench_cli.build_parser().parse_args(["--config", str(policy), "--dcp", "2",
+                                                "--l3-path", str(tmp_path / "other")])
+    cfg, modes, workloads = bench_cli._resolve(args)
+    assert cfg.model.preset == "deepseek-r1" and cfg.model.num_layers == 61
+    assert cfg.l3.enabled and cfg.l3.path == str(tmp_path / "other")
+    assert HiCacheConfig.from_dict(cfg.to_dict()) == cfg
