@@ -270,7 +270,7 @@ def _resolve(args) -> tuple[HiCacheConfig, list[str], list[str]]:
     cfg = load_config(args.config)
     if args.l3_path is not None:  # "" is an error (preflight), not "use the policy file's"
         cfg = cfg.replace(l3={"path": args.l3_path})
-    if args.l3_url:
+    if args.l3_url is not None:  # "" is an error (l3.url), not "use the policy file's"
         urls = [u.strip() for u in args.l3_url.split(",") if u.strip()]
         cfg = cfg.replace(l3={"backend": "redis", "url": urls if len(urls) > 1 else args.l3_url})
     if args.dcp is not None:  # the policy file's tp / attn_dp must allow it

@@ -129,6 +129,36 @@ def _plan(args) -> int:
     return 0
 
 
+def _l3_check(args) -> int:
+    """Walk an L3 store in a child process (a crash there is a verdict); report one line;
+    exit 0 healthy, 1 damaged (moved aside with --quarantine), 2 not a hicache store."""
+    import os
+    from .l3 import lmdb_check
+    path = args.path
+    number("--timeout (seconds)", args.timeout, 0, 86400, lo_open=True)
+    if not os.path.isdir(path):
+        raise UsageError(f"l3 check: {path!r} is not a directory")
+    if not os.path.exists(os.path.join(path, "data.mdb")):
+        raise UsageError(f"l3 check: {path!r} holds no LMDB store (no data.mdb)")
+    report = lmdb_check.check_in_child(path, timeout_s=args.timeout)
+    if report.get("foreign"):
+        raise UsageError(report["error"])
+    if report.get("ok"):
+        line = (f"{path}: ok: {report.get('values', 0)} values, records per sub-database "
+                f"{report.get('entries', {})}")
+    else:
+        what = report.get("error") or (f"{report.get('bad_values')} of {report.get('values')} "
+                                       "values fail their checksum")
+        line = f"{path}: DAMAGED: {what}"
+        if args.quarantine:
+            report["quarantined_to"] = lmdb_check.quarantine(path)
+            line += f"; moved to {report['quarantined_to']}"
+        else:
+            line += "; --quarantine moves it aside"
+    print(json.dumps(report) if args.json else line)
+    return 0 if report.get("ok") else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hicache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -148,6 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", type=float, default=None, help="KV memory per rank in GiB")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_plan)
+    l3 = sub.add_parser("l3", help="L3 store maintenance").add_subparsers(dest="l3_command",
+                                                                         required=True)
+    k = l3.add_parser("check", help="walk an L3 store (in a child process) and report damage")
+    k.add_argument("path")
+    k.add_argument("--quarantine", action="store_true",
+                   help="move a damaged store aside (PATH.damaged-<time>)")
+    k.add_argument("--timeout", type=float, default=600.0, help="seconds the walk may take")
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(func=_l3_check)
     try:
         from .engine import cli as engine_cli
     except ImportError:  # the engine is optional for the planning commands

@@ -123,6 +123,9 @@ class L3Section:
                        "redis://host:port cluster nodes", type=(str, list, tuple))
     timeout_s: float = opt(2.0, "redis: bound on every call (connect, read, write) in seconds",
                            min=0.001, max=600.0, type=(int, float))
+    check_on_open: bool = opt(False, "lmdb: walk the whole store in a child process before "
+                                     "opening it (a damaged store then disables L3, never the "
+                                     "server)")
 
     def __post_init__(self) -> None:
         if isinstance(self.url, list):

@@ -116,6 +116,30 @@ def check_l3_path(path: str) -> None:
                           "writable")
 
 
+def check_l3_store(path: str) -> list[str]:
+    """An existing store: refuse another application's environment (ConfigError); a damaged
+    one is a warning (the run continues without L3). Nothing is mapped before the file checks."""
+    from .l3 import lmdb_check
+    try:
+        if lmdb_check.precheck(path) is None:
+            return []
+    except lmdb_check.StoreDamaged as e:
+        return [f"l3.path: the store is damaged ({e}); the run continues without L3; "
+                f"`hicache l3 check {path} --quarantine` moves it aside"]
+    import lmdb
+    try:
+        env = lmdb.open(path, readonly=True, max_dbs=8, subdir=True)
+    except lmdb.Error as e:
+        return [f"l3.path: the store cannot be opened ({e}); the run continues without L3"]
+    try:
+        lmdb_check.check_owner(env, path)
+    except lmdb_check.NotHicacheStore as e:
+        raise ConfigError(f"l3.path: {e}") from None
+    finally:
+        env.close()
+    return []
+
+
 def check_engine(cfg: HiCacheConfig) -> None:
     """What the built-in engine (hicache-bench, the examples) needs beyond the cache."""
     m, c = cfg.model, cfg.parallel.dcp
@@ -141,9 +165,11 @@ def validate(cfg: HiCacheConfig, *, tiers: tuple[str, ...] = ("l1", "l2", "l3"),
                           f"({cfg.page_bytes_per_rank} bytes per rank); 0 = use l2.ratio")
     use_l2 = "l2" in tiers
     use_l3 = "l3" in tiers and cfg.l3.enabled
-    if use_l3:
+    if use_l3 and cfg.l3.backend == "lmdb":
         check_l3_path(cfg.l3.path)
-        if cfg.l3.size_bytes < cfg.page_bytes_per_rank:
+        warnings += check_l3_store(cfg.l3.path)
+    if use_l3:
+        if cfg.l3.size_bytes < cfg.page_bytes_per_rank:  # lmdb: capacity; redis: maxmemory
             raise ConfigError(f"l3.size_bytes: {cfg.l3.size_bytes} is smaller than one page "
                               f"shard ({cfg.page_bytes_per_rank} bytes per rank)")
         if cfg.l2_num_pages == 0:

@@ -36,6 +36,7 @@ from .l2.pool import HostKVPool, check_host_memory, check_node_memory
 from .l2.transfer import TransferEngine, TransferError
 from .l3 import (AsyncWriter, CostModel, Namespace, Prefetcher, PrefetchPolicy, agree_prefetch,
                  chain_hashes, keys_for_rank, open_store, prefetch_signals, should_write)
+from .l3.guard import GuardedStore
 
 TIERS = ("l1", "l2", "l3")
 RESTORE_RETRIES = 64  # steps an agreed L3 restore may wait for L1 room before recomputing
@@ -166,7 +167,9 @@ class HiCache:
     def _open_l3(self) -> None:
         c = self.config
         self.namespace = Namespace.from_config(c, model=self.weights_signature)
-        self.l3 = open_store(c.l3, self.namespace, self.rank)  # LMDB or Redis, per the policy
+        # a failing store ends L3 on this rank, never the run (hicache/l3/guard.py)
+        self.l3 = GuardedStore(lambda: open_store(c.l3, self.namespace, self.rank), c.l3,
+                               self.rank, self.namespace)
         self._writer = AsyncWriter(self.l3)
         p = c.policy
         self._prefetcher = Prefetcher(self.l3, PrefetchPolicy(
@@ -382,6 +385,7 @@ class HiCache:
             out["l3_errors"] = l3.errors  # calls that found the store unavailable (misses)
             out["bytes"]["l3_read"] = l3.bytes_read
             out["bytes"]["l3_write"] = l3.bytes_written
+            out["l3_failures"] = self.l3.failures  # store errors raised (the first ends L3)
         return out
 
     def close(self, flush: bool = True) -> None:

@@ -34,11 +34,22 @@ import torch
 
 from .base import (SUM_BYTES as _SUM, L3Stats, L3Store, Out, PutResult, checksum as _checksum,
                    copy_into)
+from . import lmdb_check
 from .keys import L3Error, Namespace
 
-__all__ = ["PageStore", "L3Stats", "Out", "PutResult", "should_write", "replica_of"]
+__all__ = ["PageStore", "L3Stats", "Out", "PutResult", "should_write", "replica_of", "L3Damaged",
+           "L3Foreign"]
 
 _U64 = 8
+
+
+class L3Damaged(L3Error):
+    """The store's files are damaged (found before mapping, or by LMDB at open)."""
+
+
+class L3Foreign(L3Error):
+    """The L3 path holds an LMDB environment that is not hicache's."""
+
 _FULL = object()  # a write transaction that filled the map
 
 
@@ -110,6 +121,15 @@ class _Gate:
                 self._cv.notify_all()
 
 
+def _write_failure(e: BaseException) -> bool:
+    """A failed write transaction that leaves the environment readable: a full or failing
+    disk (``mdb_txn_commit: Input/output error``, ENOSPC, EFBIG, EDQUOT)."""
+    if isinstance(e, (lmdb.DiskError, lmdb.TxnFullError)):
+        return True
+    return type(e) is lmdb.Error and any(w in str(e) for w in (
+        "Input/output error", "No space left", "File too large", "Disk quota"))
+
+
 def _u64(b) -> int:
     return int.from_bytes(bytes(b), "big") if b is not None else 0
 
@@ -131,6 +151,11 @@ class _Env:
                  sync: bool) -> None:
         self.path, self.writer = path, writer
         self.map_size, self.max_map_size = map_size, max_map_size
+        try:  # before mapping: a file shorter than its last page would SIGBUS the reader
+            lmdb_check.precheck(path)
+        except lmdb_check.StoreDamaged as e:
+            raise L3Damaged(f"L3 store {path!r} is damaged: {e}; see `hicache l3 check "
+                            f"{path}`") from None
         try:
             self.env = lmdb.open(path, map_size=map_size, max_dbs=8, subdir=True,
                                  readonly=not writer, sync=sync, metasync=sync,
@@ -141,6 +166,13 @@ class _Env:
             self.env.reader_check()  # clear reader slots of killed processes
         except lmdb.Error:
             pass
+        try:  # never add hicache's sub-databases to another application's environment
+            lmdb_check.check_owner(self.env, path)
+        except (lmdb_check.NotHicacheStore, lmdb.Error) as e:
+            self.env.close()
+            if isinstance(e, lmdb_check.NotHicacheStore):
+                raise L3Foreign(str(e)) from None
+            raise L3Damaged(f"L3 store {path!r} is damaged: {e}") from None
         try:
             self.data, self.head, self.atime, self.lru, self.meta = (
                 self.env.open_db(name, create=writer)
@@ -390,7 +422,13 @@ class PageStore(L3Store):
         need = sum(it[1].nbytes + len(it[2]) for it in items)
         extra = 0
         for round_ in range(1, 6):
-            res = self._run(fn, write=True)
+            try:
+                res = self._run(fn, write=True)
+            except lmdb.Error as e:  # the commit failed: the disk is full or failing
+                if not _write_failure(e):
+                    raise
+                self._bump(pages_dropped=len(items), errors=1)  # reads go on
+                return 0, []
             if res is not _FULL:
                 break
             # The map is full before the capacity: grow it if allowed, else evict for room.
