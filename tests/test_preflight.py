@@ -140,7 +140,10 @@ def _section_values(kind):
     out = {}
     for f in dataclasses.fields(kind):
         m = f.metadata
-        if m.get("choices"):
+        if f.name == "url":  # l3.url: a Redis URL or a list of cluster nodes
+            out[f.name] = st.sampled_from(["", "redis://127.0.0.1:6379/0",
+                                           ["redis://10.0.0.1:7000", "redis://10.0.0.2:7000"]])
+        elif m.get("choices"):
             out[f.name] = st.sampled_from(m["choices"])
         elif isinstance(f.default, bool):
             out[f.name] = st.booleans()
@@ -168,7 +171,8 @@ def test_every_valid_config_round_trips(d):
             got = getattr(getattr(cfg, name), key)
             if not (name == "model" and cfg.model.preset and key in
                     ("num_layers", "kv_lora_rank", "rope_dim")):
-                assert got == value or (isinstance(value, float) and math.isclose(got, value))
+                want = tuple(value) if isinstance(value, list) else value
+                assert got == want or (isinstance(value, float) and math.isclose(got, value))
 
 
 def test_a_preset_passes_hicache_bench_resolution(tmp_path):
