@@ -45,9 +45,7 @@ def _check_config(args) -> int:
     p = cfg.parallel
     per_rank_tokens = cfg.l1_tokens_per_rank
     ranks = p.dcp if args.ranks is None else args.ranks
-    need = preflight.memory_need(cfg, ranks, cuda=machine.cuda,
-                                 pinned=cfg.l2.pin == "on" or (cfg.l2.pin == "auto"
-                                                               and machine.cuda))
+    need = preflight.memory_need(cfg, ranks, cuda=machine.cuda)
     info = {
         "file": args.file,
         "topology": f"valid: tp {p.tp}, attn_dp {p.attn_dp}, dcp {p.dcp} "

@@ -46,7 +46,7 @@ class MemoryNeed:
 
     ranks: int
     l1_per_rank: int
-    l2_per_rank: int          # as allocated: pinned allocations round up to a power of two
+    l2_per_rank: int          # as allocated (pinned L2 is registered in place: no rounding)
     l1_on_host: bool          # L1 lives in host memory (no CUDA)
 
     @property
@@ -54,20 +54,12 @@ class MemoryNeed:
         return self.ranks * (self.l2_per_rank + (self.l1_per_rank if self.l1_on_host else 0))
 
 
-def pinned_bytes(nbytes: int) -> int:
-    """What a pinned host allocation of ``nbytes`` takes: torch's caching host allocator rounds
-    each block up to a power of two."""
-    return 1 << max(0, (nbytes - 1).bit_length()) if nbytes > 0 else 0
-
-
-def memory_need(cfg: HiCacheConfig, ranks: int, *, l2: bool = True, cuda: bool = False,
-                pinned: bool = False) -> MemoryNeed:
+def memory_need(cfg: HiCacheConfig, ranks: int, *, l2: bool = True,
+                cuda: bool = False) -> MemoryNeed:
     """Pure: the bytes L1 and L2 of ``ranks`` ranks of ``cfg`` take on one node."""
     page = cfg.page_bytes_per_rank
     l1 = cfg.l1.num_pages * page
     l2_bytes = max(cfg.l2_num_pages, 1) * page if l2 else page  # the service keeps >= 1 page
-    if pinned:
-        l2_bytes = pinned_bytes(l2_bytes)
     return MemoryNeed(ranks, l1, l2_bytes, l1_on_host=not cuda)
 
 
@@ -178,8 +170,6 @@ def validate(cfg: HiCacheConfig, *, tiers: tuple[str, ...] = ("l1", "l2", "l3"),
     if engine:
         check_engine(cfg)
     if memory:
-        pinned = cfg.l2.pin == "on" or (cfg.l2.pin == "auto" and machine.cuda)
-        check_memory(memory_need(cfg, ranks, l2=use_l2, cuda=machine.cuda, pinned=pinned),
-                     machine)
+        check_memory(memory_need(cfg, ranks, l2=use_l2, cuda=machine.cuda), machine)
     return warnings
 

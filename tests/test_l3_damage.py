@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def make_cfg(path, check_on_open=False) -> HiCacheConfig:
     return HiCacheConfig.from_dict({
         "model": {"num_layers": 2, "kv_lora_rank": 32, "rope_dim": 8, "hidden_size": 64,
-                  "num_heads": 4, "vocab_size": 128},
+                  "num_heads": 4, "vocab_size": 128, "signature": "damage-test"},
         "cache": {"page_size": 4},
         "l1": {"num_pages": 24},
         "l3": {"enabled": True, "path": str(path), "size_bytes": 64 << 20,

@@ -84,12 +84,11 @@ def test_memory_is_checked_for_the_whole_node():
         preflight.check_memory(gpu, Machine(True, 64 * GiB, device_free=GiB // 2))
 
 
-def test_pinned_allocations_round_up():
-    assert [preflight.pinned_bytes(n) for n in (0, 1, 4096, 4097, 3 << 20)] == \
-        [0, 1, 4096, 8192, 4 << 20]
-    cfg = cfg_of("[l1]\nnum_pages = 100")
-    need = memory_need(cfg, 1, cuda=True, pinned=True)
-    assert need.l2_per_rank == preflight.pinned_bytes(200 * cfg.page_bytes_per_rank)
+def test_l2_counts_at_least_one_page():
+    cfg = cfg_of("[l1]\nnum_pages = 100\n[l2]\nratio = 0.0")
+    assert memory_need(cfg, 1).l2_per_rank == cfg.page_bytes_per_rank  # the service keeps one
+    assert memory_need(cfg.replace(l2={"ratio": 1.5}), 1).l2_per_rank == \
+        150 * cfg.page_bytes_per_rank
 
 
 # ---- presets and the dict round trip ---------------------------------------------------------
@@ -107,7 +106,8 @@ def test_preset_round_trips_and_replaces():
 
 def test_a_preset_runs_in_the_service(tmp_path):
     from hicache import HiCache
-    cfg = cfg_of('[model]\npreset = "deepseek-r1"\ndtype = "bfloat16"\n[cache]\npage_size = 4\n'
+    cfg = cfg_of('[model]\npreset = "deepseek-r1"\ndtype = "bfloat16"\nsignature = "r1-test"\n'
+                 '[cache]\npage_size = 4\n'
                  f'[l1]\nnum_pages = 8\n[l3]\nenabled = true\npath = "{tmp_path}/l3"')
     tokens = np.arange(30)
     with HiCache(cfg.replace()) as cache:
