@@ -1,8 +1,9 @@
 """``hicache-bench``: the cache-hit benchmark. One trace, every mode side by side.
 
 Modes: recompute (no prefix cache), l1, l1+l2, l1+l2+l3. Each mode replays the same seeded trace
-through the built-in DCP MLA engine with HiCache embedded on ``--dcp`` ranks (real processes,
-gloo on CPU), then prints one row per mode and writes the same as JSON.
+through the DCP MLA engine with HiCache embedded on ``--dcp`` ranks (real processes, gloo on
+CPU), then prints one row per mode and writes the same as JSON. The engine runs the built-in
+seeded model, or the Hugging Face checkpoint of ``--model DIR`` / the policy's ``[model] path``.
 """
 
 from __future__ import annotations
@@ -37,13 +38,12 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
     import torch
     import torch.distributed as dist
 
-    from .engine.model import MLAModel
-    from .serving import Server, model_config
+    from .serving import Server
 
     torch.manual_seed(0)
     cfg = HiCacheConfig.from_dict(cfg_dict)
     group = dist.group.WORLD if dist.is_initialized() else None
-    model = MLAModel(model_config(cfg, seed=opts["seed"]))
+    model = engine_model(cfg, seed=opts["seed"])
     out: dict = {"rank": rank}
     # the built-in model's digest names its weights in the L3 keys
     with HiCache(cfg, rank, group, mode=mode,
@@ -78,6 +78,16 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
                    prefill_tokens=prefill[0], prefill_s=prefill[1])
     out["results"] = [(r.request_id, r.prompt_len, r.output, r.ttft_s, r.hit) for r in results]
     return out
+
+
+def engine_model(cfg: HiCacheConfig, seed: int = 0):
+    """The policy's checkpoint (``[model] path``) or the built-in seeded model."""
+    if cfg.model.path:
+        from .engine.hf import load_checkpoint
+        return load_checkpoint(cfg.model.path)
+    from .engine.model import MLAModel
+    from .serving import model_config
+    return MLAModel(model_config(cfg, seed=seed))
 
 
 def _agree_continue(local: bool, group) -> bool:
@@ -190,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--l3-path", help="L3 directory (overrides the policy file)")
     p.add_argument("--l3-url", help="shared L3 on Redis / Valkey (overrides the policy file): "
                    "redis://host:port/db, unix:///path.sock, or comma-separated cluster nodes")
+    p.add_argument("--model", help="Hugging Face DeepSeek-V2/V3 checkpoint directory to run "
+                   "(replaces the policy file's [model] section)")
     p.add_argument("--dcp", type=int, help="DCP ranks to spawn (overrides the policy file)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated, any of "
                    + ", ".join(MODES))
@@ -268,6 +280,10 @@ def check_destination(flag: str, path: str, suffixes: tuple[str, ...] = ()) -> P
 
 def _resolve(args) -> tuple[HiCacheConfig, list[str], list[str]]:
     cfg = load_config(args.config)
+    if args.model:  # the checkpoint sets the KV shape: the file's model keys give way
+        d = cfg.to_dict()
+        d["model"] = {"path": args.model}
+        cfg = HiCacheConfig.from_dict(d)
     if args.l3_path is not None:  # "" is an error (preflight), not "use the policy file's"
         cfg = cfg.replace(l3={"path": args.l3_path})
     if args.l3_url is not None:  # "" is an error (l3.url), not "use the policy file's"
@@ -278,6 +294,11 @@ def _resolve(args) -> tuple[HiCacheConfig, list[str], list[str]]:
             raise UsageError(f"--dcp must be in [1, 4096], got {args.dcp}")
         cfg = cfg.replace(parallel={"dcp": args.dcp})
     modes = _names("--modes", args.modes, MODES)
+    if cfg.model.path:  # every tensor's name and shape checked here, before any rank starts
+        heads = engine_model(cfg).cfg.num_heads
+        if heads % cfg.parallel.dcp:
+            raise UsageError(f"dcp {cfg.parallel.dcp} does not divide the {heads} attention heads "
+                             f"of {cfg.model.path}")
     if "l1+l2+l3" in modes and not cfg.l3.enabled:
         cfg = cfg.replace(l3={"enabled": True})
     if args.trace:

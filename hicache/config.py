@@ -52,16 +52,32 @@ class ModelSection:
     signature: str = opt("", "weights identity (a checkpoint hash or revision), part of the L3 "
                              "namespace; required when L3 is on (HiCache(weights_signature=...) "
                              "overrides it)")
+    path: str = opt("", "Hugging Face DeepSeek-V2/V3 checkpoint directory the engine runs: its "
+                        "config.json sets num_layers, kv_lora_rank, rope_dim, dtype, hidden_size, "
+                        "num_heads and vocab_size; empty = the built-in model")
 
     def __post_init__(self) -> None:
-        if self.preset:
-            shape = topology.get_model(self.preset)
-            object.__setattr__(self, "num_layers", shape.num_layers)
-            object.__setattr__(self, "kv_lora_rank", shape.kv_lora_rank)
-            object.__setattr__(self, "rope_dim", shape.rope_dim)
+        if self.preset and self.path:
+            raise ConfigError("model.path: conflicts with model.preset; give one or the other")
+        for key, value in self.derived().items():
+            object.__setattr__(self, key, value)
         if self.rope_dim % 2:
             raise ConfigError(f"model.rope_dim: {self.rope_dim} is odd; RoPE rotates pairs of "
                               "dimensions, so it must be even")
+
+    def derived(self) -> dict:
+        """The fields ``preset`` or ``path`` set (empty when neither is given)."""
+        if self.preset:
+            shape = topology.get_model(self.preset)
+            return {"num_layers": shape.num_layers, "kv_lora_rank": shape.kv_lora_rank,
+                    "rope_dim": shape.rope_dim}
+        if self.path:
+            from .engine.hf_config import CheckpointError, kv_shape
+            try:
+                return kv_shape(self.path)
+            except CheckpointError as e:
+                raise ConfigError(f"model.path: {e}") from None
+        return {}
 
     @property
     def kv_dim(self) -> int:
@@ -264,16 +280,6 @@ def _suggest(name: str, options) -> str:
 def _build_section(section: str, kind: type, values: Mapping[str, Any]):
     fields = {f.name: f for f in dataclasses.fields(kind)}
     kwargs = {}
-    if section == "model" and isinstance(values.get("preset"), str) and values["preset"]:
-        try:
-            shape = topology.get_model(values["preset"])
-        except TopologyError:
-            shape = None  # the choices check below names the bad preset
-        for key in ("num_layers", "kv_lora_rank", "rope_dim"):
-            # the preset's own value is no conflict: a resolved config's dict round-trips
-            if key in values and (shape is None or values[key] != getattr(shape, key)):
-                raise ConfigError(f"model.{key}: conflicts with model.preset "
-                                  f"{values['preset']!r}, which sets it; give one or the other")
     for key, value in values.items():
         full = f"{section}.{key}"
         if key not in fields:
@@ -293,9 +299,17 @@ def _build_section(section: str, kind: type, values: Mapping[str, Any]):
             raise ConfigError(f"{full}: {value!r} is out of range [{lo}, {hi}]")
         kwargs[key] = value
     try:
-        return kind(**kwargs)
+        built = kind(**kwargs)
     except TopologyError as e:
         raise ConfigError(f"{section}.preset: {e}") from None
+    if section == "model":  # a value preset / path sets may be repeated, not contradicted
+        source = "preset" if values.get("preset") else "path"
+        for key, value in built.derived().items():
+            if key in values and values[key] != value:
+                raise ConfigError(f"model.{key}: {values[key]!r} conflicts with model.{source} "
+                                  f"{values[source]!r}, which sets it to {value!r}; give one or "
+                                  "the other")
+    return built
 
 
 def loads(text: str, source: str = "<string>") -> HiCacheConfig:

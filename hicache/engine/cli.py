@@ -1,8 +1,14 @@
 """``hicache decode``: spawn a DCP group of gloo processes, prefill a seeded prompt, decode.
 
     hicache decode --dcp C --backend a2a|ag_rs [--replicate-q] --prompt-len L --new-tokens K
-                   --seed S [--page-size P] [--pcp N] [--pcp-mode ring|full_kv] [--model FILE]
-                   [--device cpu|cuda] [--verify] [--json]
+                   --seed S [--page-size P] [--pcp N] [--pcp-mode ring|full_kv] [--model PATH]
+                   [--prompt-ids 1,2,3] [--device cpu|cuda] [--verify] [--json]
+
+``--model`` is a Hugging Face DeepSeek-V2/V3-family checkpoint directory
+(``hicache.engine.hf``) or a file written by ``MLAModel.save``; without it the built-in seeded
+tiny model runs. ``--prompt-ids`` gives the prompt's token ids instead of the seeded random
+prompt of ``--prompt-len`` tokens, so the greedy tokens can be checked against another
+implementation.
 
 ``--pcp N`` (default 1: the ordinary DCP prefill through the engine) prefills the prompt with
 prefill context parallelism over N ranks (DualChunkSwap chunks, ``ring`` or ``full_kv``
@@ -13,7 +19,7 @@ with DCP C as usual. max(N, C) processes are launched: ranks >= C only help the 
 Prints the token ids, per-rank KV rows and bytes, DCP collectives per layer, the prefill time and
 the mean decode step time; ``--json`` prints one object with ``tokens``, ``kv_rows_per_rank``,
 ``kv_bytes_per_rank``, ``collectives_per_layer``, ``step_time_s``, ``pcp``, ``prefill_time_s``
-(and a few extras). ``--verify`` also runs the dense single-process reference and fails (exit 1)
+``prompt`` (and a few extras). ``--verify`` also runs the dense single-process reference and fails (exit 1)
 when the tokens differ.
 
 ``add_parser(subparsers)`` adds the subcommand; ``run(args) -> int`` runs it and raises
@@ -64,6 +70,7 @@ class DecodeSpec:
     device: str = "cpu"  # "cpu": gloo ranks; "cuda": nccl ranks, one GPU each
     pcp: int = 1  # prefill context-parallel ranks (1: the engine's own DCP prefill)
     pcp_mode: str = "ring"  # "ring" | "full_kv" (used when pcp > 1)
+    prompt_ids: tuple = ()  # explicit prompt token ids (overrides the seeded prompt)
 
     @property
     def world_size(self) -> int:
@@ -72,13 +79,17 @@ class DecodeSpec:
 
 
 def build_model(spec: DecodeSpec):
+    """The checkpoint directory or model file at ``spec.model_path``, else the built-in model."""
     from hicache.engine.model import MLAModel, ModelConfig
     if spec.model_path:
-        return MLAModel.load(spec.model_path)
+        from hicache.engine.hf import load_model
+        return load_model(spec.model_path)
     return MLAModel(ModelConfig(seed=spec.seed, **dict(spec.model_overrides)))
 
 
 def make_prompt(spec: DecodeSpec, vocab_size: int) -> list[int]:
+    if spec.prompt_ids:
+        return list(spec.prompt_ids)
     g = torch.Generator().manual_seed(spec.seed + 1)
     return torch.randint(0, vocab_size, (spec.prompt_len,), generator=g).tolist()
 
@@ -119,12 +130,12 @@ def decode_worker(rank: int, world_size: int, spec: DecodeSpec) -> dict:
     model = build_model(spec).to(device)
     cfg = model.cfg
     layout = DCPLayout(spec.dcp, rank if in_dcp else 0, spec.page_size)
-    total = spec.prompt_len + spec.new_tokens
+    prompt = make_prompt(spec, cfg.vocab_size)
+    total = len(prompt) + spec.new_tokens
     vps = layout.virtual_page_size
     warm_pages = -(-(spec.warmup_steps + 2) // vps) if spec.warmup_steps else 0
     pages = -(-total // vps) + warm_pages
     alloc = PageAllocator(pages)
-    prompt = make_prompt(spec, cfg.vocab_size)
     pool = runner = None
     warm = RequestState()
     if spec.warmup_steps:  # every rank allocates the same pages, so page tables agree
@@ -214,7 +225,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "max(N, dcp) processes are launched")
     p.add_argument("--pcp-mode", default="ring",
                    help="PCP attention over other ranks' keys: ring | full_kv")
-    p.add_argument("--model", default=None, help="model file written by MLAModel.save")
+    p.add_argument("--model", default=None,
+                   help="Hugging Face DeepSeek-V2/V3 checkpoint directory, or a model file "
+                        "written by MLAModel.save (default: the built-in seeded model)")
+    p.add_argument("--prompt-ids", default=None,
+                   help="comma-separated prompt token ids (instead of a seeded prompt of "
+                        "--prompt-len tokens)")
     p.add_argument("--device", default="cpu",
                    help="cpu (gloo ranks) or cuda (nccl ranks, one GPU per rank)")
     p.add_argument("--verify", action="store_true",
@@ -256,23 +272,40 @@ def spec_from_args(args) -> DecodeSpec:
         if gpus < world:
             raise DecodeArgsError(f"--device cuda needs one GPU per rank: --dcp {args.dcp} "
                                   f"--pcp {args.pcp} launch {world} but {gpus} GPU(s) visible")
+    prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else ()
     tp = args.tp if args.tp is not None else args.dcp
     try:
         validate(tp, args.dcp, 1)
     except TopologyError as exc:
         raise DecodeArgsError(f"--dcp {args.dcp} with --tp {tp}: {exc}") from None
     spec = DecodeSpec(dcp=args.dcp, backend=args.backend, replicate_q=args.replicate_q,
-                      prompt_len=args.prompt_len, new_tokens=args.new_tokens, seed=args.seed,
+                      prompt_len=len(prompt_ids) or args.prompt_len,
+                      new_tokens=args.new_tokens, seed=args.seed,
                       page_size=args.page_size, model_path=args.model, device=args.device,
-                      pcp=args.pcp, pcp_mode=args.pcp_mode)
+                      pcp=args.pcp, pcp_mode=args.pcp_mode, prompt_ids=prompt_ids)
     try:
         model = build_model(spec)
-    except ValueError as exc:  # ModelLoadError / ModelConfigError
+    except ValueError as exc:  # ModelLoadError / ModelConfigError / CheckpointError
         raise DecodeArgsError(f"--model: {exc}") from None
+    bad = [t for t in prompt_ids if t >= model.cfg.vocab_size]
+    if bad:
+        raise DecodeArgsError(f"--prompt-ids: {bad[0]} is not a token id of the model "
+                              f"(vocab_size {model.cfg.vocab_size})")
     if model.cfg.num_heads % args.dcp:
         raise DecodeArgsError(
             f"--dcp {args.dcp} does not divide the model's {model.cfg.num_heads} attention heads")
     return spec
+
+
+def _parse_ids(text: str) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise DecodeArgsError(f"--prompt-ids must be comma-separated ints, got {text!r}") \
+            from None
+    if any(t < 0 for t in ids):
+        raise DecodeArgsError(f"--prompt-ids must be >= 0, got {text!r}")
+    return ids
 
 
 def summarize(spec: DecodeSpec, results: list[dict]) -> dict:
@@ -286,6 +319,7 @@ def summarize(spec: DecodeSpec, results: list[dict]) -> dict:
     steps = results[0]["step_times"]
     return {
         "tokens": tokens,
+        "prompt": results[0]["prompt"],
         "kv_rows_per_rank": [r["kv_rows"] for r in results],
         "kv_bytes_per_rank": [r["kv_bytes"] for r in results],
         "collectives_per_layer": results[0]["collectives_per_layer"],
@@ -293,7 +327,8 @@ def summarize(spec: DecodeSpec, results: list[dict]) -> dict:
         "pcp": spec.pcp,
         "prefill_time_s": prefill_s,
         "tp_collectives_per_layer": results[0]["tp_collectives_per_layer"],
-        "spec": {k: v for k, v in asdict(spec).items() if k != "model_overrides"},
+        "spec": {k: v for k, v in asdict(spec).items()
+                 if k not in ("model_overrides", "prompt_ids")},
     }
 
 

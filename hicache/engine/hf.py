@@ -1,0 +1,288 @@
+"""Hugging Face DeepSeek-V2/V3-family checkpoints -> ``MLAModel``; the weights signature.
+
+    model = load_checkpoint("path/to/checkpoint")   # config.json + safetensors, memory-mapped
+    model = load_model(path)                        # a directory as above, or an MLAModel.save file
+    sig = weights_signature("path/to/checkpoint")   # digest of the weight files (cached beside them)
+
+Loading reads ``config.json`` (``hicache.engine.hf_config``: unknown architectures and
+unsupported values are errors naming the key), then the safetensors headers of
+``model.safetensors`` or of every shard of ``model.safetensors.index.json``: a missing tensor,
+an unexpected one, or a shape that differs from what ``config.json`` implies is a
+``CheckpointError`` naming the tensor, before any weight is read or any compute runs. Weights are
+memory-mapped by the ``safetensors`` library (no copy when the stored dtype is the model dtype;
+the OS shares the pages between ranks on one node). ``kv_b_proj`` [H*(dn+dv), R] becomes the
+absorbed ``w_uk`` [H, dn, R] and ``w_uv`` [H, dv, R] as views of the mapped tensor.
+
+Every DCP rank loads the whole model: DCP shards the KV cache by token, not the weights, and each
+rank computes every head of its tokens' attention. Tensor parallelism would split, per rank r of
+tp: the heads of ``q_proj``/``q_b_proj`` and ``kv_b_proj`` (rows ``r*H/tp .. (r+1)*H/tp`` of
+each head-major block; column-parallel), the matching input columns of ``o_proj``
+(row-parallel, one all-reduce), ``gate/up`` rows and ``down`` columns of the dense MLP and the
+shared experts; ``q_a_proj``, ``kv_a_proj_with_mqa``, the norms and the router stay replicated,
+and routed experts split by expert (expert parallelism) or by their intermediate dim. The runner
+already computes a head slice (``layer.query(h, pos, heads)``, ``layer.attn_out(o, heads)``).
+
+Tensor names (published and ``save_pretrained`` layout), per layer ``i`` under ``model.layers.i``:
+``input_layernorm``, ``self_attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj}``,
+``self_attn.{kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}``,
+``post_attention_layernorm``, ``mlp.{gate,up,down}_proj`` (dense) or ``mlp.gate.weight``,
+``mlp.gate.e_score_correction_bias`` (sigmoid scoring), ``mlp.experts.E.{gate,up,down}_proj``,
+``mlp.shared_experts.{gate,up,down}_proj`` (MoE); ``model.embed_tokens``, ``model.norm``,
+``lm_head`` (absent when tied). Tensors of layers past ``num_hidden_layers`` (DeepSeek-V3's
+multi-token-prediction layer) and ``rotary_emb.inv_freq`` buffers are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from hicache.engine.hf_config import CheckpointError, read_hf_config, weight_files
+from hicache.engine.model import MLAModel, ModelConfig, ModelLoadError
+
+__all__ = ("CheckpointError", "HFCheckpointError", "checkpoint_config", "load_checkpoint", "load_model",
+           "expected_tensors", "weights_signature")
+
+
+class HFCheckpointError(CheckpointError, ModelLoadError):
+    """A checkpoint that cannot be loaded (also a ``ModelLoadError``)."""
+
+
+def _raise(e: CheckpointError):
+    raise HFCheckpointError(str(e)) from None
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name -> the shape ``cfg`` implies."""
+    hs, h, r = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
+    dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    out = {"model.embed_tokens.weight": (cfg.vocab_size, hs), "model.norm.weight": (hs,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, hs)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        out[p + "input_layernorm.weight"] = (hs,)
+        out[p + "post_attention_layernorm.weight"] = (hs,)
+        if cfg.q_lora_rank:
+            out[a + "q_a_proj.weight"] = (cfg.q_lora_rank, hs)
+            out[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+            out[a + "q_b_proj.weight"] = (h * (dn + dr), cfg.q_lora_rank)
+        else:
+            out[a + "q_proj.weight"] = (h * (dn + dr), hs)
+        out[a + "kv_a_proj_with_mqa.weight"] = (r + dr, hs)
+        out[a + "kv_a_layernorm.weight"] = (r,)
+        out[a + "kv_b_proj.weight"] = (h * (dn + dv), r)
+        out[a + "o_proj.weight"] = (hs, h * dv)
+        if cfg.is_moe_layer(i):
+            m = cfg.moe
+            out[p + "mlp.gate.weight"] = (m.n_routed_experts, hs)
+            if m.scoring_func == "sigmoid":
+                out[p + "mlp.gate.e_score_correction_bias"] = (m.n_routed_experts,)
+            mlps = [(f"mlp.experts.{e}.", m.moe_intermediate_size)
+                    for e in range(m.n_routed_experts)]
+            if m.n_shared_experts:
+                mlps.append(("mlp.shared_experts.", m.moe_intermediate_size * m.n_shared_experts))
+        else:
+            mlps = [("mlp.", cfg.intermediate_size)]
+        for name, inter in mlps:
+            out[p + name + "gate_proj.weight"] = (inter, hs)
+            out[p + name + "up_proj.weight"] = (inter, hs)
+            out[p + name + "down_proj.weight"] = (hs, inter)
+    return out
+
+
+_TOP = {"model.embed_tokens.weight": "embed_tokens", "model.norm.weight": "norm",
+        "lm_head.weight": "lm_head"}
+_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm",
+          "self_attn.q_proj": "wq", "self_attn.q_a_proj": "wq_a",
+          "self_attn.q_a_layernorm": "q_norm", "self_attn.q_b_proj": "wq_b",
+          "self_attn.kv_a_proj_with_mqa": "wkv_a", "self_attn.kv_a_layernorm": "kv_norm",
+          "self_attn.kv_b_proj": "kv_b_proj", "self_attn.o_proj": "wo",
+          "mlp.gate": "moe.gate", "mlp.gate.e_score_correction_bias": "moe.e_bias"}
+_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def _engine_name(name: str) -> str:
+    """Checkpoint tensor name -> ``MLAModel`` parameter name (``kv_b_proj`` is split later)."""
+    if name in _TOP:
+        return _TOP[name]
+    _, _, i, rest = name.split(".", 3)  # model.layers.<i>.<rest>
+    rest = rest.removesuffix(".weight")
+    if rest in _LAYER:
+        return f"layers.{i}.{_LAYER[rest]}"
+    owner, proj = rest.rsplit(".", 1)  # mlp | mlp.shared_experts | mlp.experts.<e>
+    if owner == "mlp":
+        prefix = ""  # the dense MLP's weights sit on the layer
+    elif owner == "mlp.shared_experts":
+        prefix = "moe.shared."
+    else:
+        prefix = f"moe.experts.{owner.split('.')[2]}."
+    return f"layers.{i}.{prefix}{_PROJ[proj]}"
+
+
+def _ignored(name: str, num_layers: int) -> bool:
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    parts = name.split(".")
+    return (len(parts) > 2 and parts[0] == "model" and parts[1] == "layers"
+            and parts[2].isdigit() and int(parts[2]) >= num_layers)
+
+
+def load_checkpoint(directory: str | os.PathLike, device: Optional[str | torch.device] = None,
+                    ) -> MLAModel:
+    """Build an ``MLAModel`` from a Hugging Face DeepSeek-V2/V3 checkpoint directory."""
+    from safetensors import safe_open
+    d = Path(directory)
+    try:
+        cfg = ModelConfig(**read_hf_config(d))
+        files, _ = weight_files(d)
+    except CheckpointError as e:
+        _raise(e)
+    want = expected_tensors(cfg)
+    # every header first: names and shapes are checked before any weight is read
+    handles, where = [], {}
+    try:
+        for f in files:
+            st = safe_open(str(f), framework="pt", device="cpu")
+            handles.append(st)
+            for k in st.keys():
+                if k in where:
+                    raise HFCheckpointError(f"{d}: tensor {k} is stored twice "
+                                            f"({where[k][1].name} and {f.name})")
+                where[k] = (st, f)
+    except HFCheckpointError:
+        raise
+    except Exception as e:  # a corrupt or foreign file
+        raise HFCheckpointError(f"{d}: cannot read safetensors file: {e}") from None
+    missing = sorted(set(want) - set(where))
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise HFCheckpointError(f"{d}: missing tensors {', '.join(missing[:5])}{more}; "
+                                "config.json implies them")
+    extra = sorted(k for k in set(where) - set(want) if not _ignored(k, cfg.num_layers))
+    if extra:
+        more = f" (and {len(extra) - 5} more)" if len(extra) > 5 else ""
+        raise HFCheckpointError(f"{d}: unexpected tensors {', '.join(extra[:5])}{more}; "
+                                "config.json does not use them")
+    for k, shape in want.items():
+        got = tuple(where[k][0].get_slice(k).get_shape())
+        if got != shape:
+            raise HFCheckpointError(f"{d}: tensor {k} ({where[k][1].name}) has shape "
+                                    f"{list(got)}, config.json implies {list(shape)}")
+    dtype = cfg.torch_dtype
+    h, dn = cfg.num_heads, cfg.qk_nope_head_dim
+    state = {}
+    for k in want:
+        t = where[k][0].get_tensor(k)  # memory-mapped
+        if not t.is_floating_point():
+            raise HFCheckpointError(f"{d}: tensor {k} has dtype {t.dtype}; expected a float")
+        name = _engine_name(k)
+        if ".moe.gate" in name or ".moe.e_bias" in name:
+            t = t.float()  # the router runs in fp32 whatever the checkpoint dtype
+        elif t.dtype != dtype:
+            t = t.to(dtype)
+        if k.endswith("kv_b_proj.weight"):  # [H*(dn+dv), R] -> w_uk [H, dn, R], w_uv [H, dv, R]
+            per_head = t.view(h, -1, t.shape[-1])
+            state[name.replace("kv_b_proj", "w_uk")] = per_head[:, :dn]
+            state[name.replace("kv_b_proj", "w_uv")] = per_head[:, dn:]
+        else:
+            state[name] = t
+    with torch.device("meta"):
+        model = MLAModel(cfg, init=False)
+    own = set(model.state_dict())
+    if own != set(state):  # a mapping bug, not a user error
+        raise HFCheckpointError(f"{d}: internal name mapping mismatch: "
+                                f"{sorted(own ^ set(state))[:5]}")
+    model.load_state_dict(state, strict=True, assign=True)
+    if device is not None:
+        model.to(device)
+    return model
+
+
+def load_model(path: str | os.PathLike, device: Optional[str | torch.device] = None
+               ) -> MLAModel:
+    """A checkpoint directory (``load_checkpoint``) or a file written by ``MLAModel.save``."""
+    if os.path.isdir(path):
+        return load_checkpoint(path, device)
+    return MLAModel.load(path, device)
+
+
+# ---- weights signature ----------------------------------------------------------------------
+SIGNATURE_FILE = ".hicache-weights-signature.json"
+_CHUNK = 16 << 20
+
+
+def _file_digest(path: Path) -> str:
+    import xxhash
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def weights_signature(directory: str | os.PathLike) -> str:
+    """A digest of the checkpoint's weights: ``config.json``, the safetensors index (when
+    sharded) and every weight file, each hashed whole (XXH3-128) and combined by name.
+
+    Each file's digest is cached in ``<dir>/.hicache-weights-signature.json`` keyed by its size
+    and mtime, so a restart rehashes only files that changed (a 600 GB checkpoint is hashed
+    once). A read-only directory is hashed every time. Returns ``"xxh3-128:<hex>"``.
+    """
+    import xxhash
+    d = Path(directory)
+    try:
+        files, _ = weight_files(d)
+    except CheckpointError as e:
+        _raise(e)
+    names = ["config.json"] + (["model.safetensors.index.json"]
+                               if (d / "model.safetensors.index.json").is_file() else [])
+    paths = [d / n for n in names] + files
+    cache_path = d / SIGNATURE_FILE
+    try:
+        cached = json.loads(cache_path.read_text()).get("files", {})
+        if not isinstance(cached, dict):
+            cached = {}
+    except (OSError, ValueError, AttributeError):
+        cached = {}
+    entries, changed = {}, False
+    for p in paths:
+        try:
+            st = p.stat()
+        except OSError as e:
+            raise HFCheckpointError(f"{p}: cannot read: {e.strerror or e}") from None
+        rel = p.relative_to(d).as_posix()
+        old = cached.get(rel)
+        if (isinstance(old, dict) and old.get("size") == st.st_size
+                and old.get("mtime_ns") == st.st_mtime_ns and isinstance(old.get("digest"), str)):
+            entries[rel] = old
+        else:
+            entries[rel] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                            "digest": _file_digest(p)}
+            changed = True
+    if changed or set(cached) != set(entries):
+        tmp = cache_path.with_name(f"{SIGNATURE_FILE}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps({"version": 1, "files": entries}, indent=1))
+            os.replace(tmp, cache_path)
+        except OSError:  # read-only checkpoint: nothing cached
+            tmp.unlink(missing_ok=True)
+    total = xxhash.xxh3_128()
+    for rel in sorted(entries):
+        total.update(f"{rel}\0{entries[rel]['size']}\0{entries[rel]['digest']}\n".encode())
+    return f"xxh3-128:{total.hexdigest()}"
+
+
+
+def checkpoint_config(directory: str | os.PathLike) -> ModelConfig:
+    """The ``ModelConfig`` of a checkpoint directory (config.json only)."""
+    try:
+        return ModelConfig(**read_hf_config(directory))
+    except CheckpointError as e:
+        _raise(e)
+
