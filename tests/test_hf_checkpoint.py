@@ -357,9 +357,11 @@ _DROP = object()
 
 
 @pytest.mark.parametrize("changes, needle", [
-    (dict(architectures=["LlamaForCausalLM"]), "architectures ['LlamaForCausalLM'] is not supported"),
+    (dict(architectures=["LlamaForCausalLM"]),
+     "architectures ['LlamaForCausalLM'] is not supported"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
-    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0}), "type 'linear' is not supported"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0}),
+     "type 'linear' is not supported"),
     (dict(quantization_config={"quant_method": "fp8"}), "quantization_config ('fp8')"),
     (dict(num_key_value_heads=2), "num_key_value_heads 2 is not supported"),
     (dict(scoring_func="softmax"), "scoring_func 'softmax' is not supported"),

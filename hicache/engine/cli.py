@@ -18,9 +18,9 @@ with DCP C as usual. max(N, C) processes are launched: ranks >= C only help the 
 
 Prints the token ids, per-rank KV rows and bytes, DCP collectives per layer, the prefill time and
 the mean decode step time; ``--json`` prints one object with ``tokens``, ``kv_rows_per_rank``,
-``kv_bytes_per_rank``, ``collectives_per_layer``, ``step_time_s``, ``pcp``, ``prefill_time_s``
-``prompt`` (and a few extras). ``--verify`` also runs the dense single-process reference and fails (exit 1)
-when the tokens differ.
+``kv_bytes_per_rank``, ``collectives_per_layer``, ``step_time_s``, ``pcp``, ``prefill_time_s``,
+``prompt`` (and a few extras). ``--verify`` also runs the dense single-process reference and
+fails (exit 1) when the tokens differ.
 
 ``add_parser(subparsers)`` adds the subcommand; ``run(args) -> int`` runs it and raises
 ``DecodeArgsError`` (one clear line, exit 2 in the caller) for bad arguments. ``decode_worker`` is

@@ -2,7 +2,7 @@
 
     model = load_checkpoint("path/to/checkpoint")   # config.json + safetensors, memory-mapped
     model = load_model(path)                        # a directory as above, or an MLAModel.save file
-    sig = weights_signature("path/to/checkpoint")   # digest of the weight files (cached beside them)
+    sig = weights_signature("path/to/checkpoint")   # digest of the weight files (cached)
 
 Loading reads ``config.json`` (``hicache.engine.hf_config``: unknown architectures and
 unsupported values are errors naming the key), then the safetensors headers of
@@ -44,8 +44,8 @@ import torch
 from hicache.engine.hf_config import CheckpointError, read_hf_config, weight_files
 from hicache.engine.model import MLAModel, ModelConfig, ModelLoadError
 
-__all__ = ("CheckpointError", "HFCheckpointError", "checkpoint_config", "load_checkpoint", "load_model",
-           "expected_tensors", "weights_signature")
+__all__ = ("CheckpointError", "HFCheckpointError", "checkpoint_config", "expected_tensors",
+           "load_checkpoint", "load_model", "weights_signature")
 
 
 class HFCheckpointError(CheckpointError, ModelLoadError):
