@@ -90,9 +90,9 @@ def _rope(raw: dict, arch: str, src: str) -> tuple[float, dict | None]:
     key = "rope_parameters"
     if params is None:
         params, key = raw.get("rope_scaling"), "rope_scaling"
-    params = dict(params or {})
-    if not isinstance(params, dict):
+    if params is not None and not isinstance(params, dict):
         raise CheckpointError(f"{src}: {key} must be an object, got {params!r}")
+    params = dict(params or {})
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0:
         raise CheckpointError(f"{src}: rope_theta must be a positive number, got {theta!r}")
