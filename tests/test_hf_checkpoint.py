@@ -414,3 +414,5 @@ def test_weights_signature_is_cached_and_follows_the_bytes(ckpts, tmp_path, monk
     changed = weights_signature(a)
     assert changed != sig and calls == [f]  # only the changed file is hashed again
     assert weights_signature(a) == changed
+    # The engine hands this digest to HiCache: the L3 namespace follows the checkpoint's bytes.
+    assert hf.load_model(a).weights_signature() == f"mla-file:{changed}"

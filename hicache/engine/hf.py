@@ -208,7 +208,11 @@ def load_model(path: str | os.PathLike, device: Optional[str | torch.device] = N
                ) -> MLAModel:
     """A checkpoint directory (``load_checkpoint``) or a file written by ``MLAModel.save``."""
     if os.path.isdir(path):
-        return load_checkpoint(path, device)
+        model = load_checkpoint(path, device)
+        # The L3 weights identity is the digest of the files (cached beside them), not of the
+        # tensors: a 600 GB checkpoint is hashed once, not at every start.
+        model.source_digest = weights_signature(path)
+        return model
     return MLAModel.load(path, device)
 
 
