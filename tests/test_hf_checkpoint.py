@@ -181,12 +181,13 @@ def serve_modes(path, l3_root, dcp, jobs, rank=0, group=None):
     """Every mode of the serving loop on the checkpoint: mode -> (outputs by id, hit tokens)."""
     from hicache.serving import Server
     from hicache.service import HiCache, MODES
-    model = load_checkpoint(path)
+    model = hf.load_model(path)
     out = {}
     for mode in MODES:
         cfg = policy(path, Path(l3_root) / mode.replace("+", "_"), dcp,
                      l2_ratio=1.0 if "l3" in mode else 3.0)
-        with HiCache(cfg, rank, group, mode=mode) as cache:
+        with HiCache(cfg, rank, group, mode=mode,
+                     weights_signature=model.weights_signature()) as cache:
             res = Server(model, cache, group=group, chunk_tokens=16, max_running=2).run(jobs)
             hits = cache.stats()["hit_tokens"]
         out[mode] = ({r.request_id: r.output for r in res}, hits)
