@@ -98,9 +98,9 @@ def test_preset_round_trips_and_replaces():
     assert HiCacheConfig.from_dict(cfg.to_dict()) == cfg
     moved = cfg.replace(l1={"num_pages": 8}, parallel={"tp": 2, "dcp": 2})
     assert moved.model == cfg.model and moved.l1.num_pages == 8
-    with pytest.raises(ConfigError, match="model.num_layers: conflicts with model.preset"):
+    with pytest.raises(ConfigError, match="model.num_layers: 3 conflicts with model.preset"):
         cfg.replace(model={"num_layers": 3})
-    with pytest.raises(ConfigError, match="model.rope_dim: conflicts"):
+    with pytest.raises(ConfigError, match="model.rope_dim: 32 conflicts"):
         cfg_of('[model]\npreset = "kimi-k2"\nrope_dim = 32')
 
 
