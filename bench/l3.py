@@ -9,7 +9,9 @@ Each rank is a process writing/reading its own shards into ONE shared store, con
 other ranks. LMDB: the raw baseline writes the same payload bytes under the same keys into a
 plain LMDB environment (no header, checksum, LRU or accounting) and reads them back into the same
 buffers. Redis: the raw baseline is pipelined SET / GET of the same payload bytes with the same
-client set-up and batch sizes, copied into the same buffers; without ``--url`` a local
+client set-up and batch sizes, copied into the same buffers, each raw phase right next to its
+store twin (order alternating per repeat); the Redis ratios are medians of the per-repeat paired
+ratios, robust to load from other jobs drifting during the run. Without ``--url`` a local
 valkey-server is started on a private port (and stopped). ``--shapes`` also times raw SET / GET
 with each command packer (hiredis / pure Python) and reply parser (hiredis / pure Python).
 The recompute baseline runs ``MLAModel`` prefill (dense forward) over the tokens whose KV one
@@ -107,53 +109,65 @@ def _rank_worker(rank, ranks, args, path_store, path_raw, barrier, queue):
         assert served == args.pages and torch.equal(outs[-1], shards[-1])
         store.close()
 
-    def redis_raw(rep):
+    def redis_rep(rep):
+        """Raw SET then store put, raw GET then store get (the order alternates per repeat):
+        each store phase runs right next to its raw twin, so one repeat gives a paired ratio
+        even while other jobs' load on the machine drifts."""
         import redis
         client = redis.Redis.from_url(args.url, **_client_kw())
         rkeys = [b"raw%d:" % rep + k for k in keys]
-        barrier.wait()
-        t0 = time.perf_counter()
-        for i in range(0, args.pages, args.batch_pages):
-            pipe = client.pipeline(transaction=False)
-            for k, p in zip(rkeys[i:i + args.batch_pages], payloads[i:i + args.batch_pages]):
-                pipe.set(k, memoryview(p))
-            pipe.execute()
-        res["redis_raw_put"].append(time.perf_counter() - t0)
-        barrier.wait()
-        t0 = time.perf_counter()
-        for i in range(0, args.pages, args.batch_pages):
-            pipe = client.pipeline(transaction=False)
-            for k in rkeys[i:i + args.batch_pages]:
-                pipe.get(k)
-            for o, v in zip(outs[i:i + args.batch_pages], pipe.execute()):
-                np.copyto(o.view(torch.uint8).reshape(-1).numpy(), np.frombuffer(v, np.uint8))
-        res["redis_raw_get"].append(time.perf_counter() - t0)
-        client.delete(*rkeys)
-        client.close()
-
-    def redis_ours(rep):
         store = RedisStore(args.url, ns, rank, batch_bytes=batch, key_prefix=b"store%d:" % rep,
                            timeout_s=30.0, check_policy=False)
-        barrier.wait()
-        t0 = time.perf_counter()
-        stored = store.put(keys, shards)
-        res["redis_put"].append(time.perf_counter() - t0)
-        barrier.wait()
-        t0 = time.perf_counter()
-        served = store.get(keys, outs)
-        res["redis_get"].append(time.perf_counter() - t0)
-        assert stored.written == args.pages and served == args.pages
+        got = {}
+
+        def raw_put():
+            for i in range(0, args.pages, args.batch_pages):
+                pipe = client.pipeline(transaction=False)
+                for k, p in zip(rkeys[i:i + args.batch_pages], payloads[i:i + args.batch_pages]):
+                    pipe.set(k, memoryview(p))
+                pipe.execute()
+
+        def raw_get():
+            for i in range(0, args.pages, args.batch_pages):
+                pipe = client.pipeline(transaction=False)
+                for k in rkeys[i:i + args.batch_pages]:
+                    pipe.get(k)
+                for o, v in zip(outs[i:i + args.batch_pages], pipe.execute()):
+                    np.copyto(o.view(torch.uint8).reshape(-1).numpy(), np.frombuffer(v, np.uint8))
+
+        def store_put():
+            got["put"] = store.put(keys, shards)
+
+        def store_get():
+            got["get"] = store.get(keys, outs)
+
+        for phase in ((raw_put, store_put), (raw_get, store_get)):
+            for fn in (phase if rep % 2 == 0 else phase[::-1]):
+                name = {raw_put: "redis_raw_put", raw_get: "redis_raw_get",
+                        store_put: "redis_put", store_get: "redis_get"}[fn]
+                barrier.wait()
+                t0 = time.perf_counter()
+                fn()
+                res[name].append(time.perf_counter() - t0)
+        assert got["put"].written == args.pages and got["get"] == args.pages
         assert torch.equal(outs[-1], shards[-1]) and store.stats.errors == 0
         store.delete(keys)
         store.close()
+        client.delete(*rkeys)
+        client.close()
 
     sides = [raw, ours] if args.backend in ("lmdb", "both") else []
     if args.url:
-        sides += [redis_raw, redis_ours]
+        sides += [redis_rep]
     for rep in it:  # alternate the order so no side always gets a warmer machine
         for fn in (sides if rep % 2 == 0 else sides[::-1]):
             fn(rep)
-    queue.put((rank, {k: statistics.median(v) for k, v in res.items() if v}, nbytes))
+    med = {k: statistics.median(v) for k, v in res.items() if v}
+    for op in ("put", "get"):  # median over repeats of the paired (same repeat) ratios
+        if res.get(f"redis_{op}"):
+            med[f"redis_{op}_ratio"] = statistics.median(
+                r / s for r, s in zip(res[f"redis_raw_{op}"], res[f"redis_{op}"]))
+    queue.put((rank, med, nbytes))
 
 
 def _client_kw():
@@ -313,8 +327,8 @@ def main(argv=None) -> int:
                         "redis_raw_put_gbs": nbytes / m["redis_raw_put"] / GB,
                         "redis_get_gbs": nbytes / m["redis_get"] / GB,
                         "redis_raw_get_gbs": nbytes / m["redis_raw_get"] / GB,
-                        "redis_put_ratio": m["redis_raw_put"] / m["redis_put"],
-                        "redis_get_ratio": m["redis_raw_get"] / m["redis_get"]})
+                        "redis_put_ratio": m["redis_put_ratio"],
+                        "redis_get_ratio": m["redis_get_ratio"]})
             if "store_get" in m:
                 row["redis_vs_lmdb_put"] = m["store_put"] / m["redis_put"]
                 row["redis_vs_lmdb_get"] = m["store_get"] / m["redis_get"]

@@ -7,11 +7,16 @@ shards). Capacity is the server's ``maxmemory`` with an ``allkeys-lru`` (or -lfu
 evicted under a running restore is a miss for the tail, never a wrong page.
 
 Requests are pipelined: ``exists_prefix`` one round trip of EXISTS, ``get`` GETs in batches of
-about ``batch_bytes``, ``put`` one round trip of TOUCH (keys already stored are refreshed, not
-resent) then ``SET NX`` of the absent pages in batches. In cluster mode the client's cluster
-pipeline groups the commands by node. The client is ``redis`` with the ``hiredis`` parser and the
-pure-Python command packer, which sends a large value as its own buffer instead of copying it
-into one packed request (``python bench/l3.py --shapes`` measures the four combinations).
+about ``batch_bytes`` of payload, ``put`` one round trip per such batch: ``SET NX`` of each page
+(the server keeps a value already there and refreshes its LRU clock), or ``TOUCH`` for a page this
+store already knows held (it wrote, skipped or served it; a bounded, in-process hint), so a page
+restored from L3 and written back is refreshed, not resent. A hinted page found gone is sent with
+``SET NX`` in one more round trip. A page held by the server but unknown to this store is sent once
+more and dropped by NX. In cluster mode the client's cluster pipeline groups the commands by node.
+The client is ``redis`` with the ``hiredis`` parser and the pure-Python command packer, which sends
+a large value as its own buffer instead of copying it into one packed request (``python
+bench/l3.py --shapes`` measures the four combinations); a value goes out as three buffers
+(header, checksum, the caller's payload memory), never joined into one copy.
 
 An unavailable server (refused, reset, timed out, restarting, cluster down) never raises: the call
 answers a miss or "not stored", is counted in ``stats.errors``, and for ``retry_after_s`` later
@@ -24,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from typing import Sequence
 from urllib.parse import urlsplit
 
@@ -33,6 +39,41 @@ from .base import L3Store, Out, PutResult, checksum, copy_into
 from .keys import L3Error, Namespace
 
 _SCHEMES = ("redis", "rediss", "unix")
+HINT_KEYS = 1 << 15  # keys a store remembers as held (to TOUCH instead of resending their pages)
+
+
+class _Value(tuple):
+    """One bulk-string argument given as several buffers (header, checksum, payload)."""
+
+
+def _packer(encode):
+    """The pure-Python command packer, taught to send a :class:`_Value` as one bulk string made
+    of its buffers (a large payload stays the caller's memory: no join, no copy)."""
+    from redis.connection import PythonRespSerializer
+
+    class Packer(PythonRespSerializer):
+        def pack(self, *args):
+            if not any(type(a) is _Value for a in args):
+                return super().pack(*args)
+            out, buff = [], b"*%d\r\n" % len(args)
+            for a in args:
+                if type(a) is not _Value:
+                    a = self.encode(a)
+                    buff = b"".join((buff, b"$%d\r\n" % len(a), a, b"\r\n"))
+                    continue
+                parts = [memoryview(p).cast("B") for p in a]
+                buff += b"$%d\r\n" % sum(len(p) for p in parts)
+                for p in parts:
+                    if len(p) <= self._buffer_cutoff:  # header, checksum: into the request
+                        buff += p
+                    else:  # the payload: its own buffer, sent from the caller's memory
+                        out += (buff, p)
+                        buff = b""
+                buff += b"\r\n"
+            out.append(buff)
+            return out
+
+    return Packer(6000, encode)
 
 
 def parse_url(url) -> str | list[str]:
@@ -98,16 +139,16 @@ class RedisStore(L3Store):
         self.cluster = isinstance(self.url, list)
         self.timeout_s = float(timeout_s)
         self.retry_after_s = float(retry_after_s)
-        self.batch_pages = max(1, int(batch_bytes) // (self.page_bytes + self._head_len))
+        self.batch_pages = max(1, int(batch_bytes) // self.page_bytes)
         self.key_prefix = key_prefix
         self._client = None
         self._client_lock = threading.Lock()
         self._down_until = 0.0
         self._check_policy = check_policy
+        self._held: OrderedDict[bytes, None] = OrderedDict()  # hint: keys seen held, newest last
         self.last_error: BaseException | None = None
         import redis  # the optional dependency: pip install 'hicache[redis]'
         from redis.backoff import NoBackoff
-        from redis.connection import PythonRespSerializer
         from redis.retry import Retry
         self._redis = redis
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
@@ -117,7 +158,7 @@ class RedisStore(L3Store):
         self._client_kw = dict(
             socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
             retry=Retry(NoBackoff(), 0), health_check_interval=0,
-            command_packer=PythonRespSerializer(6000, encoder.encode))
+            command_packer=_packer(encoder.encode))
         self._connect()  # best effort: an unreachable server is a miss now, retried later
 
     # ---- connection -----------------------------------------------------------------------------
@@ -136,8 +177,18 @@ class RedisStore(L3Store):
                         p = urlsplit(u)
                         nodes.append(r.cluster.ClusterNode(p.hostname, p.port or 6379))
                     kw = dict(self._client_kw)
-                    kw.pop("command_packer")  # the cluster client builds its own connections
-                    client = r.RedisCluster(startup_nodes=nodes, **kw)
+                    packer = kw.pop("command_packer")  # the cluster builds its connections
+
+                    class Connection(r.Connection):
+                        def __init__(self, **ckw):
+                            super().__init__(**ckw, command_packer=packer)
+
+                    # url=: the node connections come from a pool of our connection class
+                    host, port = nodes[0].host, nodes[0].port
+                    host = f"[{host}]" if ":" in host else host  # an IPv6 literal
+                    client = r.RedisCluster(url=f"redis://{host}:{port}",
+                                            startup_nodes=nodes[1:],
+                                            connection_class=Connection, **kw)
                 else:
                     client = r.Redis.from_url(self.url, **self._client_kw)
                     client.ping()
@@ -195,8 +246,54 @@ class RedisStore(L3Store):
             self._fail(e)
             return None
 
+    def _replies(self, commands: list[tuple]):
+        """Yield the reply of each command as it arrives (an exception object for a command the
+        server refused), so a large value is checked and copied while still in the CPU cache;
+        stops early when the server is unavailable (counted). One round trip; a cluster goes
+        through its pipeline (grouped by node) and yields when all replies are in."""
+        client = self._connect()
+        if client is None:
+            return
+        if self.cluster:
+            yield from self._pipeline(commands) or ()
+            return
+        r = self._redis
+        pool, conn, left = client.connection_pool, None, len(commands)
+        try:
+            conn = pool.get_connection()
+            conn.send_packed_command(conn.pack_commands(commands))
+            while left:
+                try:
+                    reply = conn.read_response()
+                except r.exceptions.ResponseError as e:  # this command failed, not the link
+                    reply = e
+                left -= 1
+                yield reply
+        except self._errors + (r.exceptions.RedisError,) as e:
+            self._fail(e)
+        finally:
+            if conn is not None:
+                if left:  # replies left unread (failure, or the caller stopped): drop the link
+                    conn.disconnect()
+                pool.release(conn)
+
     def _rkey(self, key: bytes) -> bytes:
         return self.key_prefix + key
+
+    def _hint(self, held: Sequence[bytes] = (), gone: Sequence[bytes] = ()) -> None:
+        """Remember keys seen held (the newest ``HINT_KEYS``) and forget keys seen gone."""
+        with self._lock:
+            h = self._held
+            for k in gone:
+                h.pop(k, None)
+            for k in held:
+                h[k] = None
+                h.move_to_end(k)
+            while len(h) > HINT_KEYS:
+                h.popitem(last=False)
+
+    def _value(self, key: bytes, payload) -> _Value:
+        return _Value((self._head_prefix, checksum(key, payload), payload))
 
     # ---- the contract ---------------------------------------------------------------------------
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
@@ -223,25 +320,30 @@ class RedisStore(L3Store):
         hl, pb = self._head_len, self.page_bytes
         for lo in range(0, len(keys), self.batch_pages):
             batch = keys[lo:lo + self.batch_pages]
-            vals = self._pipeline([("GET", self._rkey(k)) for k in batch])
-            if vals is None:
-                break
-            for i, (k, v) in enumerate(zip(batch, vals), start=lo):
-                if not isinstance(v, bytes):  # absent (None) or this key's node failed
-                    stop = True
-                    break
-                view = memoryview(v)
-                if len(v) != hl + pb or not self._valid(k, view[:hl], view[hl:]):
-                    bad, stop = k, True
-                    break
-                dst = dst_of(i)
-                self.check_tensor(dst, f"destination {i}")
-                copy_into(dst, view[hl:], pb)
-                served += 1
-            if stop:
+            replies, seen = self._replies([("GET", self._rkey(k)) for k in batch]), 0
+            try:
+                for i, (k, v) in enumerate(zip(batch, replies), start=lo):
+                    seen += 1
+                    if stop:  # read the rest of this round trip's replies, serve no more
+                        continue
+                    if not isinstance(v, bytes):  # absent (None) or this key's node failed
+                        stop = True
+                        continue
+                    view = memoryview(v)
+                    if len(v) != hl + pb or not self._valid(k, view[:hl], view[hl:]):
+                        bad, stop = k, True
+                        continue
+                    dst = dst_of(i)
+                    self.check_tensor(dst, f"destination {i}")
+                    copy_into(dst, view[hl:], pb)
+                    served += 1
+            finally:
+                replies.close()
+            if stop or seen < len(batch):  # a miss, or the server became unavailable
                 break
         self._bump(hits=served, misses=int(served < len(keys)), corrupt=int(bad is not None),
                    bytes_read=served * pb, read_s=time.perf_counter() - t0)
+        self._hint(held=keys[:served], gone=keys[served:served + 1])
         if bad is not None and self.writer:
             self.delete([bad])
         return served
@@ -253,39 +355,41 @@ class RedisStore(L3Store):
             return PutResult(())
         t0 = time.perf_counter()
         items = dict(zip(keys, payloads))  # one key twice (merged submissions): stored once
-        uniq = list(items)
+        with self._lock:
+            known = {k for k in items if k in self._held}
         stored: dict[bytes, bool] = {}
-        written = nbytes = skipped = dropped = 0
-        # TOUCH: 1 when held (and refreshed for the LRU), 0 when absent.
-        held = self._pipeline([("TOUCH", self._rkey(k)) for k in uniq])
-        if held is not None:
-            for k, h in zip(uniq, held):
-                if h == 1:
-                    stored[k] = True
-                    skipped += 1
-            fresh = [k for k in uniq if k not in stored]
-            for lo in range(0, len(fresh), self.batch_pages):
-                batch = fresh[lo:lo + self.batch_pages]
-                cmds = []
-                for k in batch:
-                    p = items[k]
-                    value = b"".join((self._head_prefix, checksum(k, p), p))
-                    cmds.append(("SET", self._rkey(k), value, "NX"))
-                res = self._pipeline(cmds)
+        written = skipped = 0
+        todo, resend = list(items), []  # resend: hinted keys the server no longer holds
+        while todo:
+            for lo in range(0, len(todo), self.batch_pages):
+                batch = todo[lo:lo + self.batch_pages]
+                # TOUCH answers 1 (held, LRU refreshed) or 0; SET NX answers OK (written) or
+                # None (held: kept, and its LRU clock refreshed by the lookup)
+                res = self._pipeline([("TOUCH", self._rkey(k)) if k in known else
+                                      ("SET", self._rkey(k), self._value(k, items[k]), "NX")
+                                      for k in batch])
                 if res is None:
+                    todo = resend = []
                     break
                 for k, r in zip(batch, res):
-                    if r is True or r == b"OK":  # written now
+                    if k in known:
+                        if r == 1:
+                            stored[k] = True
+                            skipped += 1
+                        elif r == 0:
+                            resend.append(k)
+                    elif r is True or r == b"OK":
                         stored[k] = True
                         written += 1
-                        nbytes += self.page_bytes
-                    elif r is None or r is False:  # NX: another writer stored it meanwhile
+                    elif r is None or r is False:  # NX: held already (or stored meanwhile)
                         stored[k] = True
                         skipped += 1
                     # else an error for this key (e.g. OOM with a noeviction server): not stored
-        dropped = len(uniq) - written - skipped
-        self._bump(pages_written=written, pages_skipped=skipped, pages_dropped=dropped,
-                   bytes_written=nbytes, write_s=time.perf_counter() - t0)
+            todo, resend, known = resend, [], set()
+        self._hint(held=list(stored), gone=[k for k in items if k not in stored])
+        self._bump(pages_written=written, pages_skipped=skipped,
+                   pages_dropped=len(items) - written - skipped,
+                   bytes_written=written * self.page_bytes, write_s=time.perf_counter() - t0)
         return PutResult(tuple(stored.get(k, False) for k in keys), written)
 
     def delete(self, keys: Sequence[bytes]) -> int:
@@ -294,6 +398,7 @@ class RedisStore(L3Store):
         keys = self.check_keys(keys)
         if not keys:
             return 0
+        self._hint(gone=keys)
         res = self._pipeline([("DEL", self._rkey(k)) for k in keys])
         return 0 if res is None else sum(1 for r in res if r == 1)
 
