@@ -132,6 +132,48 @@ def test_fill_past_maxmemory_every_read_is_whole_or_a_miss(redis_factory):
         assert info["used_memory"] <= 5 << 20
 
 
+def test_put_refreshes_held_pages_and_resends_only_unknown_ones(redis_factory):
+    """A page the store knows held (written or served by it) is refreshed by TOUCH without its
+    bytes; one it does not know is refreshed by SET NX (sent, kept as it was); a known page
+    gone from the server is written again. LFU counters (log factor 0: +1 per access) show
+    every put refreshed the pages. A get that stops inside a batch leaves the link in sync."""
+    ns = Namespace("lru", num_layers=2, kv_dim=512, dtype="bfloat16", page_size=4, dcp_size=1)
+    srv = redis_factory(maxmemory=64 << 20)
+    k = page_keys(list(range(4 * ns.page_tokens)), ns.page_tokens, ns, 0)
+    vals = [shard(i, ns) for i in range(4)]
+    with redis.Redis.from_url(srv.url) as c, \
+            RedisStore(srv.url, ns, 0, batch_bytes=3 * ns.shard_bytes) as s:
+        c.config_set("maxmemory-policy", "allkeys-lfu")
+        c.config_set("lfu-log-factor", 0)
+
+        def freq():
+            return [c.object("freq", b"hicache:" + key) for key in k]
+
+        def sent(fn):
+            before = c.info("stats")["total_net_input_bytes"]
+            res = fn()
+            return res, c.info("stats")["total_net_input_bytes"] - before
+
+        assert s.put(k, vals).written == 4
+        f0 = freq()
+        res, n = sent(lambda: s.put(k, vals))  # known held: TOUCH only
+        assert res.stored == (True,) * 4 and res.written == 0 and s.stats.pages_skipped == 4
+        assert n < ns.shard_bytes and freq() == [f + 1 for f in f0]
+        with RedisStore(srv.url, ns, 0) as other:  # never saw them: SET NX, value kept
+            res, n = sent(lambda: other.put(k, [shard(9, ns)] * 4))
+            assert res.stored == (True,) * 4 and res.written == 0
+            assert n > 4 * ns.shard_bytes and freq() == [f + 2 for f in f0]
+        c.delete(b"hicache:" + k[1], b"hicache:" + k[3])  # gone behind the store's back
+        res = s.put(k, vals)
+        assert res.stored == (True,) * 4 and res.written == 2
+        out = empty(4, ns)
+        assert s.get(k, out) == 4 and all(torch.equal(o, v) for o, v in zip(out, vals))
+        c.delete(b"hicache:" + k[1])
+        assert s.get(k, empty(4, ns)) == 1  # stops at page 1, drains the rest of the batch
+        assert s.exists_prefix(k) == 1 and s.get(k[2:], out) == 2
+        assert torch.equal(out[1], vals[3]) and s.stats.errors == 0
+
+
 def test_cluster_round_trip_and_corruption(redis_cluster):
     urls = redis_cluster.urls
     with redis.RedisCluster.from_url(urls[0]) as c:
