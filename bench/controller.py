@@ -19,6 +19,7 @@ the ratio is reference us/request over ours. The ratio is reference us/request o
 from __future__ import annotations
 
 import argparse
+import gc
 import heapq
 import json
 import os
@@ -148,9 +149,121 @@ class RefRadixCache:
                 heapq.heappush(leaves, (parent.last_access, id(parent), parent))
 
 
+# ---- the stronger reference: a page-keyed radix tree, as the major engines' Python trees -----
+class _PageNode:
+    __slots__ = ("children", "key", "value", "parent", "lock_ref", "last_access")
+
+    def __init__(self, key, value, parent):
+        self.children = {}
+        self.key = key        # token ids (a list of whole pages)
+        self.value = value    # page ids, one per page of key
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = 0
+
+
+class PageRadixCache:
+    """Compressed radix tree whose children are keyed by their first page's token tuple and whose
+    key match compares whole pages (list slices, one C compare per page), with LRU eviction of
+    unlocked leaves (every eviction collects the leaves and heapifies them): the structure of the
+    paged Python radix caches of the major serving engines."""
+
+    def __init__(self, page_size: int, num_pages: int):
+        self.page = page_size
+        self.alloc = PageAllocator(num_pages)
+        self.root = _PageNode([], [], None)
+        self.root.lock_ref = 1
+        self.clock = 0
+
+    def _key_match(self, key, tokens, start):
+        p, i = self.page, 0
+        n = min(len(key), len(tokens) - start) // p * p
+        while i < n and key[i:i + p] == tokens[start + i:start + i + p]:
+            i += p
+        return i
+
+    def _split(self, child, i):
+        k = i // self.page
+        top = _PageNode(child.key[:i], child.value[:k], child.parent)
+        top.lock_ref, top.last_access = child.lock_ref, child.last_access
+        top.children[tuple(child.key[i:i + self.page])] = child
+        child.parent.children[tuple(child.key[:self.page])] = top
+        child.key, child.value = child.key[i:], child.value[k:]
+        child.parent = top
+        return top
+
+    def _walk(self, tokens):
+        p = self.page
+        node, pos, pages = self.root, 0, []
+        end = len(tokens) // p * p
+        while pos < end:
+            child = node.children.get(tuple(tokens[pos:pos + p]))
+            if child is None:
+                break
+            i = self._key_match(child.key, tokens, pos)
+            if i < len(child.key):
+                child = self._split(child, i)
+            child.last_access = self.clock
+            pages.extend(child.value)
+            node, pos = child, pos + i
+            if i < len(child.key):
+                break
+        return node, pos, pages
+
+    def match(self, tokens):
+        self.clock += 1
+        node, pos, pages = self._walk(tokens)
+        return pos, node, pages
+
+    def lock(self, node, d):
+        while node is not None and node is not self.root:
+            node.lock_ref += d
+            node = node.parent
+
+    def alloc_pages(self, n):
+        if self.alloc.num_free < n:
+            self.evict(n - self.alloc.num_free)
+        if self.alloc.num_free < n:
+            return None
+        return self.alloc.alloc(n)
+
+    def insert(self, tokens, pages):
+        self.clock += 1
+        tokens = tokens[:len(tokens) // self.page * self.page]
+        node, pos, have = self._walk(tokens)
+        k = pos // self.page
+        dup = [p for p, q in zip(pages[:k], have) if p != q]
+        if dup:
+            self.alloc.free(dup)
+        if pos < len(tokens):
+            new = _PageNode(tokens[pos:], pages[k:], node)
+            new.last_access = self.clock
+            node.children[tuple(tokens[pos:pos + self.page])] = new
+
+    def evict(self, n_pages):
+        leaves, stack = [], [self.root]
+        while stack:
+            n = stack.pop()
+            if not n.children and n is not self.root:
+                leaves.append((n.last_access, id(n), n))
+            stack.extend(n.children.values())
+        heapq.heapify(leaves)
+        freed = 0
+        while leaves and freed < n_pages:
+            _, _, n = heapq.heappop(leaves)
+            if n.lock_ref > 0:
+                continue
+            parent = n.parent
+            del parent.children[tuple(n.key[:self.page])]
+            self.alloc.free(n.value)
+            freed += len(n.value)
+            if parent is not self.root and not parent.children and not parent.lock_ref:
+                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+
+
 # ---- replays ---------------------------------------------------------------------------------
-def replay_reference(reqs, lists, page, num_pages, inflight):
-    cache = RefRadixCache(page, num_pages)
+def replay_reference(reqs, lists, page, num_pages, inflight, cls=None):
+    cache = (cls or RefRadixCache)(page, num_pages)
     hits, q = 0, deque()
     t0 = time.process_time()
     for toks in lists:
@@ -187,7 +300,8 @@ def replay_controller(reqs, page, device_pages, host_pages, inflight, write="wri
         have = m.device_len // page + (len(ld.device_pages) if ld else 0)
         try:
             new = ctrl.alloc_device(len(toks) // page - have)
-            pages = list(m.device_pages) + (list(ld.device_pages) if ld else []) + new
+            pages = (m.device_pages.tolist() + (list(ld.device_pages) if ld else []) + new
+                     if ld or new else m.device_pages)
         except DeviceFullError:
             pages = None
         hits["l1"] += m.device_len
@@ -230,6 +344,11 @@ def run(args) -> dict:
     traces = {w: (chat_trace if w == "chat" else agentic_trace)(args.seed, scales[w])
               for w in scales}
     lists = {w: [r.tokens.tolist() for r in traces[w]] for w in traces}
+    # what exists now (imports, traces) lives for the whole run: keep it out of the cyclic GC's
+    # full collections, as serving engines do after start-up, so a full collection landing in
+    # one replay does not decide its time (the same for ours and both references)
+    gc.collect()
+    gc.freeze()
     for w, page, cap in tqdm(cases, desc="controller bench", disable=args.json):
         reqs = traces[w]
         uniq = unique_pages(reqs, page)
@@ -238,29 +357,36 @@ def run(args) -> dict:
         else:
             dev = max(int(uniq * args.budget), 4 * max(len(r.tokens) for r in reqs) // page)
             host = 4 * dev if cap == "budget+l2" else 0
-        ours_t, ref_t = [], []
+        ours_t, ref_t, page_t = [], [], []
         for _ in range(args.reps):
             ref_hits, dt = replay_reference(reqs, lists[w], page, dev, args.inflight)
             ref_t.append(dt)
+            page_hits, dt = replay_reference(reqs, lists[w], page, dev, args.inflight,
+                                             PageRadixCache)
+            page_t.append(dt)
             hits, dt, ctrl = replay_controller(reqs, page, dev, host, args.inflight)
             ours_t.append(dt)
         prompt = sum(len(r.tokens) for r in reqs)
         ours_us = 1e6 * min(ours_t) / len(reqs)
         ref_us = 1e6 * min(ref_t) / len(reqs)
+        page_us = 1e6 * min(page_t) / len(reqs)
         rows.append({
             "workload": w, "page": page, "capacity": cap, "requests": len(reqs),
             "prompt_tokens": prompt, "l1_pages": dev, "l2_pages": host,
             "hit_tokens": hits["l1"] + hits["l2"], "hit_l1": hits["l1"], "hit_l2": hits["l2"],
-            "ref_hit_tokens": ref_hits,
+            "ref_hit_tokens": ref_hits, "page_ref_hit_tokens": page_hits,
             "hit_ratio": (hits["l1"] + hits["l2"]) / prompt, "ref_hit_ratio": ref_hits / prompt,
             "us_per_request": ours_us, "ref_us_per_request": ref_us,
-            "speedup": ref_us / ours_us,
-            "identical_hits": (hits["l1"] + hits["l2"]) == ref_hits,
+            "page_ref_us_per_request": page_us,
+            "speedup": ref_us / ours_us, "page_speedup": page_us / ours_us,
+            "identical_hits": (hits["l1"] + hits["l2"]) == ref_hits == page_hits,
         })
     return {"bench": "controller", "seed": args.seed, "inflight": args.inflight,
             "scales": scales, "traces": {w: trace_summary(traces[w]) for w in traces},
             "rows": rows,
             "min_speedup": min(r["speedup"] for r in rows if r["capacity"] != "budget+l2"),
+            "min_page_speedup": min(r["page_speedup"] for r in rows
+                                    if r["capacity"] != "budget+l2"),
             "ample_hits_identical": all(r["identical_hits"] for r in rows
                                         if r["capacity"] == "ample"),
             "machine": {"python": platform.python_version(), "cpu": platform.processor() or
@@ -281,20 +407,23 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(res))
         return 0
-    hdr = (f"{'workload':8} {'page':>4} {'capacity':8} {'reqs':>5} {'hit':>6} {'ref hit':>7} "
-           f"{'l2 part':>7} {'same':>5} {'us/req':>9} {'ref us/req':>10} {'speedup':>7}")
+    hdr = (f"{'workload':8} {'page':>4} {'capacity':9} {'reqs':>5} {'hit':>6} {'ref hit':>7} "
+           f"{'l2 part':>7} {'same':>5} {'us/req':>8} {'token ref':>9} {'page ref':>8} "
+           f"{'x token':>7} {'x page':>6}")
     print(hdr)
     print("-" * len(hdr))
     for r in res["rows"]:
-        print(f"{r['workload']:8} {r['page']:>4} {r['capacity']:8} {r['requests']:>5} "
+        print(f"{r['workload']:8} {r['page']:>4} {r['capacity']:9} {r['requests']:>5} "
               f"{r['hit_ratio']:>6.1%} {r['ref_hit_ratio']:>7.1%} "
               f"{r['hit_l2'] / max(r['prompt_tokens'], 1):>7.1%} "
-              f"{'yes' if r['identical_hits'] else 'no':>5} {r['us_per_request']:>9.1f} "
-              f"{r['ref_us_per_request']:>10.1f} {r['speedup']:>6.1f}x")
-    print(f"\nmin speedup vs per-token radix tree (like for like: ample, budget): "
-          f"{res['min_speedup']:.1f}x; ample-capacity hit tokens identical: "
-          f"{res['ample_hits_identical']}\n(budget+l2 adds our L2 tier on top of the same L1 "
-          f"budget: more hits, plus backup/load work the L1-only reference does not do)")
+              f"{'yes' if r['identical_hits'] else 'no':>5} {r['us_per_request']:>8.1f} "
+              f"{r['ref_us_per_request']:>9.1f} {r['page_ref_us_per_request']:>8.1f} "
+              f"{r['speedup']:>6.1f}x {r['page_speedup']:>5.1f}x")
+    print(f"\nmin speedup (like for like: ample, budget) vs per-token tree "
+          f"{res['min_speedup']:.1f}x, vs page-keyed tree {res['min_page_speedup']:.1f}x; "
+          f"ample-capacity hit tokens identical: {res['ample_hits_identical']}\n(budget+l2 adds "
+          f"our L2 tier on top of the same L1 budget: more hits, plus backup/load work the "
+          f"L1-only references do not do)")
     return 0
 
 

@@ -85,7 +85,7 @@ def test_insert_from_several_grants_with_a_cut_tail():
     pages = a + b + d[:1]                             # the last grant is cut short
     r = c.insert(fresh_tokens(0, 6), pages)
     assert r.new_pages == 6 and list(r.device_pages) == pages
-    assert all(type(p) is int for p in r.device_pages)
+    assert r.device_pages.dtype == np.int64
     assert c.request_pages == frozenset(d[1:])
     c.free_device(d[1:])
     assert c.request_pages == frozenset() and c.device.num_used == 6

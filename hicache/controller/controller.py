@@ -14,29 +14,51 @@ tree state only when ``complete`` is called with ids that every rank agreed are 
 
 from __future__ import annotations
 
-import heapq
+import array
 from dataclasses import dataclass
-from typing import Iterable, Sequence, Union
+from typing import Iterable, Union
 
 import numpy as np
 
+from hicache.controller.order import EvictionOrder
 from hicache.controller.policy import ControllerPolicy
 from hicache.controller.tree import Node, RadixTree, as_tokens, chain_pages
 from hicache.controller.types import (BackupOp, ControllerError, ControllerStats,
                                       DeviceFullError, InsertResult, LoadOp, LockError, Match,
                                       PageOwnershipError, StaleNodeError, UnknownOpError)
-from hicache.l1.allocator import PageAllocator, as_id_list, id_array
+from hicache.l1.allocator import PageAllocator, PageError, id_array
 
 Op = Union[BackupOp, LoadOp]
 _NO_IDS = np.zeros(0, np.int64)
-_MAX_GRANTS = 256  # recent alloc_device results remembered for insert's fast validation
+_NO_IDS.flags.writeable = False
+_INT_FORMATS = frozenset("bBhHiIlLqQnN")
 
 
-def _ids(pages) -> list[int]:
-    """Page ids as a list of python ints (fast path for a list of ints)."""
-    if type(pages) is list and set(map(type, pages)) <= {int}:
-        return pages
-    return as_id_list(pages)
+def page_array(pages) -> np.ndarray:
+    """Page ids as int64 [k] without a copy where possible: an int64 array as is, any integer
+    buffer (``array('q')``, a memoryview) viewed, a list or tuple of ints in one C conversion;
+    anything else through ``id_array`` (PageError naming a bad id)."""
+    tp = type(pages)
+    if tp is np.ndarray:
+        if pages.dtype == np.int64 and pages.ndim == 1:
+            return pages
+        return id_array(pages)
+    if tp is list or tp is tuple:
+        try:
+            return np.frombuffer(array.array("q", pages), np.int64)
+        except (TypeError, ValueError, OverflowError):
+            return id_array(list(pages))  # raises, naming the bad id
+    if not isinstance(pages, (str, bytes, bytearray)):
+        try:
+            mv = memoryview(pages)
+        except TypeError:
+            mv = None
+        if mv is not None:
+            if mv.format.lstrip("@=<>!") not in _INT_FORMATS or mv.ndim != 1:
+                raise PageError(f"page ids must be a 1-D integer buffer, got format "
+                                f"{mv.format!r} with {mv.ndim} dims")
+            return np.asarray(mv).astype(np.int64, copy=False)
+    return id_array(pages)
 
 
 class InvariantError(AssertionError):
@@ -59,9 +81,13 @@ class _OpRecord:
     nodes: list[Node]
 
 
+
 class CacheController:
     """Radix tree over widened pages of ``page_tokens`` (= P * c) token slots, with
-    ``device_pages`` L1 pages and ``host_pages`` L2 pages."""
+    ``device_pages`` L1 pages and ``host_pages`` L2 pages.
+
+    Capacities and page ids count widened pages; lengths (``Match.device_len`` ...) count
+    tokens. Page ids go in as any integer sequence or buffer and come out as int64 arrays."""
 
     def __init__(self, page_tokens: int, device_pages: int, host_pages: int, *,
                  write: str = "write_through", eviction: str = "lru",
@@ -73,15 +99,17 @@ class CacheController:
         self.device = PageAllocator(device_pages)
         self.host = PageAllocator(host_pages)
         self.stats = ControllerStats()
-        self._key = self.policy.eviction_key()
         self._clock = 0
         # per device page: the serial of the alloc_device call that handed it out while it is
         # not yet inserted or freed (a "request page"), else -1
         self._gen = np.full(self.device.num_pages, -1, np.int64)
-        self._grants: dict[int, tuple[int, list[int], np.ndarray]] = {}  # first page -> recent
         self._serial = 0
-        self._device_nodes: dict[Node, None] = {}  # nodes with device pages (ordered: determinism)
-        self._host_nodes: dict[Node, None] = {}    # nodes with host pages
+        lfu = self.policy.eviction == "lfu"
+        self._dev = EvictionOrder(lfu)  # nodes with device pages, eviction order
+        self._hst = EvictionOrder(lfu)  # nodes with host pages, eviction order
+        self._dev_pages = 0             # device pages held by tree nodes
+        self._locked_dev_pages = 0      # ... of them in locked nodes
+        self._host_valid_pages = 0      # valid host copies held by tree nodes
         self._ops: dict[int, _OpRecord] = {}       # in flight
         self._new_ops: list[Op] = []               # not yet taken
         self._next_op = 0
@@ -103,22 +131,28 @@ class CacheController:
                 hst.append(n)
             else:
                 break
-        clock = self._clock
         waits: list[int] = []
         for n in dev:
-            n.last_access = clock
             if n.pending:
                 waits.extend(o for o in n.pending if isinstance(self._ops[o].op, LoadOp))
-        for n in hst:
-            n.last_access = clock
+        self._touch((dev + hst)[::-1], self._clock)
+        dpages = chain_pages(dev, "device")
+        hpages = chain_pages(hst, "host") if hst else _NO_IDS
         pt = self.page_tokens
         last = (hst or dev or [self.tree.root])[-1]
-        return Match(device_len=pt * sum(n.npages for n in dev),
-                     host_len=pt * sum(n.npages for n in hst),
-                     device_pages=tuple(chain_pages(dev, "device")),
-                     host_pages=tuple(chain_pages(hst, "host")),
-                     device_nodes=tuple(dev), host_nodes=tuple(hst), last_node=last,
-                     wait_ops=tuple(sorted(set(waits))))
+        return Match(pt * len(dpages), pt * len(hpages), dpages, hpages, tuple(dev), tuple(hst),
+                     last, tuple(sorted(set(waits))) if waits else ())
+
+    def _touch(self, nodes: Iterable[Node], clock: int) -> None:
+        """Mark ``nodes`` used now; pass a path leaf first (a parent then follows its children
+        in the eviction order)."""
+        dtouch, htouch = self._dev.touch, self._hst.touch
+        for n in nodes:
+            n.last_access = clock
+            if n.device is not None:
+                dtouch(n)
+            if n.host is not None:
+                htouch(n)
 
     # ---- locks ----------------------------------------------------------------------------
     def lock(self, target: "Match | Node") -> LockHandle:
@@ -130,6 +164,8 @@ class CacheController:
             raise StaleNodeError(f"cannot lock node {node.nid}: it was evicted after the match")
         n = node
         while n.parent is not None:
+            if not n.lock_ref and n.device is not None:
+                self._locked_dev_pages += n.npages
             n.lock_ref += 1
             n = n.parent
         return LockHandle(node)
@@ -149,6 +185,8 @@ class CacheController:
         n = node
         while n.parent is not None:
             n.lock_ref -= 1
+            if not n.lock_ref and n.device is not None:
+                self._locked_dev_pages -= n.npages
             n = n.parent
         if isinstance(handle, LockHandle):
             handle.released = True
@@ -166,55 +204,20 @@ class CacheController:
             raise DeviceFullError(n, self.device.num_free, self._evicting_pages,
                                   self.device.num_pages)
         arr = self.device.alloc_array(n)
-        serial = self._serial
+        self._gen[arr] = self._serial
         self._serial += 1
-        self._gen[arr] = serial
-        pages = arr.tolist()
-        grants = self._grants
-        grants[pages[0]] = (serial, pages, arr)  # lets insert validate these without converting
-        if len(grants) > _MAX_GRANTS:
-            del grants[next(iter(grants))]
-        return pages[:]
+        return arr.tolist()
 
-    def _grant_cover(self, pages: list, pos: int) -> "tuple[np.ndarray, list[int]] | None":
-        """``pages[pos:]`` as (int64 ids, list) if it is a run of whole recent alloc_device
-        results (the last one may be cut short) whose pages are all still request pages, else
-        None. Costs a list compare per page instead of an int conversion."""
-        grants, gen, n = self._grants, self._gen, len(pages)
-        arrs, lists, used = [], [], []
-        o = pos
-        try:
-            while o < n:
-                g = grants.get(pages[o])
-                if g is None or g[0] in used:
-                    return None
-                serial, gl, ga = g
-                k = min(len(gl), n - o)
-                if k < len(gl):
-                    gl, ga = gl[:k], ga[:k]
-                if pages[o:o + k] != gl or not (gen[ga] == serial).all():
-                    return None
-                arrs.append(ga)
-                lists.append(gl)
-                used.append(serial)
-                o += k
-        except TypeError:  # an unhashable or odd id: the general path names it
-            return None
-        if len(arrs) == 1:
-            return arrs[0], lists[0][:]
-        return np.concatenate(arrs), [p for gl in lists for p in gl]
-
-    def free_device(self, pages: Iterable[int]) -> None:
+    def free_device(self, pages) -> None:
         """Return pages from ``alloc_device`` that were not inserted (e.g. a partial tail)."""
-        idx = self._req_ids(pages if type(pages) is list else _ids(pages), "free")
+        idx = self._req_ids(page_array(pages), "free")
         if self.device.has_duplicates(idx):
             raise PageOwnershipError("free_device got the same page twice")
         self._gen[idx] = -1
         self.device.free_array(idx, trusted=True)
 
-    def _req_ids(self, pages: list, what: str) -> np.ndarray:
-        """``pages`` as int64 [n] after checking each is a request page (from alloc_device)."""
-        idx = id_array(pages)
+    def _req_ids(self, idx: np.ndarray, what: str) -> np.ndarray:
+        """Check that each id of ``idx`` (int64 [n]) is a request page (from alloc_device)."""
         try:  # one reduce: negative where an id is negative or not a request page
             ok = not len(idx) or int((self._gen[idx] | idx).min()) >= 0
         except IndexError:
@@ -230,81 +233,97 @@ class CacheController:
             return f"cannot {what} device page {p}: it was not allocated by alloc_device"
         return f"cannot {what} device page {p}: it is owned by a cached node"
 
+    def _attach_device(self, n: Node, pages: np.ndarray) -> None:
+        n.device = pages
+        self._dev.add(n)
+        self._dev_pages += n.npages
+        if n.lock_ref:
+            self._locked_dev_pages += n.npages
+
+    def _detach_device(self, n: Node) -> int:
+        """Free the node's device pages; returns how many."""
+        self.device.free_array(n.device, trusted=True)
+        n.device = None
+        self._dev.remove(n)
+        k = n.npages
+        self._dev_pages -= k
+        if n.lock_ref:
+            self._locked_dev_pages -= k
+        return k
+
     # ---- insert ---------------------------------------------------------------------------
-    def insert(self, tokens, device_pages: Sequence[int]) -> InsertResult:
-        """Cache the whole pages of ``tokens``, whose KV is in ``device_pages`` (one per whole
-        page, tail tokens ignored). Pages duplicating cached ones are freed and listed."""
+    def insert(self, tokens, device_pages) -> InsertResult:
+        """Cache the whole pages of ``tokens``, whose KV is in ``device_pages``: one page per
+        whole page, optionally followed by the partial tail's page, which is freed (a request
+        that continues decoding keeps its tail page by not passing it). Pages duplicating
+        cached ones are freed too; ``freed`` lists both. Any integer sequence or buffer of page
+        ids is accepted (``Match.device_pages`` plus ``alloc_device``'s list, an int64 array,
+        ``array('q')`` ...)."""
         arr = as_tokens(tokens, int64=False)
         pt = self.page_tokens
         n_pages = len(arr) // pt
-        pages = device_pages if type(device_pages) is list else _ids(device_pages)
-        if len(pages) != n_pages:
+        pages = page_array(device_pages)
+        if not n_pages <= len(pages) <= -(-len(arr) // pt):
             raise ControllerError(f"insert of {len(arr)} tokens ({n_pages} whole pages of {pt}) "
-                                  f"got {len(pages)} device pages; pass one per whole page and "
-                                  f"free a partial tail page with free_device")
+                                  f"got {len(pages)} device pages; pass one per whole page, "
+                                  f"optionally plus one for a partial tail")
         self._clock += 1
         self.stats.inserts += 1
         path = self.tree.walk(arr)
         # validate everything before changing anything: each page either is the node's own page
         # at that position or a request page (from alloc_device), and no request page repeats
-        cand: list = []  # the request pages, in order: duplicates, adopted, then new
         pos = 0
+        owns, adopt = [], []
         for node in path:
-            seg = pages[pos:pos + node.npages]
-            own = node.device
-            if own is None:
-                cand += seg
-            elif seg != own:
-                cand += [p for p, q in zip(seg, own) if p != q]
-            pos += node.npages
+            end = pos + node.npages
+            if node.device is not None:
+                owns.append(node.device)
+            else:  # host-only node recomputed by the caller: it adopts these pages
+                owns.append(pages[pos:end])
+                adopt.append((node, pos, end))
+            pos = end
         new_pages = n_pages - pos
-        cover = self._grant_cover(pages, pos) if new_pages and not cand else None
-        if not new_pages and not cand:  # every page is the node's own: nothing to validate
-            idx, new_list = _NO_IDS, None
-        elif cover is None:
-            cand += pages[pos:]
-            idx = self._req_ids(cand, "insert")
+        dup = _NO_IDS
+        if pos:
+            head = pages[:pos]
+            own = owns[0] if len(owns) == 1 else np.concatenate(owns)
+            diff = head != own
+            if diff.any():
+                dup = head[diff]
+        parts = [dup] if len(dup) else []
+        parts += [pages[a:b] for _, a, b in adopt]
+        if len(pages) > pos:
+            parts.append(pages[pos:])
+        if parts:
+            idx = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            self._req_ids(idx, "insert")
             if self.device.has_duplicates(idx):
                 raise PageOwnershipError("insert got the same device page twice")
-            new_list = None
-        else:  # pages of distinct valid grants are distinct request pages
-            idx, new_list = cover
-
-        if len(idx):
             self._gen[idx] = -1  # every request page is now adopted, new or freed
-        freed: list[int] = []
         clock = self._clock
-        pos = 0
-        for node in path:
-            seg = pages[pos:pos + node.npages]
-            pos += node.npages
-            if node.device is not None:
-                dev = node.device
-                if seg != dev:
-                    freed += [p for p, q in zip(seg, dev) if p != q]
-            else:  # host-only node recomputed by the caller: adopt its pages
-                node.darr = id_array(seg)
-                node.device = node.darr.tolist()
-                self._device_nodes[node] = None
-            node.hits += 1
-            node.last_access = clock
-            self._maybe_backup(node)
+        for node, a, b in adopt:
+            self._attach_device(node, pages[a:b].copy())
         last = path[-1] if path else self.tree.root
+        touched = path[::-1]
         if new_pages:
-            node = self.tree.add_child(last, arr[pos * pt:n_pages * pt])
-            node.darr = idx[len(idx) - new_pages:]
-            node.device = node.darr.tolist() if new_list is None else new_list
-            self._device_nodes[node] = None
-            node.hits = 1
-            node.last_access = clock
+            leaf = self.tree.add_child(last, arr[pos * pt:n_pages * pt])
+            leaf.hits = 0  # +1 below
+            self._attach_device(leaf, pages[pos:n_pages].copy())
+            touched.insert(0, leaf)
+            path.append(leaf)
+            last = leaf
+        for node in path:
+            node.hits += 1
+        self._touch(touched, clock)
+        for node in path:
             self._maybe_backup(node)
-            last = node
-            path.append(node)
-        if freed:
-            farr = id_array(freed)
-            freed = farr.tolist()
-            self.device.free_array(farr, trusted=True)
-        return InsertResult(freed=tuple(freed), device_pages=tuple(chain_pages(path, "device")),
+        freed = dup
+        if len(pages) > n_pages:
+            freed = np.concatenate([dup, pages[n_pages:]])
+        if len(freed):
+            freed = freed.copy()
+            self.device.free_array(freed, trusted=True)
+        return InsertResult(freed=freed, device_pages=chain_pages(path, "device"),
                             last_node=last, new_pages=new_pages)
 
     def _maybe_backup(self, node: Node) -> None:
@@ -329,8 +348,8 @@ class CacheController:
             return False
         node.host = host
         node.host_valid = False
-        self._host_nodes[node] = None
-        op = BackupOp(self._new_op_id(), tuple(node.device), tuple(host))
+        self._hst.add(node)
+        op = BackupOp(self._new_op_id(), tuple(node.device.tolist()), tuple(host.tolist()))
         node.pending.add(op.op_id)
         self._ops[op.op_id] = _OpRecord(op, [node])
         self._new_ops.append(op)
@@ -355,18 +374,19 @@ class CacheController:
         if self.device.num_free < need:
             return None
         darr = self.device.alloc_array(need)
-        dpages = darr.tolist()
-        hpages: list[int] = []
         op_id = self._new_op_id()
         i = 0
-        for n in nodes:
-            n.darr = darr[i:i + n.npages]
-            n.device = dpages[i:i + n.npages]
-            i += n.npages
-            hpages.extend(n.host)
-            self._device_nodes[n] = None
+        for n in reversed(nodes):  # leaf first, then its ancestors: eviction order
+            k = n.npages
+            self._attach_device(n, darr[need - i - k:need - i])
+            i += k
             n.pending.add(op_id)
-        op = LoadOp(op_id, tuple(hpages), tuple(dpages))
+        p = nodes[0].parent
+        while p.parent is not None:
+            if p.device is not None:
+                self._dev.touch(p)
+            p = p.parent
+        op = LoadOp(op_id, tuple(chain_pages(nodes, "host").tolist()), tuple(darr.tolist()))
         self._ops[op_id] = _OpRecord(op, nodes)
         self._new_ops.append(op)
         self.stats.loads += 1
@@ -396,7 +416,9 @@ class CacheController:
                 n.pending.discard(o)
             if isinstance(rec.op, BackupOp):
                 for n in rec.nodes:
-                    n.host_valid = True
+                    if not n.host_valid:
+                        n.host_valid = True
+                        self._host_valid_pages += n.npages
                 for n in sorted(rec.nodes, key=lambda n: -n.depth()):
                     if n.evicting:
                         n.evicting = False
@@ -404,7 +426,7 @@ class CacheController:
                         if n.lock_ref == 0 and not n.pending and not n.has_device_child():
                             self._demote(n)
 
-    def agree(self, agreement, done: Iterable[int], extras: Sequence[int] = ()):
+    def agree(self, agreement, done: Iterable[int], extras=()):
         """One agreement step: in-flight op ids + this rank's finished ones -> ``complete``
         what every rank finished. Returns the agreement's result (its ``extras`` are MIN'd)."""
         res = agreement.step(self.inflight_ops(), done, extras,
@@ -416,9 +438,9 @@ class CacheController:
         for o in top.pending:
             self._ops[o].nodes.append(top)
         if lower.device is not None:
-            self._device_nodes[top] = None
+            self._dev.add(top)  # the walk that split touches it next
         if lower.host is not None:
-            self._host_nodes[top] = None
+            self._hst.add(top)
 
     # ---- eviction -------------------------------------------------------------------------
     def _device_evictable(self, n: Node) -> bool:
@@ -437,45 +459,67 @@ class CacheController:
         """Drop at least ``n_pages`` host copies if possible; returns pages freed."""
         return self._evict_host(n_pages)
 
+    def _pick_device(self, need: int, write_back: bool) -> list[tuple[Node, bool]]:
+        """Victims in eviction order whose eviction frees ``need`` pages now, as (node, back
+        up first). A node counts as a leaf once its device children are picked. Under
+        write_back a node with no host copy is backed up instead of dropped, and only while
+        the backups in flight (all of them) fall short of ``need``: a backup frees nothing now,
+        so the scan goes on to nodes that do."""
+        out: list[tuple[Node, bool]] = []
+        gone: set[Node] = set()
+        now, later = 0, self._evicting_pages
+        for n in self._dev:
+            if n.lock_ref or n.pending or n.evicting:
+                continue
+            if n.children and any(c.device is not None and c not in gone
+                                  for c in n.children.values()):
+                continue
+            if write_back and not n.host_valid:
+                if now + later < need:
+                    out.append((n, True))
+                    later += n.npages
+                continue
+            out.append((n, False))
+            gone.add(n)
+            now += n.npages
+            if now >= need:
+                break
+        return out
+
     def _evict_device(self, need: int) -> int:
-        key = self._key
-        # (key, node) of every evictable device leaf; the checks of _device_evictable inlined,
-        # cheapest first (device is set for every node of _device_nodes)
-        heap = [(key(n), n) for n in self._device_nodes
-                if not n.lock_ref and not n.pending and not n.evicting
-                and not n.has_device_child()]
-        heapq.heapify(heap)
+        """Free at least ``need`` device pages now if possible; returns how many were freed.
+        Scans the eviction order (no rebuild) and picks first, then evicts: a parent freed by
+        its children's eviction and placed before them is met by the next pass."""
         freed = 0
         write_back = self.policy.write == "write_back"
-        while heap and freed + self._evicting_pages < need:
-            _, n = heapq.heappop(heap)
-            if not self._device_evictable(n):
-                continue
-            parent = n.parent
-            if n.host_valid:
-                freed += self._demote(n)
-            elif write_back and n.host is None and self._backup(n):
-                n.evicting = True
-                self._evicting_pages += n.npages
-                continue
-            else:
-                freed += self._drop(n)
-            if parent.parent is not None and self._device_evictable(parent):
-                heapq.heappush(heap, (key(parent), parent))
+        while freed < need:
+            progress = False
+            for n, backup in self._pick_device(need - freed, write_back):
+                if freed >= need:
+                    break
+                if not n.alive or not self._device_evictable(n):
+                    continue
+                progress = True  # evictable: its host copy is valid (or it has none)
+                if n.host_valid:
+                    freed += self._demote(n)
+                elif backup and self._backup(n):
+                    n.evicting = True
+                    self._evicting_pages += n.npages
+                else:  # no host copy and none possible (or not wanted): gone
+                    freed += self._drop(n)
+            if not progress:
+                break
         return freed
 
     def _demote(self, n: Node) -> int:
         """Free the device copy of a node that has a valid host copy."""
-        self.device.free_array(n.darr, trusted=True)
-        k = len(n.device)
-        n.device = n.darr = None
-        del self._device_nodes[n]
+        k = self._detach_device(n)
         self.stats.device_evicted_pages += k
         return k
 
     def _drop(self, n: Node) -> int:
         """Remove a device leaf with no host copy, and its host-only subtree."""
-        k = len(n.device)
+        k = n.npages
         stack, order = [n], []
         while stack:
             x = stack.pop()
@@ -483,49 +527,66 @@ class CacheController:
             stack.extend(x.children.values())
         for x in reversed(order):
             if x.device is not None:
-                self.device.free_array(x.darr, trusted=True)
-                del self._device_nodes[x]
-                x.device = x.darr = None
+                self._detach_device(x)
             if x.host is not None:
-                self.host.free_array(id_array(x.host))
-                del self._host_nodes[x]
-                self.stats.host_evicted_pages += len(x.host)
-                x.host = None
-                x.host_valid = False
+                self._drop_host(x)
             self.tree.remove_leaf(x)
         self.stats.device_evicted_pages += k
         self.stats.dropped_pages += k
         return k
 
-    def _alloc_host(self, n: int) -> list[int] | None:
+    def _drop_host(self, n: Node) -> int:
+        self.host.free_array(n.host, trusted=True)
+        k = len(n.host)
+        self.stats.host_evicted_pages += k
+        if n.host_valid:
+            self._host_valid_pages -= k
+        n.host = None
+        n.host_valid = False
+        self._hst.remove(n)
+        return k
+
+    def _alloc_host(self, n: int) -> np.ndarray | None:
         if n > self.host.num_pages:
             return None
         if self.host.num_free < n:
             self._evict_host(n - self.host.num_free)
         if self.host.num_free < n:
             return None
-        return self.host.alloc(n)
+        return self.host.alloc_array(n)
+
+    def _pick_host(self, need: int) -> list[Node]:
+        out: list[Node] = []
+        gone: set[Node] = set()
+        now = 0
+        for n in self._hst:
+            if not n.host_valid or n.lock_ref or n.pending:
+                continue
+            if n.device is None:
+                if n.children and any(c not in gone for c in n.children.values()):
+                    continue
+                gone.add(n)
+            out.append(n)
+            now += n.npages
+            if now >= need:
+                break
+        return out
 
     def _evict_host(self, need: int) -> int:
-        key = self._key
-        heap = [(key(n), n) for n in self._host_nodes if self._host_evictable(n)]
-        heapq.heapify(heap)
         freed = 0
-        while heap and freed < need:
-            _, n = heapq.heappop(heap)
-            if not self._host_evictable(n):
-                continue
-            self.host.free_array(id_array(n.host))
-            freed += len(n.host)
-            n.host = None
-            n.host_valid = False
-            del self._host_nodes[n]
-            self.stats.host_evicted_pages += n.npages
-            if n.device is None:
-                parent = n.parent
-                self.tree.remove_leaf(n)
-                if parent.parent is not None and self._host_evictable(parent):
-                    heapq.heappush(heap, (key(parent), parent))
+        while freed < need:
+            progress = False
+            for n in self._pick_host(need - freed):
+                if freed >= need:
+                    break
+                if not n.alive or not self._host_evictable(n):
+                    continue
+                progress = True
+                freed += self._drop_host(n)
+                if n.device is None:
+                    self.tree.remove_leaf(n)
+            if not progress:
+                break
         return freed
 
     # ---- introspection --------------------------------------------------------------------
@@ -546,17 +607,20 @@ class CacheController:
         return frozenset(np.flatnonzero(self._gen >= 0).tolist())
 
     def cached_pages(self) -> tuple[int, int]:
-        """(device pages held by the tree, valid host copies held by the tree)."""
-        d = sum(n.npages for n in self._device_nodes)
-        h = sum(n.npages for n in self._host_nodes if n.host_valid)
-        return d, h
+        """(device pages held by the tree, valid host copies held by the tree); O(1)."""
+        return self._dev_pages, self._host_valid_pages
+
+    def evictable_pages(self) -> int:
+        """Device pages held by unlocked tree nodes (free now, or once their backups or loads
+        complete); O(1). Pages of running requests' locked prefixes are not counted."""
+        return self._dev_pages - self._locked_dev_pages
 
     def check(self) -> None:
         """Raise InvariantError if the bookkeeping is inconsistent (tests, debug)."""
         dev_seen: set[int] = set(np.flatnonzero(self._gen >= 0).tolist())
         host_seen: set[int] = set()
         dev_nodes, host_nodes = set(), set()
-        evicting = 0
+        evicting = dev_pages = locked = host_valid = 0
         for n in self.iter_nodes():
             if not n.alive:
                 raise InvariantError(f"dead node {n.nid} still in the tree")
@@ -566,23 +630,24 @@ class CacheController:
                 raise InvariantError(f"node {n.nid} token count != pages")
             if n.device is not None:
                 dev_nodes.add(n)
-                if len(n.device) != n.npages:
-                    raise InvariantError(f"node {n.nid} device page count")
-                if n.darr is None or n.darr.tolist() != n.device:
-                    raise InvariantError(f"node {n.nid} device array != device list")
+                dev_pages += n.npages
+                locked += n.npages if n.lock_ref else 0
+                if len(n.device) != n.npages or n.device.dtype != np.int64:
+                    raise InvariantError(f"node {n.nid} device page count or dtype")
                 if n.parent.parent is not None and n.parent.device is None:
                     raise InvariantError(f"node {n.nid} on device under a host-only parent")
-                for p in n.device:
+                for p in n.device.tolist():
                     if p in dev_seen:
                         raise InvariantError(f"device page {p} owned twice")
                     dev_seen.add(p)
             if n.host is not None:
                 host_nodes.add(n)
+                host_valid += n.npages if n.host_valid else 0
                 if len(n.host) != n.npages:
                     raise InvariantError(f"node {n.nid} host page count")
                 if not n.host_valid and (not n.pending or n.device is None):
                     raise InvariantError(f"node {n.nid} has an invalid host copy with no backup")
-                for p in n.host:
+                for p in n.host.tolist():
                     if p in host_seen:
                         raise InvariantError(f"host page {p} owned twice")
                     host_seen.add(p)
@@ -605,7 +670,13 @@ class CacheController:
         if len(host_seen) != self.host.num_used:
             raise InvariantError(f"host pages: {self.host.num_used} allocated, "
                                  f"{len(host_seen)} accounted for (leak)")
-        if dev_nodes != set(self._device_nodes) or host_nodes != set(self._host_nodes):
-            raise InvariantError("tier node indexes disagree with the tree")
+        if dev_nodes != set(self._dev) or host_nodes != set(self._hst) \
+                or len(self._dev) != len(dev_nodes) or len(self._hst) != len(host_nodes):
+            raise InvariantError("tier eviction orders disagree with the tree")
+        if (dev_pages, locked, host_valid) != (self._dev_pages, self._locked_dev_pages,
+                                               self._host_valid_pages):
+            raise InvariantError(f"page counters (device, locked, host valid) "
+                                 f"{(self._dev_pages, self._locked_dev_pages)}, "
+                                 f"{self._host_valid_pages} != {(dev_pages, locked, host_valid)}")
         if evicting != self._evicting_pages:
             raise InvariantError(f"evicting pages {self._evicting_pages} != {evicting}")

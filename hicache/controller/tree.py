@@ -1,14 +1,16 @@
 """Radix tree over widened pages (``page_tokens = P * c`` token slots per page).
 
 A node holds a run of whole pages (token ids as the bytes of an int64 array) plus, per tier,
-one page id per page. Children are keyed by the bytes of their first page, so a walk costs one
-dict lookup and one bytes compare (memcmp) per node: no per-token Python loop; numpy locates
-the first differing page only where a walk diverges inside a node. Only structure lives here
-(walk, split, add, remove, digest); policies live in ``controller.py``.
+one page id per page (an int64 array). Children are keyed by the bytes of their first page, so a
+walk costs one dict lookup and one memcmp per node (``bytes.startswith`` against a memoryview of
+the query: no copy of the query for int64 input, a lazily grown int64 prefix otherwise); numpy
+locates the first differing page only where a walk diverges inside a node. Only structure lives
+here (walk, split, add, remove, digest); policies live in ``controller.py``.
 """
 
 from __future__ import annotations
 
+import array
 import hashlib
 from typing import Iterator, Sequence
 
@@ -19,10 +21,11 @@ from hicache.controller.types import TokenTypeError
 
 
 class Node:
-    """One run of whole pages. ``device``/``host``: page ids per page, or None if not there."""
+    """One run of whole pages. ``device``/``host``: page ids (int64 [npages]), or None if not
+    there."""
 
     __slots__ = ("nid", "parent", "children", "tokens", "npages", "device", "host", "host_valid",
-                 "lock_ref", "hits", "last_access", "pending", "evicting", "alive", "darr")
+                 "lock_ref", "hits", "last_access", "pending", "evicting", "alive")
 
     def __init__(self, nid: int, parent: "Node | None", tokens: bytes, npages: int) -> None:
         self.nid = nid
@@ -30,9 +33,8 @@ class Node:
         self.children: dict[bytes, Node] = {}
         self.tokens = tokens          # bytes of int64 [npages * page_tokens]
         self.npages = npages
-        self.device: list[int] | None = None
-        self.darr: np.ndarray | None = None  # device as int64 [npages] (vectorised frees)
-        self.host: list[int] | None = None
+        self.device: np.ndarray | None = None  # int64 [npages]
+        self.host: np.ndarray | None = None    # int64 [npages]
         self.host_valid = False       # host pages hold an agreed-complete copy
         self.lock_ref = 0
         self.hits = 0
@@ -62,24 +64,59 @@ def _i64(x: np.ndarray) -> np.ndarray:
     return x if x.dtype == np.int64 else x.astype(np.int64)
 
 
+_INT_FORMATS = frozenset("bBhHiIlLqQnN")
+
+
+def _list_tokens(tokens: list) -> np.ndarray:
+    """A list of ints as int64 [n]: one C conversion (``array('q')``); only elements equal to 0
+    or 1 are looked at again, to refuse bools."""
+    try:
+        arr = np.frombuffer(array.array("q", tokens), np.int64)
+    except (TypeError, ValueError, OverflowError):
+        arr = None
+    if arr is not None:
+        small = np.flatnonzero((arr >> 1) == 0)  # 0 or 1: could be False or True
+        if not any(isinstance(tokens[i], (bool, np.bool_)) for i in small.tolist()):
+            return arr
+    bad = next(t for t in tokens
+               if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))
+               or not -(1 << 63) <= t < (1 << 63))
+    raise TokenTypeError(f"tokens must be int64 integers, got {type(bad).__name__} {bad!r}")
+
+
 def as_tokens(tokens, int64: bool = True) -> np.ndarray:
-    """Token ids as a 1-D int64 numpy array; raises TokenTypeError for anything else.
-    ``int64=False`` keeps another integer dtype (the tree converts only the pages it reads)."""
-    if isinstance(tokens, torch.Tensor):
+    """Token ids as a 1-D numpy integer array; raises TokenTypeError for anything else.
+
+    Accepts a list/tuple/range of ints, a numpy array, an integer tensor, or any object with an
+    integer buffer (``array('q')``, a memoryview, ...). Arrays, CPU tensors and buffers are
+    viewed, not copied. ``int64=False`` keeps another integer dtype (the tree converts only the
+    pages it reads); ``int64=True`` converts to int64 where needed."""
+    tp = type(tokens)
+    if tp is np.ndarray:
+        arr = tokens
+    elif tp is list:
+        arr = _list_tokens(tokens)
+    elif isinstance(tokens, torch.Tensor):
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise TokenTypeError(f"tokens must be integers, got a {tokens.dtype} tensor")
         arr = tokens.detach().cpu().numpy()
     elif isinstance(tokens, np.ndarray):
         arr = tokens
-    elif isinstance(tokens, (list, tuple, range)):
-        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in tokens):
-            bad = next(t for t in tokens
-                       if isinstance(t, bool) or not isinstance(t, (int, np.integer)))
-            raise TokenTypeError(f"tokens must be integers, got {type(bad).__name__} {bad!r}")
-        arr = np.asarray(tokens, dtype=np.int64)
-    else:
-        raise TokenTypeError(f"tokens must be a list, numpy array or tensor of ints, "
+    elif isinstance(tokens, (tuple, range)):
+        arr = _list_tokens(list(tokens))
+    elif isinstance(tokens, (str, bytes, bytearray)) or tokens is None:
+        raise TokenTypeError(f"tokens must be a list, numpy array, tensor or integer buffer, "
                              f"got {type(tokens).__name__}")
+    else:
+        try:
+            mv = memoryview(tokens)
+        except TypeError:
+            raise TokenTypeError(f"tokens must be a list, numpy array, tensor or integer "
+                                 f"buffer, got {type(tokens).__name__}") from None
+        if mv.format.lstrip("@=<>!") not in _INT_FORMATS:
+            raise TokenTypeError(f"tokens must be integers, got a buffer of format "
+                                 f"{mv.format!r}")
+        arr = np.asarray(mv)
     if arr.dtype.kind not in "iu":
         raise TokenTypeError(f"tokens must be integers, got dtype {arr.dtype}")
     if arr.ndim != 1:
@@ -114,20 +151,25 @@ class RadixTree:
         """Nodes covering the longest cached whole-page prefix of ``arr`` (ints), root excluded.
 
         A node only partly covered is split, so the path ends exactly on the matched prefix.
-        The query is turned into int64 bytes lazily (a prefix at least twice what was compared,
-        at least ``_FIRST_BYTES``), so a miss does not convert a long prompt."""
+        A native int64 query is compared in place (a memoryview: no copy); another dtype is
+        converted lazily (a prefix at least twice what was compared, at least
+        ``_FIRST_BYTES``), so a miss does not convert a long prompt."""
         pt = self.page_tokens
         w = pt * 8  # bytes per page
         n_pages = len(arr) // pt
         total = n_pages * w  # bytes of the whole pages
+        if arr.dtype == np.int64 and arr.dtype.isnative and arr.flags.c_contiguous:
+            qv, hi = memoryview(arr).cast("B"), total
+        else:
+            qv, hi = None, 0
         node, pos, path = self.root, 0, []
-        hi, qb = 0, b""  # qb: int64 bytes of a prefix of the query, grown when needed
-        while pos < n_pages:
+        children = node.children
+        while pos < n_pages and children:
             a = pos * w
             if a + w > hi:
                 hi = min(total, max(a + w, 2 * hi, _FIRST_BYTES))
-                qb = arr[:hi // 8].astype(np.int64, copy=False).tobytes()
-            child = node.children.get(qb[a:a + w])
+                qv = memoryview(arr[:hi // 8].astype(np.int64)).cast("B")
+            child = children.get(qv[a:a + w].tobytes())
             if child is None:
                 break
             m = min(child.npages, n_pages - pos)
@@ -136,10 +178,10 @@ class RadixTree:
                 e = a + m * w
                 if e > hi:
                     hi = min(total, max(e, 2 * hi))
-                    qb = arr[:hi // 8].astype(np.int64, copy=False).tobytes()
+                    qv = memoryview(arr[:hi // 8].astype(np.int64)).cast("B")
                 ct = child.tokens
-                if qb[a:e] != (ct if m == child.npages else ct[:m * w]):
-                    q = np.frombuffer(qb, np.int64, m * pt, a)
+                if not ct.startswith(qv[a:e]):  # memcmp, no copy
+                    q = np.frombuffer(qv, np.int64, m * pt, a)
                     b = np.frombuffer(ct, np.int64, m * pt)
                     k = int((q != b).argmax()) // pt
             if k < child.npages:
@@ -149,6 +191,7 @@ class RadixTree:
             if k < m:
                 break
             node = child
+            children = node.children
         return path
 
     def split(self, node: Node, k: int) -> Node:
@@ -160,7 +203,6 @@ class RadixTree:
         node.npages -= k
         if node.device is not None:
             top.device, node.device = node.device[:k], node.device[k:]
-            top.darr, node.darr = node.darr[:k], node.darr[k:]
         if node.host is not None:
             top.host, node.host = node.host[:k], node.host[k:]
         top.host_valid = node.host_valid
@@ -215,16 +257,19 @@ class RadixTree:
             n, d = stack.pop()
             if n is not self.root:
                 h = hashlib.blake2b(n.tokens, digest_size=8).hexdigest()
-                out.append((d, n.npages, h, tuple(n.device) if n.device is not None else None,
-                            tuple(n.host) if n.host is not None else None, n.host_valid,
+                out.append((d, n.npages, h,
+                            tuple(n.device.tolist()) if n.device is not None else None,
+                            tuple(n.host.tolist()) if n.host is not None else None, n.host_valid,
                             n.lock_ref, n.hits, n.last_access, tuple(sorted(n.pending)),
                             n.evicting))
             stack.extend((n.children[k], d + 1) for k in sorted(n.children, reverse=True))
         return out
 
 
-def chain_pages(nodes: Sequence[Node], attr: str) -> list[int]:
-    out: list[int] = []
-    for n in nodes:
-        out.extend(getattr(n, attr))
-    return out
+def chain_pages(nodes: Sequence[Node], attr: str) -> np.ndarray:
+    """The nodes' page ids of one tier, concatenated (a new int64 array)."""
+    if len(nodes) == 1:
+        return getattr(nodes[0], attr).copy()
+    if not nodes:
+        return np.zeros(0, np.int64)
+    return np.concatenate([getattr(n, attr) for n in nodes])

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:  # pragma: no cover
     from hicache.controller.tree import Node
 
@@ -72,11 +74,13 @@ class Match:
     Tokens ``[0, device_len)`` are on the device (``device_pages``), then
     ``[device_len, device_len + host_len)`` only on the host (``host_pages``), then (later, with
     L3) ``storage_len`` tokens in storage. ``wait_ops`` are in-flight loads that some matched
-    device pages still depend on."""
+    device pages still depend on. Page ids are int64 arrays (the caller's copy), one per page;
+    ``device_pages`` can go straight into ``insert`` (``np.concatenate`` or ``list() +`` with
+    ``alloc_device``'s pages)."""
     device_len: int
     host_len: int
-    device_pages: tuple[int, ...]
-    host_pages: tuple[int, ...]
+    device_pages: np.ndarray  # int64 [device_len // page_tokens]
+    host_pages: np.ndarray    # int64 [host_len // page_tokens]
     device_nodes: tuple["Node", ...]
     host_nodes: tuple["Node", ...]
     last_node: "Node"
@@ -90,11 +94,12 @@ class Match:
 
 @dataclass(frozen=True, eq=False)
 class InsertResult:
-    """Result of ``insert``: ``freed`` are the caller's pages that duplicated cached pages (the
-    controller already returned them to the pool); ``device_pages`` are the tree's pages for the
-    inserted whole pages (use them instead of the freed ones); ``last_node`` ends the path."""
-    freed: tuple[int, ...]
-    device_pages: tuple[int, ...]
+    """Result of ``insert``: ``freed`` are the caller's pages the controller returned to the pool
+    (pages duplicating cached ones, then a partial tail's page); ``device_pages`` are the tree's
+    pages for the inserted whole pages (use them instead of the freed ones); ``last_node`` ends
+    the path. Page ids are int64 arrays."""
+    freed: np.ndarray         # int64 [k]
+    device_pages: np.ndarray  # int64 [whole pages]
     last_node: "Node"
     new_pages: int
 
