@@ -154,6 +154,7 @@ def test_copies_run_off_the_calling_thread():
     import threading
 
     lay, d, h, eng = make("layer_first", torch.float32)
+    eng.inline_bytes = 0  # a job this small is otherwise copied at submit (see below)
     gate = threading.Event()
     real = eng._run_cpu
 
@@ -168,4 +169,49 @@ def test_copies_run_off_the_calling_thread():
     gate.set()
     job.wait(timeout=30)
     assert bool((h.buf[:, :8] == 3.0).all())
+    eng.close()
+
+
+def test_small_jobs_inline_and_waiters_run_unstarted_jobs():
+    """A job of at most inline_bytes is done when submit returns; wait() on a job the copy
+    thread has not started runs it on the waiting thread (no hand-off); results identical."""
+    import threading
+
+    lay, d, h, eng = make("page_first", torch.float32)
+    d.kv.normal_()
+    P = lay.page_size
+
+    def dev(p):  # device page p, every layer: [L, P, D]
+        return d.kv[:, p * P:(p + 1) * P]
+
+    job = eng.backup([0, 1], [1, 0])
+    assert job.nbytes <= eng.inline_bytes and job.done() and not job.failed
+    assert bool((h.read_page(1) == dev(0)).all())
+    # hold the worker on a first job; a second one waited for runs on this thread
+    eng.inline_bytes = 0
+    gate, started = threading.Event(), threading.Event()
+    real = eng._run_cpu
+    ran_on = {}
+
+    def gated(job):
+        ran_on[job.direction] = threading.current_thread().name
+        if job.direction == "d2h" and not started.is_set():  # hold the first backup only
+            started.set()
+            gate.wait(30)
+        real(job)
+
+    eng._run_cpu = gated
+    first = eng.backup([2], [2])
+    assert started.wait(30)
+    second = eng.load([1], [3])  # the h2d worker may or may not have claimed it yet
+    second.wait(timeout=30)
+    assert second.done() and bool((dev(3) == h.read_page(1)).all())
+    third = eng.backup([3], [3])  # queued behind the gated job: this thread runs it
+    third.wait(timeout=30)
+    assert third.done() and not first.done()
+    assert ran_on["d2h"] == threading.current_thread().name
+    gate.set()
+    first.wait(timeout=30)
+    assert bool((h.read_page(3) == dev(3)).all())
+    assert eng.stats.jobs_d2h == 3 and eng.stats.jobs_h2d == 1
     eng.close()
