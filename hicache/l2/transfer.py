@@ -20,10 +20,13 @@ Execution:
   copies. ``copy_threads > 1`` splits a job across that many threads (layers round-robin for
   a load). The ``kernel`` backend uses the page-copy kernel's torch reference (or the Triton
   kernel itself when it was imported under ``TRITON_INTERPRET=1``).
-- CUDA: a dedicated stream per direction, one event per layer. ``direct`` issues
-  ``copy_(non_blocking=True)`` per contiguous run (per page on the strided page_first side, or one
-  ``cudaMemcpy2DAsync`` per run via CuPy when the ``gpu`` extra imports). ``kernel`` launches the
-  Triton page gather/scatter once per layer, reading/writing pinned host memory directly.
+- CUDA: a dedicated stream per direction, one event per layer; a backup waits for the compute
+  queued before it, a load does not (it overlaps the current step). ``plan_device_copy`` picks
+  how: ``direct`` issues ``copy_(non_blocking=True)`` per run when each layer is one or two runs
+  contiguous on both sides (copy engines), and otherwise launches the Triton page
+  gather/scatter (once per layer for a load, once for a whole backup: O(layers) launches, not
+  one copy per page per layer on the strided page_first side), falling back to CuPy 2D copies
+  or per-page copies without Triton. ``kernel`` always launches the kernel.
   (The CUDA paths are written for the GPU machine; this project's CI has no GPU.)
 """
 
@@ -122,6 +125,40 @@ def plan_transfer(src_pages: PageList, dst_pages: PageList, src_limit: int, dst_
     starts = np.flatnonzero((s[1:] - s[:-1] != 1) | (step_d != 1)) + 1
     bounds = np.concatenate(([0], starts, [s.size]))
     return TransferPlan(src, dst, s[bounds[:-1]], d[bounds[:-1]], bounds[1:] - bounds[:-1])
+
+
+# CUDA copy issue plan --------------------------------------------------------------------------
+DEVICE_COPY_METHODS = ("runs", "kernel", "copy2d", "pages")
+
+
+@dataclass(frozen=True)
+class DeviceCopyPlan:
+    """How the CUDA path issues one job. ``runs``: one ``copy_`` per run of consecutive pages
+    contiguous on both sides; ``kernel``: the Triton page gather/scatter, one launch per layer
+    for a load (layers complete in order) and one for all layers of a backup; ``copy2d``: one
+    CuPy ``memcpy2DAsync`` per run; ``pages``: one ``copy_`` per page (last resort).
+    ``launches`` counts the calls the job issues."""
+
+    method: str
+    launches: int
+
+
+def plan_device_copy(plan: TransferPlan, num_layers: int, direction: str, contiguous: bool,
+                     have_kernel: bool, have_cupy: bool, max_runs: int = 2) -> DeviceCopyPlan:
+    """Pick the cheapest way to issue ``plan`` on CUDA: copy engines (``copy_``) when each
+    layer is at most ``max_runs`` contiguous copies, else the kernel (O(layers) launches, not
+    O(pages x layers)), else 2D copies, else runs or pages."""
+    runs = len(plan.run_len)
+    per_layer = 1 if direction == "h2d" else 0
+    if contiguous and runs <= max_runs:
+        return DeviceCopyPlan("runs", runs * num_layers)
+    if have_kernel:
+        return DeviceCopyPlan("kernel", num_layers if per_layer else 1)
+    if contiguous:
+        return DeviceCopyPlan("runs", runs * num_layers)
+    if have_cupy:
+        return DeviceCopyPlan("copy2d", runs * num_layers)
+    return DeviceCopyPlan("pages", plan.num_pages * num_layers)
 
 
 # CPU block copies ------------------------------------------------------------------------------
@@ -459,6 +496,13 @@ class TransferEngine:
 
             self._kernel = page_copy
         self._cupy = HAVE_CUPY and self.cuda if use_cupy is None else (use_cupy and HAVE_CUPY)
+        # CUDA direct: the Triton page gather/scatter for strided or scattered jobs
+        self._device_kernel = None
+        if self.cuda and io_backend == "direct":
+            from hicache.kernels import page_copy
+
+            if page_copy.kernel_usable():
+                self._device_kernel = page_copy.page_copy_triton
         # CPU: threads that each copy a share of a job (the worker itself is one of them).
         self.copy_threads = 1 if self.cuda else copy_threads
         self._helpers = (ThreadPoolExecutor(2 * (copy_threads - 1), "hicache-copy")
@@ -619,45 +663,73 @@ class TransferEngine:
                            (layers * d_l + pd * d_p).reshape(-1), s_p, self.cpu_copy)
 
     # CUDA ---------------------------------------------------------------------------------------
+    def device_copy_plan(self, job: TransferJob) -> DeviceCopyPlan:
+        """The CUDA issue plan of ``job`` (also computable on CPU: tests check launch counts)."""
+        src, dst = self._views(job.direction)
+        W = self._page_elems
+        contiguous = src.stride(1) == W and dst.stride(1) == W
+        if self._kernel is not None:
+            return DeviceCopyPlan("kernel", self.num_layers if job.direction == "h2d" else 1)
+        return plan_device_copy(job.plan, self.num_layers, job.direction, contiguous,
+                                self._device_kernel is not None, bool(self._cupy))
+
     def _run_cuda(self, job: TransferJob) -> None:  # pragma: no cover - needs a GPU
         stream = self._streams[job.direction]
-        stream.wait_stream(torch.cuda.current_stream())  # KV written before submit is visible
-        src, dst = self._views(job.direction)
-        plan = job.plan
+        if job.direction == "d2h":  # KV written by compute before submit must be visible
+            stream.wait_stream(torch.cuda.current_stream())
+        # a load writes pages no running request reads and reads host copies that are
+        # complete: it need not wait for the compute queued so far, so it overlaps this step
         try:
             with torch.cuda.stream(stream):
-                if self._kernel is not None:
-                    si = plan.src_pages.to(self.device_pool.device, non_blocking=True)
-                    di = plan.dst_pages.to(self.device_pool.device, non_blocking=True)
-                    for layer in range(self.num_layers):
-                        self._kernel.page_copy_triton(src[layer:layer + 1], si,
-                                                      dst[layer:layer + 1], di)
-                        job._events[layer].record(stream)
-                else:
-                    for layer in range(self.num_layers):
-                        self._cuda_direct_layer(src[layer], dst[layer], plan, stream)
-                        job._events[layer].record(stream)
+                self._issue(job, self.device_copy_plan(job), stream,
+                            lambda layer: job._events[layer].record(stream))
         except BaseException as err:
             job._fail(err)
             raise TransferError(f"could not issue the {job.direction} transfer: {err!r}") from err
         self._account(job)
         job._finished.set()
 
-    def _cuda_direct_layer(self, src: torch.Tensor, dst: torch.Tensor, plan: TransferPlan,
-                           stream) -> None:  # pragma: no cover - needs a GPU
-        """src/dst: [pages, W] of one layer; copy every run."""
-        W = self._page_elems
-        contiguous = src.stride(0) == W and dst.stride(0) == W
-        for s0, d0, n in zip(plan.run_src.tolist(), plan.run_dst.tolist(),
-                             plan.run_len.tolist()):
-            if contiguous:
-                dst[d0:d0 + n].copy_(src[s0:s0 + n], non_blocking=True)
-            elif self._cupy:
-                es = src.element_size()
-                kind = _cupy.cuda.runtime.memcpyDefault
-                _cupy.cuda.runtime.memcpy2DAsync(
-                    dst[d0].data_ptr(), dst.stride(0) * es, src[s0].data_ptr(),
-                    src.stride(0) * es, W * es, n, kind, stream.cuda_stream)
-            else:
-                for i in range(n):
-                    dst[d0 + i].copy_(src[s0 + i], non_blocking=True)
+    def _issue(self, job: TransferJob, how: DeviceCopyPlan, stream, layer_done,
+               kernel=None) -> int:
+        """Issue ``job`` the way ``how`` says; ``layer_done(i)`` after layer i's copies (all
+        layers at once for a one-launch backup). Returns the calls made. ``kernel`` overrides
+        the page-copy kernel (tests on CPU pass the torch reference)."""
+        src, dst = self._views(job.direction)
+        plan = job.plan
+        L = self.num_layers
+        calls = 0
+        if how.method == "kernel":
+            kernel = kernel or (self._kernel.page_copy_triton if self._kernel is not None
+                                else self._device_kernel)
+            dev = self._dev3.device
+            si = plan.src_pages.to(dev, non_blocking=True)
+            di = plan.dst_pages.to(dev, non_blocking=True)
+            if job.direction == "d2h":  # no per-layer consumer: one launch for every layer
+                kernel(src, si, dst, di)
+                for layer in range(L):
+                    layer_done(layer)
+                return 1
+            for layer in range(L):
+                kernel(src[layer:layer + 1], si, dst[layer:layer + 1], di)
+                layer_done(layer)
+            return L
+        runs = list(zip(plan.run_src.tolist(), plan.run_dst.tolist(), plan.run_len.tolist()))
+        for layer in range(L):
+            s, d = src[layer], dst[layer]  # [pages, W]
+            for s0, d0, n in runs:
+                if how.method == "runs":
+                    d[d0:d0 + n].copy_(s[s0:s0 + n], non_blocking=True)
+                    calls += 1
+                elif how.method == "copy2d":  # pragma: no cover - needs a GPU and CuPy
+                    es = s.element_size()
+                    _cupy.cuda.runtime.memcpy2DAsync(
+                        d[d0].data_ptr(), d.stride(0) * es, s[s0].data_ptr(),
+                        s.stride(0) * es, self._page_elems * es, n,
+                        _cupy.cuda.runtime.memcpyDefault, stream.cuda_stream)
+                    calls += 1
+                else:
+                    for i in range(n):
+                        d[d0 + i].copy_(s[s0 + i], non_blocking=True)
+                    calls += n
+            layer_done(layer)
+        return calls

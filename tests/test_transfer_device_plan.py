@@ -1,0 +1,105 @@
+"""How the CUDA path issues a job, checked on CPU: the plan picks O(layers) kernel launches for
+strided or scattered jobs (not one copy per page per layer), copy engines for a few contiguous
+runs, and every way of issuing moves exactly the right bytes (the kernel via its torch
+reference)."""
+
+import pytest
+import torch
+
+from hicache.kernels.page_copy import page_copy_reference
+from hicache.l1.pool import DeviceKVPool
+from hicache.l2.pool import HostKVPool
+from hicache.l2.transfer import DeviceCopyPlan, TransferEngine, TransferJob, plan_transfer
+from hicache.layout import DCPLayout
+
+L = 5
+
+
+def make(kind, pages=12):
+    lay = DCPLayout(2, 0, 4)
+    d = DeviceKVPool(lay, L, 8, torch.float32, pages)
+    h = HostKVPool(lay, L, 8, torch.float32, pages, layout_kind=kind)
+    return d, h, TransferEngine(d, h)
+
+
+def job(eng, direction, src, dst):
+    limits = ((eng.device_pool.num_pages, eng.host_pool.num_pages) if direction == "d2h"
+              else (eng.host_pool.num_pages, eng.device_pool.num_pages))
+    return TransferJob(direction, plan_transfer(src, dst, *limits), L, 0, cuda=False)
+
+
+SCATTERED = ([7, 2, 9, 0, 5, 11, 3], [1, 8, 4, 10, 6, 0, 2])
+
+
+@pytest.mark.parametrize("kind", ["page_first", "layer_first"])
+def test_scattered_jobs_plan_kernel_launches_per_layer_not_per_page(kind):
+    d, h, eng = make(kind)
+    eng._device_kernel = page_copy_reference  # as on CUDA with Triton
+    for direction, want in (("h2d", L), ("d2h", 1)):
+        how = eng.device_copy_plan(job(eng, direction, *SCATTERED))
+        assert how == DeviceCopyPlan("kernel", want)
+    eng._device_kernel = None                 # no Triton, no CuPy: the old per-run/page path
+    how = eng.device_copy_plan(job(eng, "h2d", *SCATTERED))
+    n = len(SCATTERED[0])
+    assert how.launches == n * L and how.method == ("pages" if kind == "page_first" else "runs")
+    eng.close()
+
+
+def test_contiguous_layer_first_uses_copy_engines():
+    d, h, eng = make("layer_first")
+    eng._device_kernel = page_copy_reference
+    how = eng.device_copy_plan(job(eng, "h2d", [0, 1, 2, 3], [4, 5, 6, 7]))
+    assert how == DeviceCopyPlan("runs", L)   # one copy_ per layer
+    d2, h2, eng2 = make("page_first")
+    eng2._device_kernel = page_copy_reference
+    assert eng2.device_copy_plan(job(eng2, "h2d", [0, 1, 2, 3], [4, 5, 6, 7])).method == \
+        "kernel"                              # strided host side: the kernel
+    eng.close()
+    eng2.close()
+
+
+@pytest.mark.parametrize("kind", ["page_first", "layer_first"])
+@pytest.mark.parametrize("method", ["kernel", "runs", "pages"])
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_every_issue_method_moves_the_right_bytes(kind, method, direction):
+    d, h, eng = make(kind)
+    d.kv.normal_()
+    h.buf.normal_()
+    src, dst = SCATTERED
+    before_dev, before_host = d.kv.clone(), h.buf.clone()
+    j = job(eng, direction, src, dst)
+    calls, layers = [], []
+
+    def counting_kernel(*a):
+        calls.append(1)
+        page_copy_reference(*a)
+
+    n = eng._issue(j, DeviceCopyPlan(method, 0), None, layers.append, kernel=counting_kernel)
+    assert layers == list(range(L))           # every layer reported, in order
+    if method == "kernel":
+        assert n == len(calls) == (L if direction == "h2d" else 1)
+    P = 4
+    for layer in range(L):
+        for s, t in zip(src, dst):
+            if direction == "d2h":
+                got, want = h.page_view(t)[layer], before_dev[layer, s * P:(s + 1) * P]
+            else:
+                got, want = d.kv[layer, t * P:(t + 1) * P], _host_page(h, before_host, s)[layer]
+            assert torch.equal(got, want)
+    untouched = set(range(12)) - set(dst)
+    for p in untouched:                       # pages that were not targets are unchanged
+        if direction == "d2h":
+            assert torch.equal(_host_page(h, h.buf, p), _host_page(h, before_host, p))
+        else:
+            assert torch.equal(d.kv[:, p * P:(p + 1) * P], before_dev[:, p * P:(p + 1) * P])
+    eng.close()
+
+
+def _host_page(h, buf, p):
+    """Host page p of ``buf`` (a tensor laid out like h.buf) as [L, P, D]."""
+    saved = h.buf
+    h.buf = buf
+    try:
+        return h.page_view(p).clone()
+    finally:
+        h.buf = saved
