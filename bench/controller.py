@@ -6,14 +6,18 @@ Replays the seeded ``chat`` and ``agentic`` traces through ``CacheController`` (
 = ``--page`` tokens, page sizes 16 and 64) with ``--inflight`` requests admitted before the
 oldest finishes, under three capacities: ``ample`` (everything fits in L1: hit tokens must equal the
 reference's), ``budget`` (L1 holds ``--budget`` of the trace's unique pages, no L2: like for
-like with the reference) and ``budget+l2`` (the same L1 plus an L2 four times its size). The baseline, run on the same trace in the same process, is the typical pure-Python
-prefix cache: a compressed radix tree over token lists whose key match walks one token at a
-time, with page-aligned caching, LRU leaf eviction, and node values holding page ids from the
-same PageAllocator, given the same L1 capacity. Per request both do match + lock + allocate
-page ids (evicting) + insert (freeing duplicate pages) + unlock; ours also runs its L2 policy
-(write_through backups, host eviction, load-back) and the per-step agreement. Times are CPU
-time of this process (time.process_time, robust on a shared, busy machine), best of --reps;
-the ratio is reference us/request over ours. The ratio is reference us/request over ours.
+like with the references) and ``budget+l2`` (the same L1 plus an L2 four times its size). Two
+baselines run on the same trace in the same process, each a pure-Python prefix cache given the
+same L1 capacity, with node values holding page ids from the same PageAllocator and LRU
+eviction of unlocked leaves: a compressed radix tree whose key match walks one token at a time
+(``x token``), and a page-keyed radix tree of the kind the major serving engines use (children
+keyed by the page's token tuple, whole-page list compares: ``x page``). Per request all do
+match + lock + allocate page ids (evicting) + insert (freeing duplicate pages) + unlock; ours
+also runs its L2 policy (write_through backups, host eviction, load-back) and the per-step
+agreement. Times are CPU time of this process (time.process_time, robust on a shared, busy
+machine), best of --reps; a ratio is reference us/request over ours. Objects alive at start-up
+are frozen out of the cyclic GC first (``gc.freeze()``) so a full collection does not land in
+one replay and decide its time.
 """
 
 from __future__ import annotations

@@ -31,11 +31,15 @@ def test_transfer_benchmark_json():
 
 def test_controller_benchmark_json():
     out = run("controller.py")
-    assert out["ample_hits_identical"] is True  # same hit tokens as the reference tree
+    assert out["ample_hits_identical"] is True  # same hit tokens as both reference trees
+    assert out["min_page_speedup"] > 0
     for r in out["rows"]:
         assert r["us_per_request"] > 0 and r["ref_us_per_request"] > 0
+        assert r["page_ref_us_per_request"] > 0
+        assert abs(r["page_speedup"] - r["page_ref_us_per_request"] / r["us_per_request"]) < 1e-6
         if r["capacity"] == "ample":
-            assert r["hit_tokens"] == r["ref_hit_tokens"] and r["identical_hits"]
+            assert r["hit_tokens"] == r["ref_hit_tokens"] == r["page_ref_hit_tokens"]
+            assert r["identical_hits"]
 
 
 def test_l3_benchmark_json_with_redis(redis_server):

@@ -315,8 +315,9 @@ class CacheController:
         for node in path:
             node.hits += 1
         self._touch(touched, clock)
-        for node in path:
-            self._maybe_backup(node)
+        if self.host.num_pages:
+            for node in path:
+                self._maybe_backup(node)
         freed = dup
         if len(pages) > n_pages:
             freed = np.concatenate([dup, pages[n_pages:]])

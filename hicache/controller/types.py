@@ -67,7 +67,7 @@ class LoadOp:
     device_pages: tuple[int, ...]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class Match:
     """Result of ``match``: the longest cached whole-page prefix, by tier.
 
@@ -92,7 +92,7 @@ class Match:
         return self.device_len + self.host_len + self.storage_len
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class InsertResult:
     """Result of ``insert``: ``freed`` are the caller's pages the controller returned to the pool
     (pages duplicating cached ones, then a partial tail's page); ``device_pages`` are the tree's
