@@ -167,7 +167,7 @@ def ideal_hit_ratio(jobs: list, outputs: dict, page_tokens: int) -> float:
         prompt += len(j.tokens)
         fed = np.concatenate([j.tokens, np.asarray(outputs[str(j.request_id)][:-1], dtype=np.int64)])
         n = len(fed) // page_tokens
-        pages = list(m.device_pages) + ctrl.alloc_device(n - len(m.device_pages))
+        pages = m.device_pages.tolist() + ctrl.alloc_device(n - len(m.device_pages))
         ctrl.insert(fed[:n * page_tokens], pages)
     return hits / prompt if prompt else 0.0
 

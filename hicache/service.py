@@ -196,7 +196,7 @@ class HiCache:
             m = self._ctl(self.ctrl.match, arr[:-1])
             req.lock = self._ctl(self.ctrl.lock, m)
             prefix.device_len = m.device_len
-            prefix.page_table = list(m.device_pages)
+            prefix.page_table = m.device_pages.tolist()
             if m.host_len and "l2" in self.tiers:
                 op = self._ctl(self.ctrl.load_back, m)
                 if op is not None:
@@ -289,7 +289,7 @@ class HiCache:
         if self.tiers:
             res = self._ctl(self.ctrl.insert, arr[:whole * self.page_tokens], table[:whole])
             if self.l3 is not None:
-                self._map_chains(res.device_pages, arr[:whole * self.page_tokens])
+                self._map_chains(res.device_pages.tolist(), arr[:whole * self.page_tokens])
             own = set(req.own_pages)
             tail = [p for p in table[whole:] if p in own]
             self._ctl(self.ctrl.unlock, req.lock)

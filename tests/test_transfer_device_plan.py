@@ -9,7 +9,8 @@ import torch
 from hicache.kernels.page_copy import page_copy_reference
 from hicache.l1.pool import DeviceKVPool
 from hicache.l2.pool import HostKVPool
-from hicache.l2.transfer import DeviceCopyPlan, TransferEngine, TransferJob, plan_transfer
+from hicache.l2.transfer import (DeviceCopyPlan, TransferEngine, TransferJob, plan_device_copy,
+                                 plan_transfer)
 from hicache.layout import DCPLayout
 
 L = 5
@@ -43,6 +44,15 @@ def test_scattered_jobs_plan_kernel_launches_per_layer_not_per_page(kind):
     n = len(SCATTERED[0])
     assert how.launches == n * L and how.method == ("pages" if kind == "page_first" else "runs")
     eng.close()
+
+
+def test_plan_prefers_2d_copies_only_when_cupy_is_asked_for():
+    plan = plan_transfer(*SCATTERED, 12, 12)
+    assert plan_device_copy(plan, L, "h2d", False, True, True).method == "kernel"
+    assert plan_device_copy(plan, L, "h2d", False, True, True, prefer_copy2d=True) == \
+        DeviceCopyPlan("copy2d", len(plan.run_len) * L)
+    assert plan_device_copy(plan, L, "h2d", False, False, True).method == "copy2d"
+    assert plan_device_copy(plan, L, "h2d", True, False, False).method == "runs"
 
 
 def test_contiguous_layer_first_uses_copy_engines():

@@ -144,14 +144,18 @@ class DeviceCopyPlan:
 
 
 def plan_device_copy(plan: TransferPlan, num_layers: int, direction: str, contiguous: bool,
-                     have_kernel: bool, have_cupy: bool, max_runs: int = 2) -> DeviceCopyPlan:
+                     have_kernel: bool, have_cupy: bool, max_runs: int = 2,
+                     prefer_copy2d: bool = False) -> DeviceCopyPlan:
     """Pick the cheapest way to issue ``plan`` on CUDA: copy engines (``copy_``) when each
     layer is at most ``max_runs`` contiguous copies, else the kernel (O(layers) launches, not
-    O(pages x layers)), else 2D copies, else runs or pages."""
+    O(pages x layers)), else 2D copies, else runs or pages. ``prefer_copy2d`` (CuPy asked for
+    explicitly) puts 2D copies before the kernel."""
     runs = len(plan.run_len)
     per_layer = 1 if direction == "h2d" else 0
     if contiguous and runs <= max_runs:
         return DeviceCopyPlan("runs", runs * num_layers)
+    if have_cupy and prefer_copy2d and not contiguous:
+        return DeviceCopyPlan("copy2d", runs * num_layers)
     if have_kernel:
         return DeviceCopyPlan("kernel", num_layers if per_layer else 1)
     if contiguous:
@@ -496,6 +500,7 @@ class TransferEngine:
 
             self._kernel = page_copy
         self._cupy = HAVE_CUPY and self.cuda if use_cupy is None else (use_cupy and HAVE_CUPY)
+        self._cupy_asked = bool(use_cupy)
         # CUDA direct: the Triton page gather/scatter for strided or scattered jobs
         self._device_kernel = None
         if self.cuda and io_backend == "direct":
@@ -671,7 +676,8 @@ class TransferEngine:
         if self._kernel is not None:
             return DeviceCopyPlan("kernel", self.num_layers if job.direction == "h2d" else 1)
         return plan_device_copy(job.plan, self.num_layers, job.direction, contiguous,
-                                self._device_kernel is not None, bool(self._cupy))
+                                self._device_kernel is not None, bool(self._cupy),
+                                prefer_copy2d=self._cupy_asked)
 
     def _run_cuda(self, job: TransferJob) -> None:  # pragma: no cover - needs a GPU
         stream = self._streams[job.direction]
