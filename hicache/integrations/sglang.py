@@ -1,0 +1,193 @@
+"""hicache's L3 as an SGLang HiCache storage backend (``--hicache-storage-backend dynamic``).
+
+Turn it on with SGLang's own flags, no patch to SGLang (DCP 1)::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "hicache",
+        "module_path": "hicache.integrations.sglang", "class_name": "HiCacheL3Storage",
+        "interface_v1": 1, "store": "redis://l3-host:6379/0"}'
+
+Extra-config keys: ``store`` (an LMDB directory, a Redis URL or a list of Redis Cluster node
+URLs), ``capacity_bytes`` (LMDB), ``timeout_s`` (Redis), ``weights_signature`` (pins the weights
+when the model is a hub id). ``interface_v1`` makes SGLang call ``batch_get_v1``/``batch_set_v1``,
+which copy straight between the store and the host pool; without it SGLang's generic path calls
+``batch_get``/``batch_set`` with flat pages.
+
+Each rank keeps its own shard: keys are ``namespace | DCP rank | hash of SGLang's page hash``, the
+value one rank's rows of the widened page in hicache's ``[layers, P, kv_dim]`` order whatever the
+host layout (so ``layer_first``, ``page_first`` and ``page_first_direct`` pools share a store).
+Writers follow SGLang's own rule (``HiCacheStorageConfig.is_storage_writer``: the first DCP group
+writes, the other TP replicas only read). Values carry hicache's checksums: a corrupt value is a
+miss and a read stops at the first missing page.
+
+SGLang 0.5.23 refuses every storage backend but ``file`` and ``mooncake`` when DCP > 1, in
+``HiCacheController.attach_storage_backend``; :data:`UPSTREAM_DCP_CHECK` is the one-line change
+that lifts it (see the README).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional
+
+import torch
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+
+from ..l3 import L3Error, L3Store, Namespace, open_store
+from .common import signature, store_keys, weights_signature
+
+log = logging.getLogger(__name__)
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+# The line of sglang/srt/managers/cache_controller.py (0.5.23) that refuses dynamic backends
+# under DCP, and the line that lets them through.
+UPSTREAM_DCP_CHECK = (
+    'if storage_backend not in ("file", "mooncake"):',
+    'if storage_backend not in ("file", "mooncake", "dynamic"):',
+)
+
+
+def page_view(pool: Any, index: int) -> torch.Tensor:
+    """This rank's rows of the logical page starting at host index ``index``, as a [L, P, D]
+    view into the pool (no copy)."""
+    v = pool.get_data_page(int(index), flat=False)
+    if pool.layout == "layer_first":  # [L, P, 1, D]
+        return v[:, :, 0, :]
+    if pool.layout == "page_first":  # [P, L, 1, D]
+        return v[:, :, 0, :].permute(1, 0, 2)
+    if pool.layout == "page_first_direct":  # [1, L, P, 1, D]
+        return v[0, :, :, 0, :]
+    raise L3Error(f"host layout {pool.layout!r} is not supported; use one of {LAYOUTS}")
+
+
+def flat_view(pool: Any, flat: torch.Tensor) -> torch.Tensor:
+    """A flat page in the pool's own order (SGLang's generic path) as a [L, P, D] view."""
+    L, P, D = pool.layer_num, pool.page_size, pool.kv_cache_dim
+    if flat.numel() != L * P * D or flat.dtype != pool.dtype:
+        raise L3Error(f"a flat page must hold {L * P * D} {pool.dtype} values, got "
+                      f"{flat.numel()} {flat.dtype}")
+    if pool.layout == "page_first":
+        return flat.view(P, L, D).permute(1, 0, 2)
+    return flat.view(L, P, D)
+
+
+class HiCacheL3Storage(HiCacheStorage):
+    """SGLang ``HiCacheStorage`` over hicache's L3 page store (LMDB or Redis)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+        extra = dict(storage_config.extra_config or {})
+        self.where = extra.get("store")
+        if self.where is None:
+            raise L3Error("the hicache storage backend needs 'store' in the extra config: an "
+                          "LMDB directory, a Redis URL or a list of Redis Cluster node URLs")
+        if not storage_config.is_mla_model:
+            raise L3Error("the hicache storage backend serves MLA models (rank-replicated KV); "
+                          "this model's KV is split by TP heads")
+        self.config = storage_config
+        self.capacity_bytes = extra.get("capacity_bytes")
+        self.timeout_s = extra.get("timeout_s")
+        override = extra.get("weights_signature")
+        if not (override or storage_config.model_name):
+            raise L3Error("SGLang gave no model name; pass weights_signature in the extra config")
+        self.weights = weights_signature(storage_config.model_name or "", override)
+        self.writer = bool(storage_config.is_storage_writer)  # SGLang's own rule
+        self.rank = storage_config.dcp_rank
+        self.namespace: Namespace | None = None
+        self.store: L3Store | None = None
+        self.mem_pool_host = None
+
+    # ---- set-up ------------------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+        pool = mem_pool_host
+        if not isinstance(pool, MLATokenToKVPoolHost) or pool.kv_buffer is None:
+            raise L3Error("the hicache storage backend needs a materialized MLA host pool, got "
+                          f"{type(pool).__name__}")
+        if pool.layout not in LAYOUTS:
+            raise L3Error(f"host layout {pool.layout!r} is not supported; use one of {LAYOUTS}")
+        cfg = self.config
+        if (pool.dcp_size, pool.dcp_rank) != (cfg.dcp_size, cfg.dcp_rank):
+            raise L3Error(f"host pool DCP {pool.dcp_rank}/{pool.dcp_size} differs from the "
+                          f"storage config's {cfg.dcp_rank}/{cfg.dcp_size}")
+        fields = {
+            "engine": "sglang", "model": cfg.model_name, "weights": self.weights,
+            "pp": cfg.pp_size, "pp_rank": cfg.pp_rank, "layers": [pool.start_layer,
+                                                                  pool.end_layer],
+            "cp": cfg.attn_cp_size, "cp_rank": cfg.attn_cp_rank,
+            "format": getattr(pool, "storage_format_tag", None),
+        }
+        ns = Namespace(model=signature(fields), num_layers=pool.layer_num,
+                       kv_dim=pool.kv_cache_dim, dtype=pool.dtype, page_size=pool.page_size,
+                       dcp_size=cfg.dcp_size)
+        if self.store is not None:
+            self.store.close()
+        self.store = open_store(self.where, ns, self.rank, writer=True,
+                                capacity_bytes=self.capacity_bytes, timeout_s=self.timeout_s)
+        self.namespace = ns
+        self.mem_pool_host = pool
+        self.logical_page_size = pool.page_size * pool.dcp_size
+
+    def _keys(self, keys: List[str]) -> list[bytes]:
+        if self.store is None:
+            raise L3Error("register_mem_pool_host was not called")
+        return store_keys(keys, self.namespace, self.rank)
+
+    def _starts(self, keys: List[str], host_indices: torch.Tensor) -> list[int]:
+        need = len(keys) * self.logical_page_size
+        if host_indices.numel() < need:
+            raise L3Error(f"{len(keys)} pages need {need} host indices, got "
+                          f"{host_indices.numel()}")
+        return host_indices[:need:self.logical_page_size].tolist()
+
+    def _put(self, keys: List[str], shards: list[torch.Tensor]) -> list[bool]:
+        if not self.writer:  # SGLang skips backups on non-writers; never write from one
+            return [False] * len(keys)
+        return list(self.store.put(self._keys(keys), shards).stored)
+
+    # ---- zero-copy interface (extra config "interface_v1": 1) ---------------------------------
+    def batch_exists(self, keys: List[str], extra_info=None) -> int:
+        return self.store.exists_prefix(self._keys(keys)) if keys else 0
+
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info=None) -> List[bool]:
+        starts = self._starts(keys, host_indices)
+        pool = self.mem_pool_host
+        n = self.store.get(self._keys(keys), lambda i: page_view(pool, starts[i]))
+        return [i < n for i in range(len(keys))]
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info=None) -> List[bool]:
+        starts = self._starts(keys, host_indices)
+        return self._put(keys, [page_view(self.mem_pool_host, s) for s in starts])
+
+    # ---- generic interface (flat pages in the pool's order) -----------------------------------
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None):
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: List[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> List[torch.Tensor | None]:
+        pool = self.mem_pool_host
+        outs = [t if t is not None else pool.get_dummy_flat_data_page()
+                for t in (target_locations or [None] * len(keys))]
+        n = self.store.get(self._keys(keys), [flat_view(pool, t) for t in outs])
+        return [outs[i] if i < n else None for i in range(len(keys))]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        if values is None or len(values) != len(keys):
+            raise L3Error(f"batch_set got {len(keys)} keys but "
+                          f"{None if values is None else len(values)} values")
+        return all(self._put(keys, [flat_view(self.mem_pool_host, v) for v in values]))
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()

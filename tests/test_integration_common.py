@@ -1,0 +1,74 @@
+"""The engine-free parts of the engine adapters: vLLM row shards, engine keys, weights signature."""
+
+import os
+
+import pytest
+
+from hicache.integrations.common import engine_chain, signature, store_keys, weights_signature
+from hicache.integrations.rows import row_layout
+from hicache.l3 import L3Error, Namespace
+
+
+def test_mla_dcp_row_has_one_slot_per_shard_copy():
+    # tp=4, dcp=2: workers 0,2 hold DCP shard 0 and 1,3 hold shard 1 (vLLM's DCP groups are
+    # consecutive TP ranks); pp=2 doubles the shards (stage 1 holds other layers).
+    lay = row_layout(world_size=8, tp=4, pp=2, pcp=1, dcp=2, mla=True, single_copy=False,
+                     worker_bytes=100)
+    assert lay.shard_of == (0, 1, 0, 1, 2, 3, 2, 3)
+    assert lay.num_shards == 4
+    assert lay.slots_of(1) == (1, 3) and lay.slots_of(2) == (4, 6)
+    assert lay.span(3) == slice(300, 400) and lay.used_bytes == 800
+
+
+def test_rows_without_mla_or_with_pcp_keep_every_slot():
+    for kw in (dict(mla=False, pcp=1, tp=4), dict(mla=True, pcp=2, tp=2)):
+        lay = row_layout(world_size=4, pp=1, dcp=1, single_copy=False, worker_bytes=8, **kw)
+        assert lay.shard_of == (0, 1, 2, 3) and lay.num_shards == 4
+
+
+def test_single_copy_row_and_bad_sizes():
+    lay = row_layout(world_size=4, tp=4, pp=1, pcp=1, dcp=1, mla=True, single_copy=True,
+                     worker_bytes=8)
+    assert lay.shard_of == (0,) and lay.num_shards == 1
+    with pytest.raises(L3Error, match="world_size 6"):
+        row_layout(world_size=6, tp=4, pp=1, pcp=1, dcp=1, mla=True, single_copy=False,
+                   worker_bytes=8)
+    with pytest.raises(L3Error, match="not a multiple of dcp"):
+        row_layout(world_size=4, tp=4, pp=1, pcp=1, dcp=3, mla=True, single_copy=False,
+                   worker_bytes=8)
+    with pytest.raises(L3Error, match="single-copy"):
+        row_layout(world_size=4, tp=4, pp=1, pcp=1, dcp=2, mla=True, single_copy=True,
+                   worker_bytes=8)
+    with pytest.raises(L3Error, match="worker_bytes"):
+        row_layout(world_size=1, tp=1, pp=1, pcp=1, dcp=1, mla=True, single_copy=False,
+                   worker_bytes=0)
+
+
+def test_engine_keys_are_per_shard_and_per_namespace():
+    ns = Namespace(model="m", num_layers=1, kv_dim=8, dtype="uint8", page_size=1, dcp_size=2)
+    other = Namespace(model="m2", num_layers=1, kv_dim=8, dtype="uint8", page_size=1, dcp_size=2)
+    k0, k1 = store_keys([b"abc"], ns, 0)[0], store_keys(["abc"], ns, 1)[0]
+    assert k0[-16:] == k1[-16:] == engine_chain(b"abc") and k0 != k1
+    assert store_keys([b"abc"], other, 0)[0] != k0
+    assert engine_chain(b"abd") != engine_chain(b"abc")
+    with pytest.raises(L3Error, match="engine key"):
+        engine_chain(b"")
+    assert signature({"b": 1, "a": [2]}) == signature({"a": [2], "b": 1}) == "a=[2],b=1"
+
+
+def test_weights_signature_follows_the_weight_bytes(tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_text('{"hidden": 8}')
+    (d / "model.safetensors").write_bytes(os.urandom(300_000))
+    a = weights_signature(str(d))
+    assert a == weights_signature(str(d)) and a.startswith("dir:")
+    data = bytearray((d / "model.safetensors").read_bytes())
+    data[-5] ^= 1  # a fine-tune of the same shapes: same names and sizes, other bytes
+    (d / "model.safetensors").write_bytes(bytes(data))
+    assert weights_signature(str(d)) != a
+    assert weights_signature(str(d), override="rev-1") == "rev-1"
+    assert weights_signature("org/model") == "id:org/model"
+    (d / "model.safetensors").unlink()
+    with pytest.raises(L3Error, match="no weight files"):
+        weights_signature(str(d))
