@@ -148,7 +148,8 @@ class HiCacheL3Storage(HiCacheStorage):
 
     # ---- zero-copy interface (extra config "interface_v1": 1) ---------------------------------
     def batch_exists(self, keys: List[str], extra_info=None) -> int:
-        return self.store.exists_prefix(self._keys(keys)) if keys else 0
+        skeys = self._keys(keys)
+        return self.store.exists_prefix(skeys) if skeys else 0
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info=None) -> List[bool]:
