@@ -24,12 +24,24 @@ test: $(STAMP)
 
 # The engine adapters' tests run against the real vLLM and SGLang in their own environment:
 # CPU torch, the package, then the two engines WITHOUT their (CUDA) dependencies, plus only what
-# their offload / storage modules import (pure-Python or CPU wheels; --no-deps each, so nothing
-# can pull a CUDA torch).
+# their offload / storage modules import (found by importing them; --no-deps each, so nothing
+# can pull a CUDA torch or torchvision; SGLang's configs import torchvision, which the tests
+# replace by an import-only placeholder, tests/engines/stubs).
 EPY     := .venv-engines/bin/python
 ESTAMP  := .venv-engines/.stamp-install
 ENGINES := vllm==0.33.0 sglang==0.5.23
-ENGINE_DEPS := ENGINE_DEPS_PLACEHOLDER
+ENGINE_DEPS := aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 annotated-doc==0.0.7 \
+  annotated-types==0.8.0 anyio==4.16.0 apache-tvm-ffi==0.1.11 attrs==26.1.0 cachetools==8.0.2 \
+  cbor2==6.3.0 certifi==2026.10.19.post1 cloudpickle==3.1.3 compressed-tensors==0.20.1 \
+  dill==0.4.1 fastapi==0.136.3 frozenlist==1.8.0 gguf==0.19.0 h11==0.16.0 httpcore2==2.16.2 \
+  httpx2==2.16.2 huggingface_hub==2.4.0 idna==3.20 ipython==9.18.1 llguidance==1.9.1 \
+  loguru==0.7.3 msgspec==0.23.0 multidict==7.2.1 openai==3.57.0 openai-harmony==0.0.8 \
+  orjson==3.13.0 partial-json-parser==0.2.1.1.post7 prometheus_client==0.26.0 \
+  propcache==0.5.4 py-cpuinfo==9.0.0 pybase64==1.5.1 pydantic==2.14.4 pydantic_core==2.50.5 \
+  PyYAML==6.0.4 pyzmq==27.3.0 regex==2026.11.19 requests==2.34.2 safetensors==0.8.0 \
+  sentencepiece==0.2.3 sniffio==1.3.1 starlette==1.10.0 tokenizers==0.23.3 traitlets==5.16.1 \
+  transformers==5.24.0 truststore==0.10.5 typing-inspection==0.4.5 urllib3==2.8.0 \
+  uvloop==0.23.0 xgrammar==0.2.8 yarl==1.25.1
 
 $(ESTAMP): pyproject.toml Makefile
 	test -x $(EPY) || python3 -m venv .venv-engines
