@@ -62,7 +62,7 @@ def test_weights_signature_follows_the_weight_bytes(tmp_path):
     (d / "config.json").write_text('{"hidden": 8}')
     (d / "model.safetensors").write_bytes(os.urandom(300_000))
     a = weights_signature(str(d))
-    assert a == weights_signature(str(d)) and a.startswith("dir:")
+    assert a == weights_signature(str(d))
     data = bytearray((d / "model.safetensors").read_bytes())
     data[-5] ^= 1  # a fine-tune of the same shapes: same names and sizes, other bytes
     (d / "model.safetensors").write_bytes(bytes(data))
@@ -70,5 +70,5 @@ def test_weights_signature_follows_the_weight_bytes(tmp_path):
     assert weights_signature(str(d), override="rev-1") == "rev-1"
     assert weights_signature("org/model") == "id:org/model"
     (d / "model.safetensors").unlink()
-    with pytest.raises(L3Error, match="no weight files"):
+    with pytest.raises(L3Error, match="cannot sign"):
         weights_signature(str(d))

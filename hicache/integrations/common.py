@@ -13,12 +13,6 @@ from ..l3.keys import DIGEST_BYTES
 
 log = logging.getLogger(__name__)
 
-# Files whose bytes are the weights (the rest of a checkpoint directory is metadata).
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_META_FILES = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
-_SAMPLES = 8  # sampled windows per weight file
-_WINDOW = 64 << 10
-
 
 def engine_chain(engine_key: bytes | str) -> bytes:
     """The 16-byte chain part of a store key from an engine's own page/block hash (an engine
@@ -39,10 +33,10 @@ def store_keys(engine_keys: Iterable[bytes | str], namespace: Namespace, rank: i
 def weights_signature(model: str, override: str | None = None) -> str:
     """A signature of the weights a model name stands for.
 
-    ``override`` (a revision, a checksum, ...) wins. For a local checkpoint directory: a hash of
-    its config files and, for every weight file, its name, size and sampled content windows (a
-    fine-tune of the same shapes differs in every window). For a hub id nothing local pins the
-    weights: the id is used and a warning asks for ``weights_signature``.
+    ``override`` (a revision, a checksum, ...) wins. A local checkpoint directory is signed by
+    the digest of its config and weight files (:func:`hicache.engine.hf.weights_signature`,
+    cached beside the files). For a hub id nothing local pins the weights: the id is used and a
+    warning asks for ``weights_signature``.
     """
     if override:
         return str(override)
@@ -53,30 +47,12 @@ def weights_signature(model: str, override: str | None = None) -> str:
                     "its weights; pass weights_signature (e.g. the revision) so a store written "
                     "with other weights never hits", model)
         return f"id:{model}"
-    h = hashlib.blake2b(digest_size=16, person=b"hicache-weights")
-    names = sorted(os.listdir(model))
-    for name in names:
-        path = os.path.join(model, name)
-        if name in _META_FILES and os.path.isfile(path):
-            h.update(name.encode() + b"\0")
-            with open(path, "rb") as f:
-                h.update(f.read())
-    found = False
-    for name in names:
-        path = os.path.join(model, name)
-        if not name.endswith(_WEIGHT_SUFFIXES) or not os.path.isfile(path):
-            continue
-        found = True
-        size = os.path.getsize(path)
-        h.update(f"{name}\0{size}\0".encode())
-        with open(path, "rb") as f:
-            for i in range(_SAMPLES):
-                f.seek(max(size - _WINDOW, 0) * i // max(_SAMPLES - 1, 1))
-                h.update(f.read(_WINDOW))
-    if not found:
-        raise L3Error(f"model directory {model!r} holds no weight files "
-                      f"({', '.join(_WEIGHT_SUFFIXES)}); pass weights_signature")
-    return "dir:" + h.hexdigest()
+    from ..engine.hf import HFCheckpointError, weights_signature as checkpoint_signature
+    try:
+        return checkpoint_signature(model)
+    except HFCheckpointError as e:
+        raise L3Error(f"cannot sign the weights of {model!r}: {e}; pass weights_signature") \
+            from None
 
 
 def signature(fields: dict[str, Any]) -> str:
