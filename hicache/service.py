@@ -33,7 +33,7 @@ from .controller import BackupOp, CacheController, DeviceFullError, StepAgreemen
 from .controller.tree import as_tokens
 from .l1.pool import DeviceKVPool, pick_device
 from .l2.pool import HostKVPool, check_host_memory, check_node_memory
-from .l2.transfer import TransferEngine, TransferError
+from .l2.transfer import DONE, FAILED, TransferEngine, TransferError
 from .l3 import (AsyncWriter, CostModel, Namespace, Prefetcher, PrefetchPolicy, agree_prefetch,
                  chain_hashes, keys_for_rank, open_store, prefetch_signals, should_write)
 from .l3.guard import GuardedStore
@@ -59,6 +59,7 @@ class Prefix:
     storage_len: int = 0            # L3 hit restored (agreed by all ranks)
     page_table: list = field(default_factory=list)  # widened device page ids
     ready: bool = False
+    room_wait: int = 0              # steps the agreed L3 restore has waited for L1 room
 
     @property
     def hit_len(self) -> int:
@@ -89,6 +90,8 @@ class TierStats:
     controller_s: float = 0.0      # inside the controller (match, lock, insert, evict, ...)
     agreement_s: float = 0.0       # the per-step collective, waiting on other ranks included
     steps: int = 0
+    restore_wait_steps: int = 0    # steps agreed L3 restores waited for L1 room (all requests)
+    restore_fallbacks: int = 0     # agreed L3 restores recomputed after RESTORE_RETRIES steps
 
 
 class HiCache:
@@ -159,6 +162,12 @@ class HiCache:
         self._chain_of_page: dict[int, tuple] = {}  # device page -> (L3 chain, index in prefix)
         self._stats = TierStats()
         self._closed = False
+        # Failures: ``_fault`` is this rank's first failure not yet agreed (it rides as the
+        # health flag in the next step's all-reduce); ``_failed`` is the agreed failure, after
+        # which the cache is stopped on every rank alike (see ``step``).
+        self._fault: BaseException | None = None
+        self._failed: BaseException | None = None
+        self._owned = np.zeros(config.l1.num_pages, dtype=bool)  # pages of admitted requests
         self.l3 = self._writer = self._prefetcher = None
         if "l3" in self.tiers:
             self._open_l3()
@@ -183,6 +192,7 @@ class HiCache:
         """Match ``tokens`` (the prompt) and lock the hit. The last prompt token is never a hit
         (its logits are needed). L2 hits start loading now; an L3 hit is prefetched and becomes
         usable after the next ``step`` on which every rank has it (``prefix.ready``)."""
+        self._check_usable("admit")
         if request_id in self._reqs:
             raise HiCacheError(f"request {request_id!r} is already admitted")
         arr = as_tokens(tokens)
@@ -252,40 +262,80 @@ class HiCache:
     def alloc(self, request_id, n_tokens: int) -> list[int]:
         """Grow the request's page table to hold ``n_tokens`` tokens in all; the new pages.
         Raises DeviceFullError (retry after a ``step``) when L1 has no room even after eviction."""
+        self._check_usable("alloc")
         req = self._req(request_id)
+        if not req.prefix.ready:
+            raise HiCacheError(f"alloc for request {request_id!r} before prefix.ready: its L3 "
+                               "restore is not agreed yet (call step() until it is ready)")
         need = -(-n_tokens // self.page_tokens) - len(req.prefix.page_table)
         if need <= 0:
             return []
         pages = self._ctl(self.ctrl.alloc_device, need)
         self._unmap(pages)
         self._launch(self.ctrl.take_ops())
+        self._owned[pages] = True
         req.own_pages += pages
         req.prefix.page_table += pages
         return pages
 
     def write_kv(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> int:
-        """Keep this rank's owned rows of ``rows`` ([n, kv_dim]) at virtual ``slots``."""
-        return self.l1.write(layer, slots, rows)
+        """Keep this rank's owned rows of ``rows`` ([n, kv_dim]) at virtual ``slots``. Every
+        slot must lie in a page ``alloc`` gave an admitted request (never a cached page)."""
+        self._check_usable("write_kv")
+        v = self.l1._slots(slots)  # int64 [n] on the CPU, range-checked
+        if v.numel():
+            pages = np.unique((v // self.page_tokens).numpy())
+            bad = pages[~self._owned[pages]]
+            if bad.size:
+                raise HiCacheError(f"write_kv into device page {int(bad[0])}, which no admitted "
+                                   "request owns (a cached page or a free one): only pages "
+                                   "from alloc() take new KV")
+        return self.l1.write(layer, v, rows)
 
     def wait_layer(self, request_id, layer: int) -> None:
+        """Before attention of ``layer``: wait until the request's loaded pages hold it. A load
+        that failed does NOT raise here (the engine is between collectives, and the other ranks
+        would wait in the next one): it is recorded, the rank computes on whatever the pages
+        hold, and every rank raises at the next ``step()``, before any token is returned."""
         job = self._req(request_id).load_job
         if job is not None:
-            job.wait_layer(layer)
+            try:
+                job.wait_layer(layer)
+            except TransferError as err:
+                self._record(err)
 
     def finish(self, request_id, tokens) -> None:
         """The request is done; ``tokens`` are those whose KV is in its pages (prompt plus the
         generated tokens that were fed back). Whole pages are cached; the rest is freed."""
-        req = self._reqs.pop(request_id, None)
+        if self._closed:
+            raise HiCacheError("finish after close()")
+        req = self._reqs.get(request_id)
         if req is None:
             raise HiCacheError(f"finish of unknown request {request_id!r}")
+        arr = as_tokens(tokens)
+        n = min(arr.size, req.tokens.size)
+        if not np.array_equal(arr[:n], req.tokens[:n]):
+            bad = int(np.flatnonzero(arr[:n] != req.tokens[:n])[0])
+            raise HiCacheError(f"finish of request {request_id!r}: token {bad} is {int(arr[bad])} "
+                               f"but the admitted prompt has {int(req.tokens[bad])} there")
+        del self._reqs[request_id]
         if req.prefetch is not None:  # finished before its prefetch resolved
             req.prefetch.cancel()
             self._pending.remove(req)
         if req.load_job is not None:
-            req.load_job.wait()
-        arr = as_tokens(tokens)
+            try:
+                req.load_job.wait()
+            except TransferError as err:  # agreed at the next step; the bookkeeping goes on
+                self._record(err)
+        self._owned[req.own_pages] = False
         table = req.prefix.page_table
         whole = min(arr.size // self.page_tokens, len(table))
+        if self._failed is not None:  # stopped: insert nothing, only release
+            if req.lock is not None:
+                self._ctl(self.ctrl.unlock, req.lock)
+            if req.own_pages:
+                self._ctl(self.ctrl.free_device, req.own_pages)
+            return
         if self.tiers:
             res = self._ctl(self.ctrl.insert, arr[:whole * self.page_tokens], table[:whole])
             if self.l3 is not None:
@@ -302,6 +352,8 @@ class HiCache:
     def abort(self, request_id) -> None:
         """Drop an admitted request and cache nothing from it (preemption); a later ``admit``
         of the same request starts afresh and is counted once."""
+        if self._closed:
+            raise HiCacheError("abort after close()")
         req = self._req(request_id)
         s, p = self._stats, req.prefix
         s.requests -= 1
@@ -315,25 +367,31 @@ class HiCache:
     def step(self) -> list:
         """Once per scheduler step on every rank: launch new transfers, agree (one all-reduce)
         on finished transfers and L3 prefetches, apply what every rank finished. Returns the
-        prefixes that became ready in this step."""
+        prefixes that became ready in this step.
+
+        The same all-reduce carries this rank's health: a copy that failed (or could not be
+        issued), a load that failed under ``wait_layer``, an L3 write error. If any rank is
+        unhealthy, every rank raises ``TransferError`` here, at the same step, and the cache is
+        stopped on every rank: ``finish``/``abort`` then only release locks and pages, every
+        other call raises the same error, ``close`` cleans up. Build a new HiCache to go on."""
+        self._check_usable("step")
         self._launch(self.ctrl.take_ops())
-        done, failed = set(), []
+        done = set()
         for o, (_op, job, _c) in self._jobs.items():
-            if job.failed:
-                failed.append(job)
-            elif job.done():
+            state = job.status()  # one read: a copy failing meanwhile is never seen as done
+            if state == DONE:
                 done.add(o)
+            elif state == FAILED:
+                self._record(_job_error(job))
+        if self._writer is not None and self._writer.error is not None:
+            self._record(self._writer.error)
         handles = [r.prefetch for r in self._pending]
         t0 = time.perf_counter()
-        # extras[0] is this rank's health: a copy that failed anywhere stops every rank at the
-        # same step, instead of one rank raising while the others wait in the next collective.
-        res = self.ctrl.agree(self.agreement, done, [int(not failed)] + prefetch_signals(handles))
+        res = self.ctrl.agree(self.agreement, done,
+                              [int(self._fault is None)] + prefetch_signals(handles))
         self._stats.agreement_s += time.perf_counter() - t0  # the collective, waits included
         if res.extras[0] == 0:
-            if failed:
-                failed[0].wait()  # raises TransferError naming the transfer and its cause
-            raise TransferError("a transfer failed on another rank of the DCP group; "
-                                "stopping at the same step")
+            self._stop()
         for o in res.done_ops:
             self._finished(*self._jobs.pop(o))
         ready = []
@@ -347,16 +405,22 @@ class HiCache:
         return ready
 
     def drain(self) -> None:
-        """Wait for every local transfer, ``step`` so all ranks apply them (collective), and
-        flush the L3 writes that followed."""
+        """Wait for every local transfer, ``step`` so all ranks apply them (collective), flush
+        the L3 writes that followed, and ``step`` once more so a write error on one rank stops
+        every rank alike."""
+        self._check_usable("drain")
         for _op, job, _c in list(self._jobs.values()):
             try:
                 job.wait()
             except TransferError:
                 pass  # reported by the step below, on every rank at once
         self.step()
-        if self._writer is not None:
-            self._writer.flush()
+        if self._writer is not None:  # replicated: every rank takes this branch
+            try:
+                self._writer.flush()
+            except Exception as err:
+                self._record(err)
+            self.step()
 
     def prefix(self, request_id) -> Prefix:
         return self._req(request_id).prefix
@@ -375,6 +439,7 @@ class HiCache:
                           "l3": 0},
             "corrupt": 0, "l3_errors": 0, "controller_s": s.controller_s, "steps": s.steps,
             "agreement_s": s.agreement_s,
+            "restore_wait_steps": s.restore_wait_steps, "restore_fallbacks": s.restore_fallbacks,
             "pages": {"l1": self.ctrl.device.num_used, "l2": self.ctrl.host.num_used},
             "locks": sum(1 for r in self._reqs.values() if r.lock is not None),
         }
@@ -389,16 +454,17 @@ class HiCache:
         return out
 
     def close(self, flush: bool = True) -> None:
-        """Finish transfers, apply them (one last agreement: every rank calls ``close``) and
-        flush their L3 writes. ``flush=False`` (after an error) only waits for local copies.
-        Safe to call twice."""
+        """Finish transfers, apply them and flush their L3 writes (``drain``: every rank calls
+        ``close``). ``flush=False`` (after an error), or a stopped cache, only waits for local
+        copies and never raises. Safe to call twice."""
         if self._closed:
             return
-        self._closed = True
         try:
-            if flush and self.ctrl.inflight_ops():  # replicated: every rank takes this branch
-                self.drain()
+            if flush and self._failed is None and (self.ctrl.inflight_ops()
+                                                   or self._writer is not None):
+                self.drain()  # replicated condition: every rank takes this branch
         finally:
+            self._closed = True
             for _op, job, _c in list(self._jobs.values()):
                 try:  # copies must stop before the pools go; a failure was reported already
                     job.wait()
@@ -406,7 +472,9 @@ class HiCache:
                     pass
             try:
                 if self._writer is not None:
-                    self._writer.close()  # flushes; re-raises a background write error
+                    self._writer.close()  # flushed by drain; an error was agreed there
+            except Exception:
+                pass  # only reachable after a failure (flush=False or stopped): reported
             finally:
                 if self._prefetcher is not None:
                     self._prefetcher.close()
@@ -440,6 +508,34 @@ class HiCache:
         finally:
             self._stats.controller_s += time.perf_counter() - t0
 
+    def _record(self, err: BaseException) -> None:
+        """This rank failed: keep going in lockstep, say so at the next step's agreement."""
+        if self._fault is None:
+            self._fault = err
+
+    def _stop(self) -> None:
+        """Some rank is unhealthy (agreed): stop this cache and raise, on every rank alike."""
+        step = self._stats.steps
+        if self._fault is not None:
+            err = TransferError(f"step {step}: this rank failed: {self._fault}")
+            cause = self._fault
+        else:
+            err = TransferError(f"step {step}: a transfer failed on another rank of the DCP "
+                                "group; stopping at the same step")
+            cause = None
+        err.__cause__ = cause
+        self._failed = err
+        for req in self._pending:  # nothing more is restored
+            req.prefetch.cancel(wait=False)
+        raise err
+
+    def _check_usable(self, what: str) -> None:
+        if self._closed:
+            raise HiCacheError(f"{what} after close()")
+        if self._failed is not None:
+            raise TransferError(f"{what}: the cache stopped after a failure "
+                                f"({self._failed})") from self._failed
+
     def _req(self, request_id) -> _Request:
         try:
             return self._reqs[request_id]
@@ -447,13 +543,23 @@ class HiCache:
             raise HiCacheError(f"unknown request {request_id!r}") from None
 
     def _launch(self, ops: Iterable, owner: _Request | None = None) -> None:
+        """Issue the controller's ops. An op that cannot even be issued (CUDA out of memory for
+        its index tensors, a CuPy error) becomes a failed job: the op stays in flight like on
+        every other rank, and the failure is agreed at the next step."""
         for op in ops:
-            if isinstance(op, BackupOp):
-                job = self.transfer.backup(list(op.device_pages), list(op.host_pages))
+            backup = isinstance(op, BackupOp)
+            try:
+                if backup:
+                    job = self.transfer.backup(list(op.device_pages), list(op.host_pages))
+                else:
+                    job = self.transfer.load(list(op.host_pages), list(op.device_pages))
+            except Exception as err:
+                self._record(err)
+                job = _FailedJob(err)
+            if backup:
                 chains = [self._chain_of_page.get(p) for p in op.device_pages]
                 self._jobs[op.op_id] = (op, job, chains)
             else:
-                job = self.transfer.load(list(op.host_pages), list(op.device_pages))
                 self._jobs[op.op_id] = (op, job, None)
                 if owner is not None:
                     owner.load_job = job
@@ -467,7 +573,11 @@ class HiCache:
                          if c is not None and should_write(c[1], *self.replica)]
                 if pairs:
                     keys = self._keys([c for c, _ in pairs])
-                    self._writer.submit(keys, [self.l2.read_page(h).clone() for _, h in pairs])
+                    try:
+                        self._writer.submit(keys, [self.l2.read_page(h).clone()
+                                                   for _, h in pairs])
+                    except Exception as err:  # agreed at the next step
+                        self._record(err)
         else:
             self._stats.bytes["h2d"] += job.nbytes
             self._stats.transfer_s["h2d"] += job.seconds
@@ -482,16 +592,23 @@ class HiCache:
             self._unmap(dev)
         except DeviceFullError:
             req.restore_tries += 1
+            prefix.room_wait = req.restore_tries
+            self._stats.restore_wait_steps += 1
             if req.restore_tries <= RESTORE_RETRIES:
                 self._launch(self.ctrl.take_ops())
                 return False
             dev, pages = [], 0
+            self._stats.restore_fallbacks += 1
         self._launch(self.ctrl.take_ops())
         if pages:
             rows = self.layout.page_rows(torch.tensor(dev))
-            data = torch.stack(req.staging[:pages])  # [n, L, P, D]
-            self.l1.kv[:, rows] = data.permute(1, 0, 2, 3).reshape(
-                self.l1.kv.shape[0], -1, self.l1.kv.shape[-1]).to(self.l1.device)
+            try:
+                data = torch.stack(req.staging[:pages])  # [n, L, P, D]
+                self.l1.kv[:, rows] = data.permute(1, 0, 2, 3).reshape(
+                    self.l1.kv.shape[0], -1, self.l1.kv.shape[-1]).to(self.l1.device)
+            except Exception as err:  # e.g. out of device memory: agreed at the next step
+                self._record(err)
+            self._owned[dev] = True
             req.own_pages += dev
             prefix.page_table += dev
             prefix.storage_len = pages * self.page_tokens
@@ -510,6 +627,33 @@ class HiCache:
         hits["l1"] += prefix.device_len
         hits["l2"] += prefix.host_len
         hits["l3"] += prefix.storage_len
+
+
+def _job_error(job) -> TransferError:
+    """The TransferError a failed job's ``wait`` raises."""
+    try:
+        job.wait()
+    except TransferError as err:
+        return err
+    return TransferError("a transfer failed")  # unreachable for a FAILED job
+
+
+class _FailedJob:
+    """An op whose copy could not be issued: failed from the start, like a copy that raised."""
+
+    def __init__(self, err: BaseException) -> None:
+        self.error = TransferError(f"could not issue the transfer: {err!r}")
+        self.error.__cause__ = err
+        self.nbytes, self.seconds = 0, 0.0
+
+    def status(self) -> str:
+        return FAILED
+
+    def wait(self, timeout: float | None = None) -> None:
+        raise self.error
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+        raise self.error
 
 
 class _Waits:

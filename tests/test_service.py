@@ -314,7 +314,9 @@ def test_reused_device_pages_never_carry_an_old_l3_key(tmp_path):
         cache.step()
 
     def pressure(cache, rid, tokens):  # forces evictions, then is preempted
-        cache.admit(rid, tokens)
+        p = cache.admit(rid, tokens)
+        while not p.ready:
+            cache.step()
         try:
             cache.alloc(rid, len(tokens))
         except DeviceFullError:
@@ -355,6 +357,8 @@ def test_a_failed_copy_is_never_agreed(tmp_path, monkeypatch):
     tokens = np.random.default_rng(0).integers(0, 128, 8)
     cache = HiCache(cfg, mode="l1+l2+l3")
     p = cache.admit("a", np.concatenate([tokens, [1]]))
+    while not p.ready:
+        cache.step()
     cache.alloc("a", 9)
     _fill(cache, p.page_table, 1.0)
 

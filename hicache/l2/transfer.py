@@ -65,6 +65,11 @@ class TransferError(RuntimeError):
     """A transfer failed, or the engine was used after ``close()``."""
 
 
+# A job's state, read in ONE attribute read (``TransferJob.status``): it only ever moves from
+# PENDING to DONE or to FAILED, so a caller deciding "failed or done" never sees a mix.
+PENDING, DONE, FAILED = "pending", "done", "failed"
+
+
 @dataclass(frozen=True)
 class TransferPlan:
     """Pages to move, validated, plus the coalesced runs of consecutive (src, dst) pages."""
@@ -351,6 +356,7 @@ class TransferJob:
         self.seconds = 0.0  # copy time on the worker (CPU path; 0 on CUDA, where it is async)
         self._cuda = cuda
         self._error: BaseException | None = None
+        self._state = PENDING  # written once, by _succeed or _fail
         self._blocks: BlockPlan | None = None  # CPU direct: the copy plan, made at submit
         # CPU: whoever takes this lock first runs the job (the worker, or a thread in wait()
         # that would otherwise sleep: no hand-off); _runner is the engine's executor
@@ -381,6 +387,19 @@ class TransferJob:
     def failed(self) -> bool:
         """The copy raised: ``done()`` is True but the data is not there (``wait`` raises)."""
         return self._error is not None
+
+    def status(self) -> str:
+        """PENDING, DONE or FAILED from one read of the job's state: decide on this, never on
+        ``failed`` then ``done()`` (a copy failing between the two reads would look done)."""
+        state = self._state
+        if state == DONE and self._cuda:
+            try:
+                if not all(e.query() for e in self._events):
+                    return PENDING
+            except Exception as err:  # an asynchronous CUDA error surfaces here
+                self._fail(err)
+                return FAILED
+        return state
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -440,8 +459,13 @@ class TransferJob:
                 self._arrived = a
                 self._cond.notify_all()
 
+    def _succeed(self) -> None:
+        self._state = DONE
+        self._finished.set()
+
     def _fail(self, err: BaseException) -> None:
         self._error = err
+        self._state = FAILED
         if not self._cuda:
             with self._cond:
                 self._cond.notify_all()
@@ -607,7 +631,7 @@ class TransferEngine:
             job._fail(err)
         else:
             self._account(job)
-            job._finished.set()
+            job._succeed()
 
     def _cpu_sides(self, direction: str):
         """(src blocks, src strides, dst blocks, dst strides) for a direction."""
@@ -693,7 +717,7 @@ class TransferEngine:
             job._fail(err)
             raise TransferError(f"could not issue the {job.direction} transfer: {err!r}") from err
         self._account(job)
-        job._finished.set()
+        job._succeed()
 
     def _issue(self, job: TransferJob, how: DeviceCopyPlan, stream, layer_done,
                kernel=None) -> int:

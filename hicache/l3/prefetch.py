@@ -70,6 +70,11 @@ class AsyncWriter:
         self._thread.start()
 
     @property
+    def error(self) -> BaseException | None:
+        """The background write error not yet raised by ``flush`` (a non-blocking look)."""
+        return self._error
+
+    @property
     def pending_pages(self) -> int:
         with self._cv:
             return self._pending
