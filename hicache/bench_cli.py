@@ -23,7 +23,7 @@ from . import preflight
 from .cli import UsageError, number, run_guarded
 from .config import HiCacheConfig, load_config
 from .report import table
-from .service import MODES, HiCache
+from .service import MODES, RESTORE_RETRIES, HiCache
 from .workloads import (MAX_REQUEST_TOKENS, SCALE_MAX, SEED_MAX, agentic_trace, chat_trace,
                         load_trace, trace_summary)
 
@@ -61,6 +61,9 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
         wall = time.perf_counter() - t0
         cache.drain()  # every rank: apply the last transfers and L3 writes before counting
         first = cache.stats()  # the figures of the first pass; the soak only watches for leaks
+        first["serving"] = {"preemptions": server.preemptions,
+                            "blocked_steps": server.blocked_steps,
+                            "longest_stall": server.longest_stall}
         prefill = (server.prefill_tokens, server.prefill_s)
         passes, soak = 1, []
         while _agree_continue(opts["duration"] > time.perf_counter() - t0, group):
@@ -141,6 +144,7 @@ def summarize(mode: str, ranks: list[dict], opts: dict) -> dict:
         "controller_us_per_request": 1e6 * st["controller_s"] / max(st["requests"], 1),
         "agreement_us_per_step": 1e6 * st["agreement_s"] / max(st["steps"], 1),
         "evictions": st["evictions"],
+        "stall": stall_summary(st),
         "corrupt_l3_values": sum(r["stats"]["corrupt"] for r in ranks),
         "wall_s": r0["wall_s"],
         "passes": r0["passes"],
@@ -152,6 +156,31 @@ def summarize(mode: str, ranks: list[dict], opts: dict) -> dict:
     if opts["duration"]:
         row["soak"] = _soak_verdict([r["soak"] for r in ranks])
     return row
+
+
+def stall_summary(stats: dict) -> dict:
+    """How much the run waited for L1 room. ``stalled``: an agreed L3 restore fell back to
+    recompute, or requests waited more than RESTORE_RETRIES steps in a row with nothing running
+    (the speed-up of such a run is not reported: it measured a stall, not the cache)."""
+    sv = stats.get("serving", {})
+    out = {"preemptions": sv.get("preemptions", 0), "blocked_steps": sv.get("blocked_steps", 0),
+           "longest_stall": sv.get("longest_stall", 0),
+           "restore_wait_steps": stats.get("restore_wait_steps", 0),
+           "restore_fallbacks": stats.get("restore_fallbacks", 0)}
+    out["stalled"] = bool(out["restore_fallbacks"] or out["longest_stall"] > RESTORE_RETRIES)
+    return out
+
+
+def verify_outputs(reference: dict, rows: list[dict]) -> dict:
+    """Compare each mode's token ids with recompute's, request by request."""
+    differs = {}
+    for r in rows:
+        out = r["outputs"]
+        bad = sum(1 for k in set(reference) | set(out) if out.get(k) != reference.get(k))
+        if bad:
+            differs[r["name"]] = bad
+    return {"reference": "recompute", "requests": len(reference), "equal": not differs,
+            "differs": differs}
 
 
 def ideal_hit_ratio(jobs: list, outputs: dict, page_tokens: int) -> float:
@@ -215,7 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running", type=int, default=4, help="requests in flight")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk tokens")
     p.add_argument("--backend", default="a2a", choices=("a2a", "ag_rs"))
-    p.add_argument("--verify", action="store_true", help="token ids must match across modes")
+    p.add_argument("--verify", action="store_true",
+                   help="token ids of every mode must equal recompute's (run for the purpose "
+                        "when recompute is not among --modes); exit 1 otherwise")
     p.add_argument("--out", help="write the JSON here")
     p.add_argument("--json", action="store_true", help="print the JSON instead of the table")
     p.add_argument("--plot", help="TTFT distribution and hit ratio by tier (needs matplotlib)")
@@ -359,12 +390,13 @@ def _main(args) -> int:
         entry = {"workload": w, "trace": trace_summary(jobs), "modes": rows,
                  "ideal_hit_ratio": ideal_hit_ratio(jobs, rows[0]["outputs"],
                                                     cfg.effective_page_size)}
-        if args.verify:
-            ref = rows[0]["outputs"]
-            bad = [r["name"] for r in rows if r["outputs"] != ref]
-            entry["verify"] = {"equal": not bad, "differs": bad}
-            if bad:
-                failed.append(f"{w}: token ids differ from {rows[0]['name']} in {', '.join(bad)}")
+        if args.verify:  # always against recompute, run for the purpose when not a mode
+            ref = next((r for r in rows if r["name"] == "recompute"), None) \
+                or run_mode(cfg, "recompute", jobs, opts)
+            entry["verify"] = v = verify_outputs(ref["outputs"], rows)
+            for name, n in v["differs"].items():
+                failed.append(f"{w}: token ids of {n} of {v['requests']} requests differ from "
+                              f"recompute in {name}")
         for r in rows:
             if r.get("soak", {}).get("leak"):
                 failed.append(f"{w}:{r['name']}: leak: {r['soak']['leak']}")
@@ -395,22 +427,27 @@ def _print(workload: str, entry: dict, cfg: HiCacheConfig) -> None:
     for r in entry["modes"]:
         h = r["hit_tokens"]
         p = max(r["prompt_tokens"], 1)
+        stall = r.get("stall", {})
         rows.append([r["name"], r["hit_ratio"], h["l1"] / p, h["l2"] / p, h["l3"] / p,
                      r["ttft_s"]["p50"] * 1e3, r["ttft_s"]["p90"] * 1e3, r["ttft_s"]["p99"] * 1e3,
                      r["throughput_tok_s"], r["bytes"]["d2h"] / 1e6, r["bytes"]["h2d"] / 1e6,
                      r["bytes"]["l3_read"] / 1e6, r["bytes"]["l3_write"] / 1e6,
                      r["gbps"]["h2d"], r["controller_us_per_request"],
-                     sum(r["evictions"].values())])
+                     sum(r["evictions"].values()), stall.get("preemptions", 0)])
     print(table(rows, ["mode", "hit", "l1", "l2", "l3", "ttft p50 ms", "p90 ms", "p99 ms",
                        "tok/s", "d2h MB", "h2d MB", "l3 rd MB", "l3 wr MB", "h2d GB/s",
-                       "ctrl us/req", "evict"]))
+                       "ctrl us/req", "evict", "preempt"]))
     print(f"  unlimited memory would hit {entry['ideal_hit_ratio']:.3f} of prompt tokens")
     base = next((r for r in entry["modes"] if r["name"] == "recompute"), None)
-    if base:
-        for r in entry["modes"]:
-            if r is not base and r["ttft_s"]["p50"]:
-                print(f"  {r['name']}: TTFT p50 {base['ttft_s']['p50'] / r['ttft_s']['p50']:.2f}x "
-                      f"faster than recompute")
+    for r in entry["modes"]:
+        st = r.get("stall", {})
+        if st.get("stalled"):
+            print(f"  {r['name']}: STALLED waiting for L1 room ({st['restore_fallbacks']} L3 "
+                  f"restores fell back to recompute, longest wait {st['longest_stall']} "
+                  f"steps, {st['preemptions']} preemptions): no speed-up reported")
+        elif base and r is not base and r["ttft_s"]["p50"]:
+            print(f"  {r['name']}: TTFT p50 {base['ttft_s']['p50'] / r['ttft_s']['p50']:.2f}x "
+                  f"faster than recompute")
     for r in entry["modes"]:
         soak = r.get("soak")
         if soak:
@@ -418,9 +455,12 @@ def _print(workload: str, entry: dict, cfg: HiCacheConfig) -> None:
             print(f"  soak {r['name']}: {soak['passes']} passes; resident MiB per rank once warm "
                   f"{rss or 'n/a'}; pages (l1, l2) per pass {soak.get('pages', [[]])[0]}; "
                   f"leak: {soak['leak'] or 'none'}")
-    if "verify" in entry:
-        print(f"  verify: token ids {'equal' if entry['verify']['equal'] else 'DIFFER'} "
-              "across modes")
+    v = entry.get("verify")
+    if v and v["equal"]:
+        print(f"  verify: token ids equal to recompute in every mode ({v['requests']} requests)")
+    elif v:
+        print("  verify: token ids DIFFER from recompute: " + ", ".join(
+            f"{m} ({n} of {v['requests']} requests)" for m, n in v["differs"].items()))
 
 
 def main(argv: list[str] | None = None) -> int:

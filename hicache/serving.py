@@ -8,6 +8,16 @@ Each scheduler step, on every rank in lockstep:
   4. one decode token for every decoding request (one batched extend);
   5. finish requests that emitted all their tokens (insert, unlock, back up per policy).
 Cache hits change nothing in the output: the same token ids for every mode.
+
+A finished request is returned (and ``on_done`` called) only after the NEXT step's agreement
+succeeded: a load that failed on some rank while its tokens were computed makes that step raise
+on every rank first, so no token computed from failed KV ever reaches a caller.
+
+Progress: a request waiting for L1 room (an agreed L3 restore, or its suffix pages) holds up
+admission, and when nothing else progresses the youngest request that has not started is
+preempted (re-queued), never the oldest: locked hits of active requests cannot starve every
+restore. Preemptions and steps without progress are counted (``preemptions``,
+``blocked_steps``, ``longest_stall``).
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from .config import HiCacheConfig
 from .controller import DeviceFullError
 from .engine.model import MLAModel, ModelConfig
 from .engine.runner import DCPRunner, RequestState
+from .l2.transfer import TransferError
 from .service import HiCache
 
 
@@ -57,6 +68,7 @@ class _Active:
     state: RequestState | None = None
     output: list[int] = field(default_factory=list)
     ttft: float = 0.0
+    room_seen: int = 0  # prefix.room_wait when last looked at
 
 
 class Server:
@@ -77,6 +89,9 @@ class Server:
         self.max_running = max_running
         self.prefill_tokens = 0
         self.prefill_s = 0.0
+        self.preemptions = 0    # requests re-queued so that an older one gets L1 room
+        self.blocked_steps = 0  # steps in which a request waited for room and nothing ran
+        self.longest_stall = 0  # the longest run of such steps
 
     def _wait_layer(self, layer: int) -> None:
         for rid in self._waiting_on:
@@ -84,16 +99,27 @@ class Server:
 
     def run(self, jobs: Sequence, on_done: Callable[[Result], None] | None = None
             ) -> list[Result]:
+        active: list[_Active] = []
+        try:
+            return self._run(jobs, on_done, active)
+        except TransferError:
+            # The failure was agreed (every rank raises at this step): forget the requests,
+            # releasing their locks and pages, identically on every rank.
+            for a in active:
+                self.cache.abort(a.job.request_id)
+            raise
+
+    def _run(self, jobs: Sequence, on_done, active: list) -> list[Result]:
         cache, vps = self.cache, self.cache.page_tokens
         capacity = cache.config.l1.num_pages * vps
         waiting = deque(jobs)
-        active: list[_Active] = []
         results: list[Result] = []
+        finished: list[Result] = []  # returned once the next step's agreement is healthy
         admitted_at: dict = {}  # first admission: a preempted request's wait counts in its TTFT
-        stalled = 0
-        while waiting or active:
-            progress = len(results)
-            if waiting and len(active) < self.max_running:
+        stalled = run = 0
+        blocked = False  # a request waits for L1 room: admit nobody until it got it
+        while waiting or active or finished:
+            if waiting and len(active) < self.max_running and not blocked:
                 job = waiting.popleft()
                 need = len(job.tokens) + job.output_len
                 if need > capacity:
@@ -102,21 +128,29 @@ class Server:
                 t_admit = admitted_at.setdefault(job.request_id, time.perf_counter())
                 active.append(_Active(job, cache.admit(job.request_id, job.tokens), t_admit))
             # The step's one collective right after admission: a request whose L3 lookup found
-            # nothing on any rank is ready in this same iteration.
+            # nothing on any rank is ready in this same iteration. It raises on every rank if
+            # any rank failed, before the tokens finished in the last iteration are returned.
             cache.step()
-            started = sum(self._prefill(a) for a in active
-                          if a.state is None and a.prefix.ready)
+            emitted = len(finished)
+            for r in finished:
+                results.append(r)
+                if on_done is not None:
+                    on_done(r)
+            finished = []
+            started, room = 0, []
+            for a in [a for a in active if a.state is None and a.prefix.ready]:
+                if self._prefill(a):
+                    started += 1
+                else:
+                    room.append(a)  # no L1 pages for its suffix
+            for a in active:
+                if not a.prefix.ready and a.prefix.room_wait > a.room_seen:
+                    room.append(a)  # its agreed L3 restore found no L1 room this step
+                a.room_seen = a.prefix.room_wait
             decoding = [a for a in active if a.state is not None and len(a.output) < a.job.output_len]
-            stuck = [a for a in active if a.state is None and a.prefix.ready]
-            if stuck and not started and not decoding:
-                # Nothing runs and L1 is held by the locked hits of waiting requests (their
-                # matches may also be stale: a host hit another request recomputed is now on the
-                # device). Preempt them and admit again, oldest first: the same decision on every
-                # rank, since the controller state is replicated.
-                for a in reversed(stuck):
-                    cache.abort(a.job.request_id)
-                    active.remove(a)
-                    waiting.appendleft(a.job)
+            blocked = bool(room)
+            if room and not started and not decoding:
+                self._preempt(active, waiting)
             if decoding:
                 logits = self.runner.extend_batch([a.state for a in decoding],
                                                   [[a.output[-1]] for a in decoding])
@@ -128,17 +162,42 @@ class Server:
                 fed = np.concatenate([a.job.tokens, np.asarray(a.output[:-1], dtype=np.int64)])
                 cache.finish(a.job.request_id, fed)
                 p = a.prefix
-                r = Result(a.job.request_id, len(a.job.tokens), a.output, a.ttft,
-                           {"l1": p.device_len, "l2": p.host_len, "l3": p.storage_len})
-                results.append(r)
-                if on_done is not None:
-                    on_done(r)
+                finished.append(Result(a.job.request_id, len(a.job.tokens), a.output, a.ttft,
+                                       {"l1": p.device_len, "l2": p.host_len,
+                                        "l3": p.storage_len}))
+            progress = started or decoding or emitted or finished
+            if room and not progress:
+                self.blocked_steps += 1
+                run += 1
+                self.longest_stall = max(self.longest_stall, run)
+            else:
+                run = 0
             # Counted in steps, not seconds, so every rank gives up at the same step.
-            stalled = 0 if (started or decoding or len(results) != progress) else stalled + 1
+            stalled = 0 if progress else stalled + 1
             if stalled > self.stall_steps:
                 raise ServingError("no request can get L1 pages: l1.num_pages is too small "
                                    f"for {len(active)} concurrent requests")
         return results
+
+    def _preempt(self, active: list, waiting: deque) -> None:
+        """Nothing runs and a request waits for L1 room held by the locked hits of others:
+        re-queue the youngest request that has not started (the same choice on every rank: the
+        controller state is replicated). Never the oldest while others remain, so the oldest
+        gets all the room it needs. Alone, a request whose suffix finds no room is admitted
+        afresh (its match may be stale: a host hit another request recomputed is now on the
+        device); alone and waiting on its restore, it keeps waiting (the restore gets room, or
+        falls back to recompute after a bounded wait)."""
+        idle = [a for a in active if a.state is None]
+        if len(idle) > 1:
+            victim = idle[-1]
+        elif idle and idle[0].prefix.ready:
+            victim = idle[0]
+        else:
+            return
+        self.cache.abort(victim.job.request_id)
+        active.remove(victim)
+        waiting.appendleft(victim.job)
+        self.preemptions += 1
 
     def _prefill(self, a: _Active) -> bool:
         """Prefill the unmatched suffix; True when the request started decoding."""
