@@ -51,7 +51,8 @@ def test_json_shape_table_verify_and_warm_restart(cfg_file, tmp_path, capsys):
     text = capsys.readouterr().out
     for mode in ("recompute", "l1", "l1+l2", "l1+l2+l3"):
         assert mode in text
-    assert "verify: token ids equal across modes" in text
+    assert "verify: token ids equal to recompute in every mode" in text
+    assert report["workloads"][0]["verify"]["equal"] is True
     assert {"modes", "config", "machine"} <= set(report)
     modes = {m["name"]: m for m in report["modes"]}
     assert list(modes) == ["recompute", "l1", "l1+l2", "l1+l2+l3"]
@@ -89,6 +90,65 @@ def test_shared_l3_url_second_group_starts_warm(cfg_file, tmp_path, redis_url):
     assert {r["id"]: r for r in warm["requests"]}["0"]["hit_tokens"]["l3"] > 0
     assert warm["outputs"] == a["modes"][0]["outputs"]  # equal to recompute
     # (later L3 hits depend on the measured load-vs-recompute cost, so on timing: not asserted)
+
+
+def test_verify_always_compares_with_recompute_and_can_fail(cfg_file, tmp_path, capsys,
+                                                             monkeypatch):
+    real = bench_cli.run_mode
+    ran = []
+
+    def recording(cfg, mode, jobs, opts):
+        ran.append(mode)
+        return real(cfg, mode, jobs, opts)
+    monkeypatch.setattr(bench_cli, "run_mode", recording)
+    rc, report = bench(cfg_file, tmp_path, "--modes", "l1+l2+l3", "--verify", name="v1")
+    out = capsys.readouterr()
+    assert rc == 0 and ran == ["l1+l2+l3", "recompute"]  # recompute run for the comparison
+    assert [m["name"] for m in report["modes"]] == ["l1+l2+l3"]
+    v = report["workloads"][0]["verify"]
+    assert v["reference"] == "recompute" and v["equal"] and v["requests"] > 0
+    assert "token ids equal to recompute" in out.out
+
+    def corrupted(cfg, mode, jobs, opts):  # one wrong token in one request of the cached mode
+        row = real(cfg, mode, jobs, opts)
+        if mode != "recompute":
+            first = next(iter(row["outputs"]))
+            row["outputs"][first] = [t + 1 for t in row["outputs"][first]]
+        return row
+    monkeypatch.setattr(bench_cli, "run_mode", corrupted)
+    rc, report = bench(cfg_file, tmp_path, "--modes", "l1+l2+l3", "--verify", name="v2")
+    out = capsys.readouterr()
+    assert rc == 1
+    assert report["workloads"][0]["verify"]["differs"] == {"l1+l2+l3": 1}
+    assert "DIFFER from recompute: l1+l2+l3 (1 of" in out.out and "equal" not in out.out
+    assert "FAIL" in out.err and "differ from recompute in l1+l2+l3" in out.err
+    # the same when every mode is itself wrong but agrees with the others: never "equal"
+    assert bench_cli.verify_outputs({"a": [1]}, [{"name": "l1", "outputs": {"a": [2]}},
+                                                 {"name": "l1+l2", "outputs": {"a": [2]}}]) \
+        == {"reference": "recompute", "requests": 1, "equal": False,
+            "differs": {"l1": 1, "l1+l2": 1}}
+
+
+def test_a_stall_is_reported_instead_of_a_speed_up(capsys):
+    def row(name, p50, **stats):
+        return {"name": name, "hit_ratio": 0.5, "hit_tokens": {"l1": 1, "l2": 0, "l3": 1},
+                "prompt_tokens": 4, "ttft_s": {"p50": p50, "p90": p50, "p99": p50},
+                "throughput_tok_s": 1.0, "bytes": {"d2h": 0, "h2d": 0, "l3_read": 0,
+                                                   "l3_write": 0},
+                "gbps": {"h2d": 0.0}, "controller_us_per_request": 1.0,
+                "evictions": {"l1": 0}, "stall": bench_cli.stall_summary(stats)}
+    stalled = row("l1+l2+l3", 0.1, restore_fallbacks=3,
+                  serving={"preemptions": 9, "blocked_steps": 300, "longest_stall": 200})
+    fine = row("l1", 0.1, serving={"preemptions": 1, "blocked_steps": 1, "longest_stall": 1})
+    assert stalled["stall"]["stalled"] and not fine["stall"]["stalled"]
+    entry = {"trace": {}, "modes": [row("recompute", 1.0), fine, stalled],
+             "ideal_hit_ratio": 0.5}
+    from hicache.config import HiCacheConfig
+    bench_cli._print("agentic", entry, HiCacheConfig.from_dict({}))
+    text = capsys.readouterr().out
+    assert "l1: TTFT p50 10.00x faster" in text
+    assert "l1+l2+l3: STALLED" in text and "3 L3 restores fell back" in text
+    assert "l1+l2+l3: TTFT" not in text
 
 
 def test_trace_replay_soak_and_plot(cfg_file, tmp_path):
