@@ -189,8 +189,12 @@ def test_locked_hits_never_starve_every_l3_restore(tmp_path):
     tails = [rng.integers(0, 128, 16) for _ in range(4)]  # 4 pages each: the L3 restores
     jobs = [req(f"r{i}", np.concatenate([h, t, [7]])) for i, (h, t) in enumerate(zip(heads, tails))]
     model = MLAModel(model_config(cfg))
-    with HiCache(cfg, mode="l1+l2+l3") as cache:  # cold: every prompt reaches L3
+    from hicache.l3 import chain_hashes
+    with HiCache(cfg.replace(l2={"ratio": 4.0}), mode="l1+l2+l3") as cache:  # cold
         Server(model, cache, chunk_tokens=16, max_running=1).run(jobs)
+        cache.drain()
+        assert all(cache.l3.exists_prefix(cache._keys(chain_hashes(j.tokens[:-1], 4))) == 9
+                   for j in jobs)  # every whole page of every prompt is in L3
     with HiCache(cfg.replace(l3={"path": str(tmp_path / "x")}), mode="recompute") as cache:
         ref = {r.request_id: r.output for r in Server(model, cache, chunk_tokens=16).run(jobs)}
     with HiCache(cfg, mode="l1+l2+l3") as cache:  # warm restart
@@ -204,7 +208,7 @@ def test_locked_hits_never_starve_every_l3_restore(tmp_path):
         # hold every L3 read until all four requests are admitted and hold their hits
         gate = threading.Event()
         cache._prefetcher._pool.submit(gate.wait, 60)
-        opener = threading.Thread(target=lambda: (_wait_for(lambda: len(cache._reqs) == 4),
+        opener = threading.Thread(target=lambda: (_wait_for(lambda: len(cache._reqs) == 4, 20),
                                                   gate.set()))
         opener.start()
         results = server.run(jobs)
