@@ -24,7 +24,7 @@ from hicache.workloads import Request
 def make_cfg(path, dcp=1, l1_pages=16, l2_ratio=2.0, **policy) -> HiCacheConfig:
     return HiCacheConfig.from_dict({
         "model": {"num_layers": 2, "kv_lora_rank": 32, "rope_dim": 8, "hidden_size": 64,
-                  "num_heads": 4, "vocab_size": 128},
+                  "num_heads": 4, "vocab_size": 128, "signature": "test-weights"},
         "parallel": {"tp": dcp, "dcp": dcp},
         "cache": {"page_size": 4},
         "l1": {"num_pages": l1_pages},
