@@ -111,7 +111,9 @@ def test_a_preset_runs_in_the_service(tmp_path):
                  f'[l1]\nnum_pages = 8\n[l3]\nenabled = true\npath = "{tmp_path}/l3"')
     tokens = np.arange(30)
     with HiCache(cfg.replace()) as cache:
-        cache.admit(0, tokens)
+        p = cache.admit(0, tokens)
+        while not p.ready:  # alloc only once the (empty) L3 lookup is agreed
+            cache.step()
         cache.alloc(0, 30)
         cache.finish(0, tokens)
         cache.step()
