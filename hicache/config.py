@@ -182,6 +182,8 @@ class PolicySection:
                                    max=1 << 40)
     load_back_threshold: int = opt(0, "host hits shorter than this many tokens are recomputed",
                                    min=0, max=1 << 40)
+    l3_cost_model: bool = opt(True, "decide per L3 hit whether loading beats recomputing, from "
+                                    "the measured read and prefill speeds (false: always load)")
 
 
 @dataclass(frozen=True)

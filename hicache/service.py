@@ -253,6 +253,8 @@ class HiCache:
                 0.8 * self._prefill_tok_s + 0.2 * rate)
 
     def _worth_loading(self, pages: int) -> bool:
+        if not self.config.policy.l3_cost_model:
+            return True
         st = self.l3.stats
         if not self._prefill_tok_s or st.bytes_read <= 0 or st.read_s <= 0:
             return True  # nothing measured yet: try the store

@@ -25,6 +25,7 @@ enabled = true
 path = "{l3}"
 [policy]
 prefetch = "wait_complete"
+l3_cost_model = false
 """
 
 MODE_KEYS = {"name", "hit_ratio", "hit_tokens", "prompt_tokens", "ttft_s", "throughput_tok_s",

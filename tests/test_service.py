@@ -22,7 +22,8 @@ def make_cfg(tmp_path, dcp=1, l1_pages=24, l2_ratio=2.0, **policy) -> HiCacheCon
         "l1": {"num_pages": l1_pages},
         "l2": {"ratio": l2_ratio},
         "l3": {"enabled": True, "path": str(tmp_path / "l3"), "size_bytes": 64 << 20},
-        "policy": dict(policy),
+        # hit counts asserted below must not depend on this machine's measured speeds
+        "policy": {"l3_cost_model": False, **policy},
     })
 
 
@@ -408,3 +409,16 @@ def test_a_copy_failing_on_one_rank_stops_both_at_the_same_step(tmp_path):
     out = launch(2, _one_rank_copy_fails, cfg.to_dict(), tokens, timeout_s=120)
     assert "another rank" in out[0]
     assert "simulated copy failure" in out[1]
+
+
+def test_l3_cost_model_switch(tmp_path, monkeypatch):
+    """With measured reads far slower than prefill, the cost model recomputes an L3 hit;
+    ``l3_cost_model = false`` always loads it."""
+    from hicache.l3.base import L3Stats
+    for on in (True, False):
+        with HiCache(make_cfg(tmp_path / str(on), l3_cost_model=on), mode="l1+l2+l3") as cache:
+            slow = L3Stats(bytes_read=1, read_s=10.0)  # 0.1 B/s from the store
+            monkeypatch.setattr(type(cache.l3), "stats", property(lambda self: slow))
+            cache.observe_prefill(1 << 20, 1e-3)     # ~1e9 tokens/s of prefill
+            assert cache._worth_loading(4) is (not on)
+            monkeypatch.undo()
