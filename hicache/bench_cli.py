@@ -15,6 +15,7 @@ import os
 import platform
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +48,8 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
     out: dict = {"rank": rank}
     # the built-in model's digest names its weights in the L3 keys
     with HiCache(cfg, rank, group, mode=mode,
-                 weights_signature=model.weights_signature()) as cache:
+                 weights_signature=model.weights_signature()) as cache, \
+            _serve_metrics(cache, rank, opts):
         model.to(cache.l1.device)  # the engine computes where its KV pool lives
         server = Server(model, cache, group=group, backend=opts["backend"],
                         chunk_tokens=opts["chunk"], max_running=opts["max_running"])
@@ -77,7 +79,7 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
         if bar:
             bar.close()
         cache.ctrl.check()
-        out.update(stats=first, wall_s=wall, passes=passes, soak=soak,
+        out.update(stats=first, final_stats=cache.stats(), wall_s=wall, passes=passes, soak=soak,
                    prefill_tokens=prefill[0], prefill_s=prefill[1])
     out["results"] = [(r.request_id, r.prompt_len, r.output, r.ttft_s, r.hit) for r in results]
     return out
@@ -91,6 +93,26 @@ def engine_model(cfg: HiCacheConfig, seed: int = 0):
     from .engine.model import MLAModel
     from .serving import model_config
     return MLAModel(model_config(cfg, seed=seed))
+
+
+@contextmanager
+def _serve_metrics(cache, rank: int, opts: dict):
+    """``--metrics-port N``: rank r serves its own /metrics on 127.0.0.1:N+r while it runs."""
+    port = opts.get("metrics_port")
+    if not port:
+        yield None
+        return
+    from .metrics import HiCacheMetrics
+    metrics = HiCacheMetrics(cache, rank=rank)
+    try:
+        metrics.serve(port + rank)
+    except OSError as e:
+        raise UsageError(f"--metrics-port: cannot serve rank {rank} on 127.0.0.1:{port + rank}: "
+                         f"{e}") from None
+    try:
+        yield metrics
+    finally:
+        metrics.close()
 
 
 def _agree_continue(local: bool, group) -> bool:
@@ -153,6 +175,7 @@ def summarize(mode: str, ranks: list[dict], opts: dict) -> dict:
         "requests": [{"id": str(r[0]), "prompt_tokens": r[1], "ttft_s": r[3], "hit_tokens": r[4]}
                      for r in res],
     }
+    row["final_stats"] = [r["final_stats"] for r in ranks]  # per rank, after the soak
     if opts["duration"]:
         row["soak"] = _soak_verdict([r["soak"] for r in ranks])
     return row
@@ -252,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="TTFT distribution and hit ratio by tier (needs matplotlib)")
     p.add_argument("--duration", type=float, default=0.0,
                    help="soak: keep replaying for this many seconds, fail on a leak")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus /metrics on 127.0.0.1: rank r of each mode on PORT+r "
+                        "while it runs (0 = off)")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -343,6 +369,8 @@ def _resolve(args) -> tuple[HiCacheConfig, list[str], list[str]]:
     number("--seed", args.seed, 0, SEED_MAX)
     if args.scale is not None:
         number("--scale", args.scale, 0, SCALE_MAX, lo_open=True)
+    if args.metrics_port:
+        _check_ports(args.metrics_port, cfg.parallel.dcp)
     if args.plot:
         from .plot import FORMATS
         check_destination("--plot", args.plot, FORMATS)
@@ -369,6 +397,21 @@ def check_fit(jobs: list, cfg: HiCacheConfig, source: str) -> None:
                              "raise l1.num_pages or lower --max-output / --scale")
 
 
+def _check_ports(port: int, ranks: int) -> None:
+    """--metrics-port N needs N..N+ranks-1 free on 127.0.0.1 (one per rank)."""
+    import socket
+    if not 1024 <= port <= 65536 - ranks:
+        raise UsageError(f"--metrics-port must leave room for {ranks} ports in [1024, 65535], "
+                         f"got {port}")
+    for p in range(port, port + ranks):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", p))
+            except OSError as e:
+                raise UsageError(f"--metrics-port: 127.0.0.1:{p} is not free ({e.strerror})") \
+                    from None
+
+
 def machine() -> dict:
     import torch
     return {"python": platform.python_version(), "platform": platform.platform(),
@@ -385,7 +428,7 @@ def _main(args) -> int:
         jobs = all_jobs[w]
         opts = {"seed": args.seed, "backend": args.backend, "chunk": args.chunk,
                 "max_running": args.max_running, "progress": not args.no_progress,
-                "duration": args.duration, "workload": w}
+                "duration": args.duration, "workload": w, "metrics_port": args.metrics_port}
         rows = [run_mode(cfg, m, jobs, opts) for m in modes]
         entry = {"workload": w, "trace": trace_summary(jobs), "modes": rows,
                  "ideal_hit_ratio": ideal_hit_ratio(jobs, rows[0]["outputs"],

@@ -41,6 +41,10 @@ from .l3.guard import GuardedStore
 TIERS = ("l1", "l2", "l3")
 RESTORE_RETRIES = 64  # steps an agreed L3 restore may wait for L1 room before recomputing
 MODES = {"recompute": (), "l1": ("l1",), "l1+l2": ("l1", "l2"), "l1+l2+l3": ("l1", "l2", "l3")}
+# done: the read finished before the agreed restore; timeout: the policy stopped waiting first;
+# error: the read raised (a shorter hit); below_threshold: fewer than prefetch_min_tokens to read;
+# recompute: the cost model said prefill is faster; cancelled: the request ended first.
+PREFETCH_OUTCOMES = ("done", "timeout", "error", "below_threshold", "recompute", "cancelled")
 
 
 class HiCacheError(ValueError):
@@ -92,6 +96,10 @@ class TierStats:
     steps: int = 0
     restore_wait_steps: int = 0    # steps agreed L3 restores waited for L1 room (all requests)
     restore_fallbacks: int = 0     # agreed L3 restores recomputed after RESTORE_RETRIES steps
+    failed_copies: dict = field(default_factory=lambda: {"d2h": 0, "h2d": 0})
+    # L3 prefetch outcomes, one per request that looked L3 up (see PREFETCH_OUTCOMES)
+    prefetch: dict = field(default_factory=lambda: {o: 0 for o in PREFETCH_OUTCOMES})
+    l3_errors: dict = field(default_factory=lambda: {"read": 0, "write": 0})
 
 
 class HiCache:
@@ -168,6 +176,8 @@ class HiCache:
         self._fault: BaseException | None = None
         self._failed: BaseException | None = None
         self._owned = np.zeros(config.l1.num_pages, dtype=bool)  # pages of admitted requests
+        # Event-time observer (hicache.metrics.HiCacheMetrics): observe(name, seconds, label).
+        self.observer = None
         self.l3 = self._writer = self._prefetcher = None
         if "l3" in self.tiers:
             self._open_l3()
@@ -232,12 +242,18 @@ class HiCache:
         MIN-agreed in ``step`` (a rank that lacks a page, or would rather recompute, says 0)."""
         req.chains = chain_hashes(req.tokens[:-1], self.page_tokens)
         first = req.prefix.hit_len // self.page_tokens
-        if (len(req.chains) - first) * self.page_tokens < max(
-                1, self.config.policy.prefetch_min_tokens):
+        min_tokens = self.config.policy.prefetch_min_tokens
+        if (len(req.chains) - first) * self.page_tokens < max(1, min_tokens):
+            if len(req.chains) > first:
+                self._stats.prefetch["below_threshold"] += 1
             return
         keys = self._keys(req.chains[first:])
         n = self.l3.exists_prefix(keys)
-        if n and not self._worth_loading(n):
+        if n and n * self.page_tokens < min_tokens:
+            self._stats.prefetch["below_threshold"] += 1
+            n = 0
+        elif n and not self._worth_loading(n):
+            self._stats.prefetch["recompute"] += 1
             n = 0
         shape = self.namespace.shard_shape
         req.staging = [torch.empty(shape, dtype=self.l1.dtype) for _ in range(n)]
@@ -323,6 +339,7 @@ class HiCache:
         del self._reqs[request_id]
         if req.prefetch is not None:  # finished before its prefetch resolved
             req.prefetch.cancel()
+            self._stats.prefetch["cancelled"] += bool(req.prefetch.keys)
             self._pending.remove(req)
         if req.load_job is not None:
             try:
@@ -385,13 +402,17 @@ class HiCache:
                 done.add(o)
             elif state == FAILED:
                 self._record(_job_error(job))
+                self._stats.failed_copies["d2h" if isinstance(_op, BackupOp) else "h2d"] += 1
         if self._writer is not None and self._writer.error is not None:
             self._record(self._writer.error)
         handles = [r.prefetch for r in self._pending]
         t0 = time.perf_counter()
         res = self.ctrl.agree(self.agreement, done,
                               [int(self._fault is None)] + prefetch_signals(handles))
-        self._stats.agreement_s += time.perf_counter() - t0  # the collective, waits included
+        dt = time.perf_counter() - t0
+        self._stats.agreement_s += dt  # the collective, waits included
+        if self.observer is not None:
+            self.observer.observe("agreement", dt)
         if res.extras[0] == 0:
             self._stop()
         for o in res.done_ops:
@@ -443,7 +464,10 @@ class HiCache:
             "agreement_s": s.agreement_s,
             "restore_wait_steps": s.restore_wait_steps, "restore_fallbacks": s.restore_fallbacks,
             "pages": {"l1": self.ctrl.device.num_used, "l2": self.ctrl.host.num_used},
-            "locks": sum(1 for r in self._reqs.values() if r.lock is not None),
+            # list() copies in one step: a metrics scrape may call stats() from another thread
+            "locks": sum(1 for r in list(self._reqs.values()) if r.lock is not None),
+            "failed_copies": dict(s.failed_copies), "prefetch": dict(s.prefetch),
+            "l3_errors": dict(s.l3_errors), "transfer_s": dict(s.transfer_s),
         }
         if self.l3 is not None:
             l3 = self.l3.stats
@@ -453,6 +477,7 @@ class HiCache:
             out["bytes"]["l3_read"] = l3.bytes_read
             out["bytes"]["l3_write"] = l3.bytes_written
             out["l3_failures"] = self.l3.failures  # store errors raised (the first ends L3)
+            out["transfer_s"].update(l3_read=l3.read_s, l3_write=l3.write_s)
         return out
 
     def close(self, flush: bool = True) -> None:
@@ -567,6 +592,8 @@ class HiCache:
                     owner.load_job = job
 
     def _finished(self, op, job, chains) -> None:
+        if self.observer is not None:
+            self.observer.observe("transfer", job.seconds, job.direction)
         if isinstance(op, BackupOp):
             self._stats.bytes["d2h"] += job.nbytes
             self._stats.transfer_s["d2h"] += job.seconds
@@ -576,13 +603,19 @@ class HiCache:
                 if pairs:
                     keys = self._keys([c for c, _ in pairs])
                     try:
-                        self._writer.submit(keys, [self.l2.read_page(h).clone()
-                                                   for _, h in pairs])
+                        fut = self._writer.submit(keys, [self.l2.read_page(h).clone()
+                                                         for _, h in pairs])
+                        fut.add_done_callback(self._write_done)
                     except Exception as err:  # agreed at the next step
                         self._record(err)
         else:
             self._stats.bytes["h2d"] += job.nbytes
             self._stats.transfer_s["h2d"] += job.seconds
+
+    def _write_done(self, fut) -> None:
+        """On the writer thread: count a failed L3 write (the writer re-raises it on flush)."""
+        if fut.exception() is not None:
+            self._stats.l3_errors["write"] += 1
 
     def _restore(self, req: _Request, pages: int) -> bool:
         """Every rank holds ``pages`` prefetched pages: copy them into fresh device pages.
@@ -614,7 +647,15 @@ class HiCache:
             req.own_pages += dev
             prefix.page_table += dev
             prefix.storage_len = pages * self.page_tokens
-        req.prefetch.cancel(wait=False)  # pages past the agreed count are not needed
+        h = req.prefetch
+        fin = h.finished  # read first: a finished read's error is final
+        outcome = "timeout" if not fin else "done" if h.error is None else "error"
+        h.cancel(wait=False)  # pages past the agreed count are not needed
+        if h.keys:  # this rank found pages in L3 and read them
+            self._stats.prefetch[outcome] += 1
+            self._stats.l3_errors["read"] += outcome == "error"
+            if self.observer is not None:
+                self.observer.observe("restore", time.monotonic() - h.started)
         req.prefetch = None
         req.staging = []
         prefix.ready = True

@@ -1,0 +1,240 @@
+"""Prometheus metrics: scraped over HTTP they equal HiCache.stats(); histograms see events;
+counters survive a restart; an engine's registry can hold them."""
+
+import urllib.request
+
+import numpy as np
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hicache.engine.model import MLAModel
+from hicache.metrics import HISTOGRAMS, SERIES, HiCacheMetrics, describe
+from hicache.serving import Server, model_config
+from hicache.service import HiCache
+
+from test_service import make_cfg, revisit_trace
+
+
+def scrape(port: int) -> dict:
+    """``{(sample name, frozenset of labels): value}`` from /metrics on 127.0.0.1."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        assert r.status == 200
+        text = r.read().decode()
+    return parse(text)
+
+
+def parse(text: str) -> dict:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(samples, name, **labels):
+    return samples[(name, frozenset(labels.items()))]
+
+
+def expected_from_stats(s: dict, rank: str = "0") -> dict:
+    """The scrape a stats() dict implies (label spread per SERIES)."""
+    exp = {}
+    for name, (_k, _h, label, path) in SERIES.items():
+        v = s
+        for k in path:
+            v = v[k]
+        if label is None:
+            exp[(name, frozenset({("rank", rank)}))] = float(v)
+        else:
+            for key, x in v.items():
+                exp[(name, frozenset({("rank", rank), (label, key)}))] = float(x)
+    return exp
+
+
+def test_scrape_equals_stats_and_moves_with_the_run(tmp_path):
+    cfg = make_cfg(tmp_path, l1_pages=24, l2_ratio=1.0, prefetch="wait_complete")
+    jobs = revisit_trace()
+    torch.manual_seed(0)
+    model = MLAModel(model_config(cfg))
+    with HiCache(cfg, 0, None, mode="l1+l2+l3") as cache:
+        metrics = HiCacheMetrics(cache)
+        port = metrics.serve(0)
+        try:
+            server = Server(model, cache, chunk_tokens=16, max_running=2)
+            before = scrape(port)
+            assert value(before, "hicache_requests_total", rank="0") == 0
+            seen = []
+            for half in (jobs[:6], jobs[6:]):
+                server.run(half)
+                cache.drain()
+                now = scrape(port)
+                st = cache.stats()
+                exp = expected_from_stats(st)
+                for key, v in exp.items():
+                    assert now[key] == v, key  # the scrape IS stats(), series by series
+                # L3 pages: the whole store, also read at scrape time
+                assert value(now, "hicache_pages_used", rank="0", tier="l3") == \
+                    cache.l3.num_pages()
+                seen.append(now)
+            first, second = seen
+            assert value(first, "hicache_requests_total", rank="0") == 6
+            assert value(second, "hicache_requests_total", rank="0") == 12
+            # the second visits hit lower tiers; the counters moved with them
+            hits = [sum(value(s, "hicache_hit_tokens_total", rank="0", tier=t)
+                        for t in ("l1", "l2", "l3")) for s in (first, second)]
+            assert hits[1] > hits[0]
+            assert value(second, "hicache_hit_tokens_total", rank="0", tier="l3") > 0
+            assert value(second, "hicache_prefetch_total", rank="0", outcome="done") > 0
+            assert value(second, "hicache_transfer_bytes_total", rank="0", direction="d2h") > \
+                value(first, "hicache_transfer_bytes_total", rank="0", direction="d2h") > 0
+            # histograms are observed at event time: counts match the events stats() counts
+            st = cache.stats()
+            steps = value(second, "hicache_agreement_step_seconds_count", rank="0")
+            assert steps == st["steps"]
+            assert abs(value(second, "hicache_agreement_step_seconds_sum", rank="0")
+                       - st["agreement_s"]) < 1e-6
+            restores = value(second, "hicache_restore_duration_seconds_count", rank="0")
+            assert restores == sum(st["prefetch"][o] for o in ("done", "timeout", "error")) > 0
+            d2h = value(second, "hicache_transfer_duration_seconds_count", rank="0",
+                        direction="d2h")
+            assert d2h > 0
+            assert value(second, "hicache_locks_open", rank="0") == 0
+        finally:
+            metrics.close()
+
+
+def test_counters_continue_across_a_restart_and_merge_into_an_engine_registry(tmp_path):
+    cfg = make_cfg(tmp_path, l1_pages=24)
+    engine = CollectorRegistry()
+    from prometheus_client import Counter
+    Counter("engine_requests", "the engine's own", registry=engine).inc(3)
+    jobs = revisit_trace(sessions=3)
+    torch.manual_seed(0)
+    model = MLAModel(model_config(cfg))
+    metrics = HiCacheMetrics(registry=engine, rank=1)
+    totals = []
+    for _ in range(2):  # a fresh service after "a failure": the counters do not restart at 0
+        with HiCache(cfg, 0, None, mode="l1+l2") as cache:
+            metrics.attach(cache)
+            Server(model, cache, chunk_tokens=16, max_running=2).run(jobs)
+            cache.drain()
+            totals.append(cache.stats()["prompt_tokens"])
+            metrics.detach()
+    s = parse(generate_latest(engine).decode())
+    assert value(s, "engine_requests_total") == 3  # the engine's metric is still there
+    assert value(s, "hicache_prompt_tokens_total", rank="1") == sum(totals)
+    assert value(s, "hicache_requests_total", rank="1") == 2 * len(jobs)
+    assert value(s, "hicache_locks_open", rank="1") == 0
+
+
+def test_names_follow_prometheus_conventions():
+    for name, (kind, _h, _l, _p) in SERIES.items():
+        assert name.startswith("hicache_")
+        assert name.endswith("_total") == (kind == "counter"), name
+    for n, _h, _lab in HISTOGRAMS.values():
+        assert n.startswith("hicache_") and n.endswith("_seconds")
+    assert len(describe()) == len(SERIES) + len(HISTOGRAMS)
+    assert np.all([" " not in n for n, _l, _h in describe()])
+
+
+BENCH_CONFIG = """
+[model]
+num_layers = 2
+kv_lora_rank = 32
+rope_dim = 8
+hidden_size = 64
+num_heads = 4
+vocab_size = 128
+[parallel]
+tp = 2
+dcp = 2
+[cache]
+page_size = 4
+[l1]
+num_pages = 48
+[l2]
+ratio = 1.0
+[l3]
+enabled = true
+path = "{l3}"
+"""
+
+
+def _free_pair() -> int:
+    import socket
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def test_bench_serves_metrics_per_rank_during_a_two_rank_run(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+    cfg = tmp_path / "policy.toml"
+    cfg.write_text(BENCH_CONFIG.format(l3=tmp_path / "l3"))
+    port = _free_pair()
+    out = tmp_path / "run.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hicache.bench_cli", "--config", str(cfg), "--workload", "chat",
+         "--scale", "0.01", "--max-output", "3", "--modes", "l1+l2+l3", "--duration", "8",
+         "--no-progress", "--metrics-port", str(port), "--out", str(out)],
+        env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    scrapes = {0: [], 1: []}
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        for rank in (0, 1):
+            try:
+                scrapes[rank].append(scrape(port + rank))
+            except OSError:
+                pass  # not serving yet, or already done
+        time.sleep(0.25)
+    text = proc.communicate(timeout=60)[0].decode()
+    assert proc.returncode == 0, text
+    final = json.loads(out.read_text())["modes"][0]["final_stats"]
+    for rank in (0, 1):
+        seen = scrapes[rank]
+        assert len(seen) >= 2, f"rank {rank} was scraped {len(seen)} times"
+        r = str(rank)
+        reqs = [value(s, "hicache_requests_total", rank=r) for s in seen]
+        assert reqs == sorted(reqs) and reqs[-1] > reqs[0], reqs  # the run moves them
+        for s in seen:
+            assert {dict(k[1]).get("rank") for k in s if k[0].startswith("hicache_")} == {r}
+            hit = sum(value(s, "hicache_hit_tokens_total", rank=r, tier=t)
+                      for t in ("l1", "l2", "l3"))
+            assert hit + value(s, "hicache_miss_tokens_total", rank=r) == \
+                value(s, "hicache_prompt_tokens_total", rank=r)
+        # the last scrape is stats() at some point of the run: never past the final figures
+        last, st = seen[-1], final[rank]
+        assert 0 < value(last, "hicache_prompt_tokens_total", rank=r) <= st["prompt_tokens"]
+        for d in ("d2h", "h2d", "l3_read", "l3_write"):
+            assert value(last, "hicache_transfer_bytes_total", rank=r, direction=d) <= \
+                st["bytes"][d]
+        assert value(last, "hicache_steps_total", rank=r) <= st["steps"]
+
+
+def test_bench_metrics_port_must_be_usable(tmp_path, capsys):
+    import socket
+    from hicache import bench_cli
+    cfg = tmp_path / "policy.toml"
+    cfg.write_text(BENCH_CONFIG.format(l3=tmp_path / "l3"))
+    assert bench_cli.main(["--config", str(cfg), "--metrics-port", "80"]) == 2
+    assert "--metrics-port" in capsys.readouterr().err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert bench_cli.main(["--config", str(cfg), "--metrics-port", str(port)]) == 2
+        assert f"127.0.0.1:{port} is not free" in capsys.readouterr().err
