@@ -275,6 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="TTFT distribution and hit ratio by tier (needs matplotlib)")
     p.add_argument("--duration", type=float, default=0.0,
                    help="soak: keep replaying for this many seconds, fail on a leak")
+    p.add_argument("--faults", type=int, metavar="SEED", default=None,
+                   help="fault-injection soak (with --duration, 2+ ranks): seeded failed and "
+                        "slow copies, corrupted/deleted/erroring L3 reads, late steps; checks "
+                        "tokens against recompute, agreement, leaks, hangs")
+    p.add_argument("--fault-every", type=int, default=40, metavar="STEPS",
+                   help="--faults: one injection every STEPS scheduler steps on average")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus /metrics on 127.0.0.1: rank r of each mode on PORT+r "
                         "while it runs (0 = off)")
@@ -371,6 +377,13 @@ def _resolve(args) -> tuple[HiCacheConfig, list[str], list[str]]:
         number("--scale", args.scale, 0, SCALE_MAX, lo_open=True)
     if args.metrics_port:
         _check_ports(args.metrics_port, cfg.parallel.dcp)
+    if args.faults is not None:
+        if args.duration <= 0:
+            raise UsageError("--faults needs --duration SECONDS > 0 (how long to soak)")
+        if cfg.parallel.dcp < 2:
+            raise UsageError(f"--faults needs 2 or more ranks (--dcp), got {cfg.parallel.dcp}")
+        number("--faults (seed)", args.faults, 0, SEED_MAX)
+        number("--fault-every", args.fault_every, 2, 1 << 20)
     if args.plot:
         from .plot import FORMATS
         check_destination("--plot", args.plot, FORMATS)
@@ -421,6 +434,8 @@ def machine() -> dict:
 
 def _main(args) -> int:
     cfg, modes, workloads = _resolve(args)
+    if args.faults is not None:
+        return _faults_main(args, cfg, workloads[0])
     report = {"config": cfg.to_dict(), "machine": machine(), "workloads": []}
     failed = []
     all_jobs = {w: _jobs(args, w, cfg) for w in workloads}  # every trace checked before a run
@@ -459,6 +474,36 @@ def _main(args) -> int:
     for f in failed:
         print(f"FAIL {f}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _faults_main(args, cfg: HiCacheConfig, workload: str) -> int:
+    """--faults: the fault-injection soak on the first workload (hicache.soak)."""
+    from .soak import run_soak, table_rows
+    jobs = _jobs(args, workload, cfg)
+    opts = {"seed": args.seed, "backend": args.backend, "chunk": args.chunk,
+            "max_running": args.max_running, "duration": args.duration, "faults": args.faults,
+            "fault_every": args.fault_every,
+            "metrics_port": args.metrics_port}
+    f = run_soak(cfg, jobs, opts)
+    report = {"config": cfg.to_dict(), "machine": machine(), "workload": workload,
+              "trace": trace_summary(jobs), "faults": f}
+    text = json.dumps(report, indent=1, default=str)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    if args.json:
+        print(text)
+    elif "injected" in f:
+        print(f"\n== fault soak: {workload}, seed {args.faults}, {args.duration:g} s, dcp "
+              f"{cfg.parallel.dcp}")
+        print(table(table_rows(f), ["check", "value"]))
+        for n in f["notes"]:
+            print(f"  note: {n}")
+    bad = f.get("problems") or ([f"soak failed: {f.get('error', '?')[-500:]}"]
+                                if "injected" not in f else [])
+    for p in bad:
+        print(f"FAIL faults: {p}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def _print(workload: str, entry: dict, cfg: HiCacheConfig) -> None:

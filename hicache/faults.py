@@ -1,0 +1,199 @@
+"""Seeded fault injection for the soak (``hicache-bench --faults SEED``).
+
+``FaultInjector(seed, rank, world)`` is created once per rank and ``install``-ed on every
+``HiCache`` the soak starts (a fresh one after each failure). It wraps instance attributes only
+(``cache.step``, the transfer engine's copy routine, the L3 store's ``get``): a cache that was
+never installed on runs no injector code at all.
+
+The schedule is drawn per ``step`` from a generator seeded with ``seed`` on every rank, so all
+ranks draw the same plan in lockstep; an injection names its target rank and only that rank acts.
+Kinds (a seeded shuffle of all of them, repeated, with seeded gaps in steps):
+
+    d2h_fail        the target rank's next D2H copy raises (the step agrees a failure: restart)
+    h2d_fail        the target rank's next H2D copy raises (only with ``h2d=True``)
+    slow_copy       the target rank's next copy sleeps first
+    l3_corrupt      stored values of the target rank get a flipped byte (checksum: a miss)
+    l3_delete       the target rank's next L3 read finds its pages deleted just before
+    l3_error        the target rank's next L3 reads raise (a shorter hit)
+    late_step       the target rank arrives late at this step's collective
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+KINDS = ("d2h_fail", "h2d_fail", "slow_copy", "l3_corrupt", "l3_delete", "l3_error", "late_step")
+L3_KINDS = ("l3_corrupt", "l3_delete", "l3_error")
+
+
+class InjectedFault(OSError):
+    """The error an injected fault raises (its message names the fault)."""
+
+
+@dataclass
+class FaultConfig:
+    seed: int
+    gap_steps: tuple[int, int] = (20, 60)    # steps between two injections
+    slow_s: tuple[float, float] = (0.02, 0.2)
+    late_s: tuple[float, float] = (0.02, 0.3)
+    corrupt_values: int = 3
+    error_reads: int = 2
+    kinds: tuple[str, ...] = tuple(k for k in KINDS if k != "h2d_fail")
+
+
+@dataclass
+class _Armed:
+    fail: dict = field(default_factory=lambda: {"d2h": 0, "h2d": 0})
+    slow: list = field(default_factory=list)   # seconds for the next copies
+    delete_reads: int = 0
+    error_reads: int = 0
+
+
+class FaultInjector:
+    """One rank's view of the seeded fault plan; counts what it actually injected."""
+
+    def __init__(self, config: FaultConfig, rank: int, world: int) -> None:
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside a world of {world}")
+        self.config, self.rank, self.world = config, rank, world
+        self._rng = random.Random(config.seed)   # identical on every rank
+        self._local = random.Random(config.seed * 7919 + rank)  # this rank's own draws
+        self._order: list[str] = []
+        self._next = self._gap()
+        self._step = 0
+        self._armed = _Armed()
+        self._lock = threading.Lock()
+        self.planned: Counter = Counter()    # every rank: the plan (same on all ranks)
+        self.injected: Counter = Counter()   # this rank: faults that took effect
+        self.l3_misses = 0                   # L3 reads this rank's faults cut short
+        self.events: list[tuple[int, str, int]] = []  # (step, kind, target rank) of the plan
+
+    # ---- the plan -----------------------------------------------------------------------------
+    def _gap(self) -> int:
+        return self._rng.randint(*self.config.gap_steps)
+
+    def _draw(self) -> tuple[str, int]:
+        if not self._order:
+            self._order = list(self.config.kinds)
+            self._rng.shuffle(self._order)
+        return self._order.pop(), self._rng.randrange(self.world)
+
+    def on_step(self, cache) -> None:
+        """Called before each ``step`` on every rank (in lockstep)."""
+        self._step += 1
+        if self._step < self._next:
+            return
+        self._next = self._step + self._gap()
+        kind, target = self._draw()
+        self.planned[kind] += 1
+        self.events.append((self._step, kind, target))
+        if target != self.rank:
+            return
+        c = self.config
+        with self._lock:
+            if kind in ("d2h_fail", "h2d_fail"):
+                self._armed.fail[kind[:3]] += 1
+            elif kind == "slow_copy":
+                self._armed.slow.append(self._local.uniform(*c.slow_s))
+            elif kind == "l3_delete":
+                self._armed.delete_reads += 1
+            elif kind == "l3_error":
+                self._armed.error_reads += c.error_reads
+        if kind == "l3_corrupt":
+            if cache.l3 is not None and corrupt_values(cache.l3, c.corrupt_values, self._local):
+                with self._lock:
+                    self.injected[kind] += 1
+        elif kind == "late_step":
+            time.sleep(self._local.uniform(*c.late_s))
+            with self._lock:
+                self.injected[kind] += 1
+
+    # ---- installation -------------------------------------------------------------------------
+    def install(self, cache) -> None:
+        """Wrap ``cache``'s step, copy routine and L3 reads (instance attributes only)."""
+        step = cache.step
+
+        def faulty_step():
+            self.on_step(cache)
+            return step()
+        cache.step = faulty_step
+        eng = cache.transfer
+        name = "_run_cuda" if eng.cuda else "_run_cpu"
+        run = getattr(eng, name)
+
+        def faulty_copy(job):  # on the copy worker thread
+            with self._lock:
+                fail = self._armed.fail[job.direction] > 0
+                slow = self._armed.slow.pop() if self._armed.slow and not fail else 0.0
+                if fail:
+                    self._armed.fail[job.direction] -= 1
+                    self.injected[f"{job.direction}_fail"] += 1
+                elif slow:
+                    self.injected["slow_copy"] += 1
+            if fail:
+                raise InjectedFault(f"injected {job.direction} copy failure on rank {self.rank}")
+            if slow:
+                time.sleep(slow)
+            return run(job)
+        setattr(eng, name, faulty_copy)
+        if cache.l3 is not None:
+            store = cache.l3
+            get = store.get
+
+            def faulty_get(keys, out):  # on the prefetch thread
+                with self._lock:
+                    err = self._armed.error_reads > 0
+                    delete = not err and self._armed.delete_reads > 0 and len(keys) > 0
+                    if err:
+                        self._armed.error_reads -= 1
+                        self.injected["l3_error"] += 1
+                        self.l3_misses += 1
+                    elif delete:
+                        self._armed.delete_reads -= 1
+                        self.injected["l3_delete"] += 1
+                if err:
+                    raise InjectedFault(f"injected L3 read error on rank {self.rank}")
+                if delete:  # under a running restore: the pages vanish before the read
+                    store.delete(list(keys))
+                served = get(keys, out)
+                if delete and served < len(keys):
+                    with self._lock:
+                        self.l3_misses += 1
+                return served
+            store.get = faulty_get
+
+    def report(self) -> dict:
+        with self._lock:
+            return {"injected": dict(self.injected), "planned": dict(self.planned),
+                    "l3_misses": self.l3_misses, "steps": self._step}
+
+
+def corrupt_values(store, n: int, rng: random.Random) -> int:
+    """Flip one byte in up to ``n`` stored values of ``store``'s rank (LMDB PageStore); the
+    checksum then rejects them. Returns how many were corrupted."""
+    if not hasattr(store, "_data"):
+        return 0  # another backend: nothing to reach into
+
+    def fn(txn):
+        cur = txn.cursor(db=store._data)
+        keys = []
+        if cur.set_range(store._prefix):
+            for k in cur.iternext(keys=True, values=False):
+                k = bytes(k)
+                if not k.startswith(store._prefix):
+                    break
+                keys.append(k)
+        picked = rng.sample(keys, min(n, len(keys)))
+        for k in picked:
+            data = bytearray(txn.get(k, db=store._data))
+            i = rng.randrange(len(data))
+            data[i] ^= 0xFF
+            txn.put(k, bytes(data), db=store._data)
+        return len(picked)
+
+    res = store._run(fn, write=True)
+    return res if isinstance(res, int) else 0
