@@ -19,6 +19,7 @@ The L3 store lives in a fresh temporary directory (faults corrupt and delete val
 from __future__ import annotations
 
 import datetime
+import gc
 import shutil
 import tempfile
 import time
@@ -78,6 +79,7 @@ def run_soak_rank(rank: int, world: int, cfg_dict: dict, jobs: list, opts: dict)
         metrics.detach()
         out["corrupt"] += c.stats()["corrupt"]
         c.close(flush=False)
+        gc.collect()  # the injector's wrappers make a cycle through the cache: free its pools
 
     cache, srv = fresh()
     batches = [jobs[i:i + BATCH] for i in range(0, len(jobs), BATCH)]
@@ -212,12 +214,20 @@ def verdict(ranks: list[dict], duration: float, wall_s: float, seed: int) -> dic
         "deadline_s": duration + MARGIN_S,
         "wall_s": wall_s,
         "rss_mib": rss,
+        "rss_mib_series": [_sampled([q["rss"] >> 20 for q in r["quiet"]]) for r in ranks],
         "rss_flat": rss_flat,
         "errors": [r["error"] for r in ranks if r["error"]],
     }
     f["problems"] = problems(f)
     f["notes"] = notes(f)
     return f
+
+
+def _sampled(xs: list, n: int = 16) -> list:
+    """At most ``n`` evenly spaced values of ``xs`` (its last one included)."""
+    if len(xs) <= n:
+        return xs
+    return [xs[round(i * (len(xs) - 1) / (n - 1))] for i in range(n)]
 
 
 def problems(f: dict) -> list[str]:
