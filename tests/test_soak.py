@@ -123,7 +123,7 @@ def test_short_fault_soak_on_two_ranks(tmp_path, capsys):
     out = tmp_path / "soak.json"
     rc = bench_cli.main(["--config", str(cfg), "--workload", "chat", "--scale", "0.01",
                          "--max-output", "3", "--max-running", "2", "--duration", "8", "--faults", "3",
-                         "--fault-every", "8", "--no-progress", "--out", str(out)])
+                         "--fault-every", "3", "--no-progress", "--out", str(out)])
     text = capsys.readouterr()
     f = json.loads(out.read_text())["faults"]
     assert set(f) >= {"injected", "wrong_tokens", "hung_collectives", "leaked_pages",
