@@ -14,7 +14,11 @@ Kinds (a seeded shuffle of all of them, repeated, with seeded gaps in steps):
     slow_copy       the target rank's next copy sleeps first
     l3_corrupt      stored values of the target rank get a flipped byte (checksum: a miss)
     l3_delete       the target rank's next L3 read finds its pages deleted just before
-    l3_error        the target rank's next L3 reads raise (a shorter hit)
+    l3_error        the target rank's store is unavailable for its next L3 reads: they answer
+                    as misses and count in ``stats.errors`` (the L3 contract for a store that
+                    errors: no raise)
+    l3_restart      (Redis, with ``server``) the target rank kills the L3 server by PID
+                    (SIGKILL); it restarts it ``restart_after`` steps later
     late_step       the target rank arrives late at this step's collective
 """
 
@@ -26,8 +30,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-KINDS = ("d2h_fail", "h2d_fail", "slow_copy", "l3_corrupt", "l3_delete", "l3_error", "late_step")
-L3_KINDS = ("l3_corrupt", "l3_delete", "l3_error")
+KINDS = ("d2h_fail", "h2d_fail", "slow_copy", "l3_corrupt", "l3_delete", "l3_error",
+         "l3_restart", "late_step")
+L3_KINDS = ("l3_corrupt", "l3_delete", "l3_error", "l3_restart")
 
 
 class InjectedFault(OSError):
@@ -42,7 +47,8 @@ class FaultConfig:
     late_s: tuple[float, float] = (0.02, 0.3)
     corrupt_values: int = 3
     error_reads: int = 2
-    kinds: tuple[str, ...] = tuple(k for k in KINDS if k != "h2d_fail")
+    restart_after: int = 10                  # l3_restart: steps the server stays down
+    kinds: tuple[str, ...] = tuple(k for k in KINDS if k not in ("h2d_fail", "l3_restart"))
 
 
 @dataclass
@@ -56,10 +62,12 @@ class _Armed:
 class FaultInjector:
     """One rank's view of the seeded fault plan; counts what it actually injected."""
 
-    def __init__(self, config: FaultConfig, rank: int, world: int) -> None:
+    def __init__(self, config: FaultConfig, rank: int, world: int, server=None) -> None:
         if world < 1 or not 0 <= rank < world:
             raise ValueError(f"rank {rank} is outside a world of {world}")
         self.config, self.rank, self.world = config, rank, world
+        self.server = server      # a hicache.l3.localserver.LocalServer this soak started
+        self._restart_at = None   # step at which the killed server comes back
         self._rng = random.Random(config.seed)   # identical on every rank
         self._local = random.Random(config.seed * 7919 + rank)  # this rank's own draws
         self._order: list[str] = []
@@ -85,6 +93,9 @@ class FaultInjector:
     def on_step(self, cache) -> None:
         """Called before each ``step`` on every rank (in lockstep)."""
         self._step += 1
+        if self._restart_at is not None and self._step >= self._restart_at:
+            self._restart_at = None
+            self.server.start()
         if self._step < self._next:
             return
         self._next = self._step + self._gap()
@@ -105,6 +116,12 @@ class FaultInjector:
                 self._armed.error_reads += c.error_reads
         if kind == "l3_corrupt":
             if cache.l3 is not None and corrupt_values(cache.l3, c.corrupt_values, self._local):
+                with self._lock:
+                    self.injected[kind] += 1
+        elif kind == "l3_restart":
+            if self.server is not None and self._restart_at is None:
+                self.server.kill()  # SIGKILL by PID: every rank's next calls fail, bounded
+                self._restart_at = self._step + c.restart_after
                 with self._lock:
                     self.injected[kind] += 1
         elif kind == "late_step":
@@ -155,8 +172,9 @@ class FaultInjector:
                     elif delete:
                         self._armed.delete_reads -= 1
                         self.injected["l3_delete"] += 1
-                if err:
-                    raise InjectedFault(f"injected L3 read error on rank {self.rank}")
+                if err:  # the contract for an unavailable store: a counted miss, no raise
+                    store._bump(errors=1, misses=1)
+                    return 0
                 if delete:  # under a running restore: the pages vanish before the read
                     store.delete(list(keys))
                 served = get(keys, out)
@@ -166,6 +184,12 @@ class FaultInjector:
                 return served
             store.get = faulty_get
 
+    def close(self) -> None:
+        """Bring a server this injector killed back (the soak ends with it running)."""
+        if self._restart_at is not None:
+            self._restart_at = None
+            self.server.start()
+
     def report(self) -> dict:
         with self._lock:
             return {"injected": dict(self.injected), "planned": dict(self.planned),
@@ -173,8 +197,10 @@ class FaultInjector:
 
 
 def corrupt_values(store, n: int, rng: random.Random) -> int:
-    """Flip one byte in up to ``n`` stored values of ``store``'s rank (LMDB PageStore); the
+    """Flip one byte in up to ``n`` stored values of ``store``'s rank (LMDB or Redis); the
     checksum then rejects them. Returns how many were corrupted."""
+    if hasattr(store, "raw_client"):
+        return _corrupt_redis(store, n, rng)
     if not hasattr(store, "_data"):
         return 0  # another backend: nothing to reach into
 
@@ -197,3 +223,22 @@ def corrupt_values(store, n: int, rng: random.Random) -> int:
 
     res = store._run(fn, write=True)
     return res if isinstance(res, int) else 0
+
+
+def _corrupt_redis(store, n: int, rng: random.Random) -> int:
+    client = store.raw_client()
+    if client is None:
+        return 0  # the server is down
+    prefix = store.key_prefix + store._prefix
+    glob = b"".join(b"\\" + bytes([c]) if c in b"*?[]\\" else bytes([c]) for c in prefix)
+    try:
+        keys = list(client.scan_iter(match=glob + b"*", count=1000))
+        picked = rng.sample(keys, min(n, len(keys)))
+        for k in picked:
+            v = bytearray(client.get(k) or b"")
+            if v:
+                v[rng.randrange(len(v))] ^= 0xFF
+                client.set(k, bytes(v))
+        return len(picked)
+    except Exception:  # the server went away meanwhile: nothing corrupted
+        return 0

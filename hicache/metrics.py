@@ -45,8 +45,9 @@ SERIES: dict[str, tuple] = {
     "hicache_evictions_total": ("counter", "Pages evicted, by tier.", "tier", ("evictions",)),
     "hicache_l3_corrupt_values_total": ("counter", "L3 values rejected by header or checksum "
                                         "(each a counted miss, deleted).", None, ("corrupt",)),
-    "hicache_l3_errors_total": ("counter", "L3 reads or background writes that raised.", "op",
-                                ("l3_errors",)),
+    "hicache_l3_errors_total": ("counter", "L3 calls that found the store unavailable "
+                                "(connection loss, timeout): answered as misses / not stored.",
+                                None, ("l3_errors",)),
     "hicache_l3_timeouts_total": ("counter", "L3 prefetches the timeout policy stopped waiting "
                                   "for (the loaded part is used).", None,
                                   ("prefetch", "timeout")),

@@ -99,7 +99,6 @@ class TierStats:
     failed_copies: dict = field(default_factory=lambda: {"d2h": 0, "h2d": 0})
     # L3 prefetch outcomes, one per request that looked L3 up (see PREFETCH_OUTCOMES)
     prefetch: dict = field(default_factory=lambda: {o: 0 for o in PREFETCH_OUTCOMES})
-    l3_errors: dict = field(default_factory=lambda: {"read": 0, "write": 0})
 
 
 class HiCache:
@@ -467,7 +466,7 @@ class HiCache:
             # list() copies in one step: a metrics scrape may call stats() from another thread
             "locks": sum(1 for r in list(self._reqs.values()) if r.lock is not None),
             "failed_copies": dict(s.failed_copies), "prefetch": dict(s.prefetch),
-            "l3_errors": dict(s.l3_errors), "transfer_s": dict(s.transfer_s),
+            "transfer_s": dict(s.transfer_s),
         }
         if self.l3 is not None:
             l3 = self.l3.stats
@@ -603,19 +602,13 @@ class HiCache:
                 if pairs:
                     keys = self._keys([c for c, _ in pairs])
                     try:
-                        fut = self._writer.submit(keys, [self.l2.read_page(h).clone()
-                                                         for _, h in pairs])
-                        fut.add_done_callback(self._write_done)
+                        self._writer.submit(keys, [self.l2.read_page(h).clone()
+                                                   for _, h in pairs])
                     except Exception as err:  # agreed at the next step
                         self._record(err)
         else:
             self._stats.bytes["h2d"] += job.nbytes
             self._stats.transfer_s["h2d"] += job.seconds
-
-    def _write_done(self, fut) -> None:
-        """On the writer thread: count a failed L3 write (the writer re-raises it on flush)."""
-        if fut.exception() is not None:
-            self._stats.l3_errors["write"] += 1
 
     def _restore(self, req: _Request, pages: int) -> bool:
         """Every rank holds ``pages`` prefetched pages: copy them into fresh device pages.
@@ -653,7 +646,6 @@ class HiCache:
         h.cancel(wait=False)  # pages past the agreed count are not needed
         if h.keys:  # this rank found pages in L3 and read them
             self._stats.prefetch[outcome] += 1
-            self._stats.l3_errors["read"] += outcome == "error"
             if self.observer is not None:
                 self.observer.observe("restore", time.monotonic() - h.started)
         req.prefetch = None

@@ -13,14 +13,19 @@ in batches on ``l1+l2+l3`` until rank 0's clock passes ``S`` (decided for all ra
 - collectives run on a group with a bounded timeout, so a hang ends the rank with an error that
   is counted in ``hung_collectives`` instead of stalling the run.
 
-The L3 store lives in a fresh temporary directory (faults corrupt and delete values in it).
+The L3 store is the soak's own (faults corrupt and delete values in it): a fresh temporary LMDB
+directory, or, when the policy's ``l3.backend`` is ``redis``, a private Redis/Valkey server the
+soak starts by PID (never the configured one, append-only file on); with Redis the server is
+also killed by PID (SIGKILL) and restarted while the ranks run (``l3_restart``).
 """
 
 from __future__ import annotations
 
 import datetime
 import gc
+import os
 import shutil
+import signal
 import tempfile
 import time
 from dataclasses import replace
@@ -59,9 +64,11 @@ def run_soak_rank(rank: int, world: int, cfg_dict: dict, jobs: list, opts: dict)
         ref = {r.request_id: r.output for r in server(ref_cache).run(jobs)}
 
     every = opts.get("fault_every", 40)
+    l3srv = SharedServer(**opts["server"]) if opts.get("server") else None
+    kinds = FaultConfig(0).kinds + (("l3_restart",) if l3srv else ())
     inj = FaultInjector(FaultConfig(opts["faults"], gap_steps=(max(1, every // 2),
-                                                               max(1, every * 3 // 2))),
-                        rank, world)
+                                                               max(1, every * 3 // 2)),
+                                    kinds=kinds), rank, world, server=l3srv)
     metrics = HiCacheMetrics(rank=rank)
     if opts.get("metrics_port"):
         metrics.serve(opts["metrics_port"] + rank)
@@ -113,6 +120,7 @@ def run_soak_rank(rank: int, world: int, cfg_dict: dict, jobs: list, opts: dict)
             out["quiet"].append(_quiet_point(cache, proc.memory_info().rss))
         soak_s = time.monotonic() - t0
         retire(cache)
+        inj.close()
     except RuntimeError as e:  # a collective that timed out: counted, the run stops here
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
@@ -125,9 +133,13 @@ def run_soak_rank(rank: int, world: int, cfg_dict: dict, jobs: list, opts: dict)
         out["totals"] = {k: {lab: v for (name, lab), v in vals.items() if name == n}
                          for k, n in (("hit_tokens", "hicache_hit_tokens_total"),
                                       ("prefetch", "hicache_prefetch_total"),
-                                      ("failed_copies", "hicache_failed_copies_total"))}
+                                      ("failed_copies", "hicache_failed_copies_total"),
+                                      ("l3_errors", "hicache_l3_errors_total"),
+                                      ("bytes", "hicache_transfer_bytes_total"))}
         metrics.close()
     out.update(soak_s=soak_s, batches=n, faults=inj.report(), plan=inj.events)
+    if l3srv is not None:
+        out["server"] = True
     return out
 
 
@@ -154,13 +166,57 @@ def _quiet_point(cache, rss: int) -> dict:
             "pages": dict(s["pages"]), "rss": rss}
 
 
+class SharedServer:
+    """The soak's Redis/Valkey server as every rank sees it: started and killed by the PID kept
+    in ``dir/pid`` (a rank may kill a server another rank restarted)."""
+
+    def __init__(self, dir: str, port: int, maxmemory: int) -> None:
+        self.dir, self.port, self.maxmemory = dir, port, maxmemory
+        self._local = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        from .l3.localserver import LocalServer
+        # append-only file: a restarted server comes back with what it had (but the last ~1 s)
+        self._local = LocalServer(self.dir, port=self.port, maxmemory=self.maxmemory,
+                                  extra=("--appendonly", "yes", "--appendfsync", "everysec")
+                                  ).start()
+        with open(os.path.join(self.dir, "pid"), "w") as f:
+            f.write(str(self._local.pid))
+
+    def kill(self) -> None:
+        from .l3.localserver import _ping
+        try:
+            pid = int(open(os.path.join(self.dir, "pid")).read())
+            os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError):
+            return  # already gone
+        deadline = time.monotonic() + 10
+        while _ping(self.port, None, 0.2) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self._local is not None and self._local.proc is not None:
+            self._local.proc.poll()  # reap it when this rank started it
+
+
 # ---- the parent ------------------------------------------------------------------------------
 def run_soak(cfg: HiCacheConfig, jobs: list, opts: dict) -> dict:
     """Spawn the ranks, run the soak, return the ``"faults"`` report (see ``verdict``)."""
     from .distributed import launch
     l3 = tempfile.mkdtemp(prefix="hicache-soak-l3-")
+    server = None
     try:
-        cfg = cfg.replace(l3={"enabled": True, "path": l3})
+        if cfg.l3.backend == "redis":
+            from .l3.localserver import free_port
+            server = SharedServer(l3, free_port(), 256 << 20)
+            server.start()
+            opts = dict(opts, server={"dir": l3, "port": server.port,
+                                      "maxmemory": server.maxmemory})
+            cfg = cfg.replace(l3={"enabled": True, "url": server.url, "timeout_s": 0.5})
+        else:
+            cfg = cfg.replace(l3={"enabled": True, "path": l3})
         t0 = time.monotonic()
         try:
             ranks = launch(cfg.parallel.dcp, run_soak_rank, cfg.to_dict(), jobs, opts,
@@ -168,13 +224,17 @@ def run_soak(cfg: HiCacheConfig, jobs: list, opts: dict) -> dict:
         except RuntimeError as e:  # a rank died or never returned: the soak failed
             return {"error": str(e)[-2000:], "hung_collectives": int("timed out" in str(e)),
                     "wall_s": time.monotonic() - t0}
-        return verdict(ranks, opts["duration"], time.monotonic() - t0, opts["faults"])
+        f = verdict(ranks, opts["duration"], time.monotonic() - t0, opts["faults"])
+        f["l3_backend"] = cfg.l3.backend
+        return f
     finally:
+        if server is not None:
+            server.kill()
         shutil.rmtree(l3, ignore_errors=True)
 
 
 def verdict(ranks: list[dict], duration: float, wall_s: float, seed: int) -> dict:
-    injected: dict = {k: 0 for k in KINDS}
+    injected: dict = {k: 0 for k in KINDS if k != "l3_restart" or "server" in ranks[0]}
     for r in ranks:
         for k, v in r["faults"]["injected"].items():
             injected[k] += v
@@ -207,6 +267,9 @@ def verdict(ranks: list[dict], duration: float, wall_s: float, seed: int) -> dic
                        for t in ("l1", "l2", "l3")},
         "prefetch": {o: sum(r["totals"]["prefetch"].get(o, 0) for r in ranks)
                      for o in ranks[0]["totals"]["prefetch"]},
+        "l3_errors": sum(r["totals"]["l3_errors"].get("", 0) for r in ranks),
+        "bytes": {d: sum(r["totals"]["bytes"].get(d, 0) for r in ranks)
+                  for d in ranks[0]["totals"]["bytes"]},
         "requests_completed": ranks[0]["completed"],
         "tokens_checked": ranks[0]["outputs_checked"],
         "batches": ranks[0]["batches"],
