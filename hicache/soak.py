@@ -60,7 +60,9 @@ def run_soak_rank(rank: int, world: int, cfg_dict: dict, jobs: list, opts: dict)
         return Server(model, cache, group=group, backend=opts["backend"],
                       chunk_tokens=opts["chunk"], max_running=opts["max_running"])
 
+    sig = model.weights_signature()  # the built-in model's digest names its weights in L3 keys
     with HiCache(cfg, rank, group, mode="recompute") as ref_cache:
+        model.to(ref_cache.l1.device)  # the engine computes where its KV pool lives
         ref = {r.request_id: r.output for r in server(ref_cache).run(jobs)}
 
     every = opts.get("fault_every", 40)
@@ -77,7 +79,7 @@ def run_soak_rank(rank: int, world: int, cfg_dict: dict, jobs: list, opts: dict)
            "quiet": [], "hung": 0, "error": None, "corrupt": 0, "outputs_checked": 0}
 
     def fresh():
-        c = HiCache(cfg, rank, group, mode="l1+l2+l3")
+        c = HiCache(cfg, rank, group, mode="l1+l2+l3", weights_signature=sig)
         inj.install(c)
         metrics.attach(c)
         return c, server(c)
