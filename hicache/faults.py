@@ -184,6 +184,11 @@ class FaultInjector:
                 return served
             store.get = faulty_get
 
+    @property
+    def steps(self) -> int:
+        """Steps seen so far (the same count on every rank: they step in lockstep)."""
+        return self._step
+
     def close(self) -> None:
         """Bring a server this injector killed back (the soak ends with it running)."""
         if self._restart_at is not None:

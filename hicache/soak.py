@@ -115,7 +115,7 @@ def run_soak_rank(rank: int, world: int, cfg_dict: dict, jobs: list, opts: dict)
                     cache.drain()  # a quiet point: nothing active, transfers applied
                     break
                 except TransferError as e:  # raised on every rank at the same step
-                    out["failures"].append((inj._step, str(e).splitlines()[0][:200]))
+                    out["failures"].append((inj.steps, _first_line(e)))
                     out["restarts"] += 1
                     retire(cache)
                     cache, srv = fresh()
@@ -127,13 +127,13 @@ def run_soak_rank(rank: int, world: int, cfg_dict: dict, jobs: list, opts: dict)
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
         out["hung"] += 1
-        out["error"] = str(e).splitlines()[0][:300]
+        out["error"] = _first_line(e)
         soak_s = time.monotonic() - t0
     finally:
         # the metrics' counters run on across restarts: the whole soak's figures
         vals = metrics.values()
-        out["totals"] = {k: {lab: v for (name, lab), v in vals.items() if name == n}
-                         for k, n in (("hit_tokens", "hicache_hit_tokens_total"),
+        out["totals"] = {key: {lab: v for (name, lab), v in vals.items() if name == metric}
+                         for key, metric in (("hit_tokens", "hicache_hit_tokens_total"),
                                       ("prefetch", "hicache_prefetch_total"),
                                       ("failed_copies", "hicache_failed_copies_total"),
                                       ("l3_errors", "hicache_l3_errors_total"),
@@ -143,6 +143,10 @@ def run_soak_rank(rank: int, world: int, cfg_dict: dict, jobs: list, opts: dict)
     if l3srv is not None:
         out["server"] = True
     return out
+
+
+def _first_line(e: BaseException) -> str:
+    return ((str(e) or repr(e)).splitlines() or [repr(e)])[0][:300]
 
 
 def _agree(local: bool, group) -> bool:
