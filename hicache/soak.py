@@ -341,6 +341,7 @@ def table_rows(f: dict) -> list[list]:
                                  "tokens_checked")]
     rows += [["hit tokens l1/l2/l3 (all ranks)", "/".join(str(int(v)) for v in
                                                         f["hit_tokens"].values())],
+             ["l3 errors (store unavailable)", int(f["l3_errors"])],
              ["prefetch outcomes", ", ".join(f"{k} {int(v)}" for k, v in f["prefetch"].items()
                                              if v)],
              ["soak s (deadline)", f"{f['soak_s']:.1f} ({f['deadline_s']:.0f})"],
