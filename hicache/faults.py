@@ -173,7 +173,7 @@ class FaultInjector:
                         self._armed.delete_reads -= 1
                         self.injected["l3_delete"] += 1
                 if err:  # the contract for an unavailable store: a counted miss, no raise
-                    store._bump(errors=1, misses=1)
+                    backend(store)._bump(errors=1, misses=1)
                     return 0
                 if delete:  # under a running restore: the pages vanish before the read
                     store.delete(list(keys))
@@ -201,9 +201,15 @@ class FaultInjector:
                     "l3_misses": self.l3_misses, "steps": self._step}
 
 
+def backend(store):
+    """The backend store behind the service's guard (``hicache.l3.guard.GuardedStore``)."""
+    return getattr(store, "_store", None) or store
+
+
 def corrupt_values(store, n: int, rng: random.Random) -> int:
     """Flip one byte in up to ``n`` stored values of ``store``'s rank (LMDB or Redis); the
     checksum then rejects them. Returns how many were corrupted."""
+    store = backend(store)
     if hasattr(store, "raw_client"):
         return _corrupt_redis(store, n, rng)
     if not hasattr(store, "_data"):

@@ -51,6 +51,9 @@ SERIES: dict[str, tuple] = {
     "hicache_l3_timeouts_total": ("counter", "L3 prefetches the timeout policy stopped waiting "
                                   "for (the loaded part is used).", None,
                                   ("prefetch", "timeout")),
+    "hicache_l3_failures_total": ("counter", "L3 store errors raised (the first one turns L3 "
+                                  "off on this rank until the service restarts).", None,
+                                  ("l3_failures",)),
     "hicache_failed_copies_total": ("counter", "Device/host copies that failed on this rank.",
                                     "direction", ("failed_copies",)),
     "hicache_prefetch_total": ("counter", "L3 prefetch outcomes.", "outcome", ("prefetch",)),
@@ -95,10 +98,12 @@ def flatten(stats: dict) -> dict[tuple[str, str], float]:
 def _stats_with_defaults(cache) -> dict:
     s = cache.stats()
     pages = dict(s.get("pages", {}))
-    if getattr(cache, "l3", None) is not None:
+    store = getattr(cache, "l3", None)
+    store = getattr(store, "_store", None) or store  # the backend behind the service's guard
+    if store is not None and hasattr(store, "num_pages"):
         try:
-            pages.setdefault("l3", cache.l3.num_pages())
-        except Exception:  # a store mid-close: report what is known
+            pages.setdefault("l3", store.num_pages())
+        except Exception:  # a store mid-close or failed: report what is known
             pass
     s["pages"] = pages
     s.setdefault("prefetch", {}).update({o: s["prefetch"].get(o, 0) for o in PREFETCH_OUTCOMES})

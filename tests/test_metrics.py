@@ -74,7 +74,7 @@ def test_scrape_equals_stats_and_moves_with_the_run(tmp_path):
                     assert now[key] == v, key  # the scrape IS stats(), series by series
                 # L3 pages: the whole store, also read at scrape time
                 assert value(now, "hicache_pages_used", rank="0", tier="l3") == \
-                    cache.l3.num_pages()
+                    cache.l3._store.num_pages()  # LMDB behind the service guard
                 seen.append(now)
             first, second = seen
             assert value(first, "hicache_requests_total", rank="0") == 6
