@@ -44,17 +44,17 @@ def run_soak_rank(rank: int, world: int, cfg_dict: dict, jobs: list, opts: dict)
     import torch
     import torch.distributed as dist
 
-    from .engine.model import MLAModel
+    from .bench_cli import engine_model
     from .l2.transfer import TransferError
     from .metrics import HiCacheMetrics
-    from .serving import Server, model_config
+    from .serving import Server
     from .service import HiCache
 
     torch.manual_seed(0)
     cfg = HiCacheConfig.from_dict(cfg_dict)
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(
         seconds=opts.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S)))
-    model = MLAModel(model_config(cfg, seed=opts["seed"]))
+    model = engine_model(cfg, seed=opts["seed"])  # [model] path, or the built-in seeded model
 
     def server(cache):
         return Server(model, cache, group=group, backend=opts["backend"],
