@@ -10,7 +10,7 @@ ranks draw the same plan in lockstep; an injection names its target rank and onl
 Kinds (a seeded shuffle of all of them, repeated, with seeded gaps in steps):
 
     d2h_fail        the target rank's next D2H copy raises (the step agrees a failure: restart)
-    h2d_fail        the target rank's next H2D copy raises (only with ``h2d=True``)
+    h2d_fail        the target rank's next H2D copy raises (a load-back: wait_layer records it)
     slow_copy       the target rank's next copy sleeps first
     l3_corrupt      stored values of the target rank get a flipped byte (checksum: a miss)
     l3_delete       the target rank's next L3 read finds its pages deleted just before
@@ -48,7 +48,7 @@ class FaultConfig:
     corrupt_values: int = 3
     error_reads: int = 2
     restart_after: int = 10                  # l3_restart: steps the server stays down
-    kinds: tuple[str, ...] = tuple(k for k in KINDS if k not in ("h2d_fail", "l3_restart"))
+    kinds: tuple[str, ...] = tuple(k for k in KINDS if k != "l3_restart")
 
 
 @dataclass
