@@ -85,14 +85,14 @@ class RefRadixCache:
         return top
 
     def _walk(self, tokens):
+        p = self.page
         node, pos, pages = self.root, 0, []
-        while pos < len(tokens):
-            child = node.children.get(tuple(tokens[pos:pos + self.page]))
+        end = len(tokens) // p * p  # children are keyed by whole pages
+        while pos < end:
+            child = node.children.get(tuple(tokens[pos:pos + p]))
             if child is None:
                 break
-            i = self._key_match(child.key, tokens, pos) // self.page * self.page
-            if i == 0:
-                break
+            i = self._key_match(child.key, tokens, pos) // p * p
             if i < len(child.key):
                 child = self._split(child, i)
             child.last_access = self.clock
@@ -149,35 +149,15 @@ class RefRadixCache:
             del parent.children[tuple(n.key[:self.page])]
             self.alloc.free(n.value)
             freed += len(n.value)
-            if parent is not self.root and not parent.children:
+            if parent is not self.root and not parent.children and not parent.lock_ref:
                 heapq.heappush(leaves, (parent.last_access, id(parent), parent))
 
 
 # ---- the stronger reference: a page-keyed radix tree, as the major engines' Python trees -----
-class _PageNode:
-    __slots__ = ("children", "key", "value", "parent", "lock_ref", "last_access")
-
-    def __init__(self, key, value, parent):
-        self.children = {}
-        self.key = key        # token ids (a list of whole pages)
-        self.value = value    # page ids, one per page of key
-        self.parent = parent
-        self.lock_ref = 0
-        self.last_access = 0
-
-
-class PageRadixCache:
-    """Compressed radix tree whose children are keyed by their first page's token tuple and whose
-    key match compares whole pages (list slices, one C compare per page), with LRU eviction of
-    unlocked leaves (every eviction collects the leaves and heapifies them): the structure of the
-    paged Python radix caches of the major serving engines."""
-
-    def __init__(self, page_size: int, num_pages: int):
-        self.page = page_size
-        self.alloc = PageAllocator(num_pages)
-        self.root = _PageNode([], [], None)
-        self.root.lock_ref = 1
-        self.clock = 0
+class PageRadixCache(RefRadixCache):
+    """The same tree, but the key match compares whole pages (list slices, one C compare per
+    page), with LRU eviction of unlocked leaves (every eviction collects the leaves and heapifies
+    them): the structure of the paged Python radix caches of the major serving engines."""
 
     def _key_match(self, key, tokens, start):
         p, i = self.page, 0
@@ -185,84 +165,6 @@ class PageRadixCache:
         while i < n and key[i:i + p] == tokens[start + i:start + i + p]:
             i += p
         return i
-
-    def _split(self, child, i):
-        k = i // self.page
-        top = _PageNode(child.key[:i], child.value[:k], child.parent)
-        top.lock_ref, top.last_access = child.lock_ref, child.last_access
-        top.children[tuple(child.key[i:i + self.page])] = child
-        child.parent.children[tuple(child.key[:self.page])] = top
-        child.key, child.value = child.key[i:], child.value[k:]
-        child.parent = top
-        return top
-
-    def _walk(self, tokens):
-        p = self.page
-        node, pos, pages = self.root, 0, []
-        end = len(tokens) // p * p
-        while pos < end:
-            child = node.children.get(tuple(tokens[pos:pos + p]))
-            if child is None:
-                break
-            i = self._key_match(child.key, tokens, pos)
-            if i < len(child.key):
-                child = self._split(child, i)
-            child.last_access = self.clock
-            pages.extend(child.value)
-            node, pos = child, pos + i
-            if i < len(child.key):
-                break
-        return node, pos, pages
-
-    def match(self, tokens):
-        self.clock += 1
-        node, pos, pages = self._walk(tokens)
-        return pos, node, pages
-
-    def lock(self, node, d):
-        while node is not None and node is not self.root:
-            node.lock_ref += d
-            node = node.parent
-
-    def alloc_pages(self, n):
-        if self.alloc.num_free < n:
-            self.evict(n - self.alloc.num_free)
-        if self.alloc.num_free < n:
-            return None
-        return self.alloc.alloc(n)
-
-    def insert(self, tokens, pages):
-        self.clock += 1
-        tokens = tokens[:len(tokens) // self.page * self.page]
-        node, pos, have = self._walk(tokens)
-        k = pos // self.page
-        dup = [p for p, q in zip(pages[:k], have) if p != q]
-        if dup:
-            self.alloc.free(dup)
-        if pos < len(tokens):
-            new = _PageNode(tokens[pos:], pages[k:], node)
-            new.last_access = self.clock
-            node.children[tuple(tokens[pos:pos + self.page])] = new
-
-    def evict(self, n_pages):
-        leaves, stack = [], [self.root]
-        while stack:
-            n = stack.pop()
-            if not n.children and n is not self.root:
-                leaves.append((n.last_access, id(n), n))
-            stack.extend(n.children.values())
-        heapq.heapify(leaves)
-        freed = 0
-        while leaves and freed < n_pages:
-            _, _, n = heapq.heappop(leaves)
-            if n.lock_ref > 0:
-                continue
-            parent = n.parent
-            del parent.children[tuple(n.key[:self.page])]
-            self.alloc.free(n.value)
-            freed += len(n.value)
-            if parent is not self.root and not parent.children and not parent.lock_ref:
-                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
 
 
 # ---- replays ---------------------------------------------------------------------------------
