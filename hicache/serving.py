@@ -172,8 +172,12 @@ class Server:
                 self.longest_stall = max(self.longest_stall, run)
             else:
                 run = 0
-            # Counted in steps, not seconds, so every rank gives up at the same step.
-            stalled = 0 if progress else stalled + 1
+            # A request still reading its L3 hit waits on the store (bounded by the prefetch
+            # policy and the store's timeouts), not on L1: no stall. The readiness it waits for
+            # is agreed, so every rank sees the same. Counted in steps, not seconds, so every
+            # rank gives up at the same step.
+            reading = any(not a.prefix.ready and a not in room for a in active)
+            stalled = 0 if (progress or reading) else stalled + 1
             if stalled > self.stall_steps:
                 raise ServingError("no request can get L1 pages: l1.num_pages is too small "
                                    f"for {len(active)} concurrent requests")

@@ -184,7 +184,9 @@ def serve_modes(path, l3_root, dcp, jobs, rank=0, group=None):
     model = hf.load_model(path)
     out = {}
     for mode in MODES:
-        cfg = policy(path, Path(l3_root) / mode.replace("+", "_"), dcp,
+        # L1 holds two running requests (6 pages each): later ones find the prefixes of the
+        # finished ones in L1
+        cfg = policy(path, Path(l3_root) / mode.replace("+", "_"), dcp, l1_pages=12,
                      l2_ratio=1.0 if "l3" in mode else 3.0)
         with HiCache(cfg, rank, group, mode=mode,
                      weights_signature=model.weights_signature()) as cache:
