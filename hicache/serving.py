@@ -69,6 +69,7 @@ class _Active:
     output: list[int] = field(default_factory=list)
     ttft: float = 0.0
     room_seen: int = 0  # prefix.room_wait when last looked at
+    stale_at: int | None = None  # Server.inserted when its suffix last found no L1 room
 
 
 class Server:
@@ -92,6 +93,7 @@ class Server:
         self.preemptions = 0    # requests re-queued so that an older one gets L1 room
         self.blocked_steps = 0  # steps in which a request waited for room and nothing ran
         self.longest_stall = 0  # the longest run of such steps
+        self.inserted = 0       # requests finished into the cache so far (the tree grew)
 
     def _wait_layer(self, layer: int) -> None:
         for rid in self._waiting_on:
@@ -139,6 +141,8 @@ class Server:
             finished = []
             started, room = 0, []
             for a in [a for a in active if a.state is None and a.prefix.ready]:
+                if a.stale_at is not None and self.inserted > a.stale_at and not self._rematch(a):
+                    continue  # matched afresh: its new hit waits on L3
                 if self._prefill(a):
                     started += 1
                 else:
@@ -161,6 +165,7 @@ class Server:
                 active.remove(a)
                 fed = np.concatenate([a.job.tokens, np.asarray(a.output[:-1], dtype=np.int64)])
                 cache.finish(a.job.request_id, fed)
+                self.inserted += 1
                 p = a.prefix
                 finished.append(Result(a.job.request_id, len(a.job.tokens), a.output, a.ttft,
                                        {"l1": p.device_len, "l2": p.host_len,
@@ -203,12 +208,24 @@ class Server:
         waiting.appendleft(victim.job)
         self.preemptions += 1
 
+    def _rematch(self, a: _Active) -> bool:
+        """A request that waited for L1 room while others finished matches again: what they
+        inserted may now be its hit (else its old match would make it evict that and prefill
+        it a second time). The same decision on every rank. True when it is ready to prefill."""
+        rid = a.job.request_id
+        self.cache.abort(rid)
+        a.prefix = self.cache.admit(rid, a.job.tokens)
+        a.stale_at = None
+        a.room_seen = a.prefix.room_wait
+        return a.prefix.ready
+
     def _prefill(self, a: _Active) -> bool:
         """Prefill the unmatched suffix; True when the request started decoding."""
         job, prefix = a.job, a.prefix
         try:
             self.cache.alloc(job.request_id, len(job.tokens) + job.output_len)
         except DeviceFullError:
+            a.stale_at = self.inserted
             return False  # L1 is busy with running requests: retry after the next step
         state = RequestState(page_table=prefix.page_table, length=prefix.hit_len)
         suffix = torch.as_tensor(job.tokens[prefix.hit_len:], dtype=torch.int64)
