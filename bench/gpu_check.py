@@ -133,7 +133,8 @@ def check_transfer(sz: Sizes, dev, layout: str, backend: str, cupy: bool = False
 
     from hicache.l1.pool import DeviceKVPool
     from hicache.l2.pool import HostKVPool
-    from hicache.l2.transfer import HAVE_CUPY, TransferEngine
+    from hicache.l2.copy_cuda import HAVE_CUPY
+    from hicache.l2.transfer import TransferEngine
     from hicache.layout import DCPLayout
     if cupy and not HAVE_CUPY:
         raise Skip("cupy is not installed (pip install 'hicache[gpu]')")

@@ -2,7 +2,7 @@
 
 ``FaultInjector(seed, rank, world)`` is created once per rank and ``install``-ed on every
 ``HiCache`` the soak starts (a fresh one after each failure). It wraps instance attributes only
-(``cache.step``, the transfer engine's copy routine, the L3 store's ``get``): a cache that was
+(``cache.step``, the copy backend's ``copy``, the L3 store's ``get``): a cache that was
 never installed on runs no injector code at all.
 
 The schedule is drawn per ``step`` from a generator seeded with ``seed`` on every rank, so all
@@ -138,9 +138,8 @@ class FaultInjector:
             self.on_step(cache)
             return step()
         cache.step = faulty_step
-        eng = cache.transfer
-        name = "_run_cuda" if eng.cuda else "_run_cpu"
-        run = getattr(eng, name)
+        copier = cache.transfer.backend
+        run = copier.copy
 
         def faulty_copy(job):  # on the copy worker thread
             with self._lock:
@@ -156,7 +155,7 @@ class FaultInjector:
             if slow:
                 time.sleep(slow)
             return run(job)
-        setattr(eng, name, faulty_copy)
+        copier.copy = faulty_copy
         if cache.l3 is not None:
             store = cache.l3
             get = store.get

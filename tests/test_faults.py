@@ -107,7 +107,7 @@ def test_a_copy_failing_between_two_state_reads_is_never_agreed(tmp_path):
     (op_id, (op, job, chains)), = cache._jobs.items()
     job.wait()
     # the same op, now a job still pending that fails right after its first state read
-    pending = TransferJob("d2h", job.plan, job.num_layers, job.nbytes, cuda=False)
+    pending = TransferJob("d2h", job.plan, job.num_layers, job.nbytes)
     assert pending.status() == PENDING
     flaky = _FailsAfterFirstRead(pending)
     cache._jobs[op_id] = (op, flaky, chains)
@@ -133,7 +133,7 @@ def test_job_status_moves_once(tmp_path):
         job = cache.transfer.backup([0, 1], [2, 3])
         job.wait()
         assert job.status() == DONE and not job.failed
-        bad = TransferJob("h2d", job.plan, job.num_layers, job.nbytes, cuda=False)
+        bad = TransferJob("h2d", job.plan, job.num_layers, job.nbytes)
         bad._fail(OSError("x"))
         assert bad.status() == FAILED and bad.done()
 
@@ -233,13 +233,13 @@ def _wait_for(cond, timeout=60.0):
 
 # ---- two ranks, one group, one rank fails ------------------------------------------------------
 def _broken_h2d(transfer):
-    run = transfer._run_cpu
+    run = transfer.backend.copy
 
     def broken(job):
         if job.direction == "h2d":
             raise OSError("simulated H2D failure")
         run(job)
-    transfer._run_cpu = broken
+    transfer.backend.copy = broken
 
 
 def _l2_hit_setup(cache, server, prompt, rng):

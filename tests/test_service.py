@@ -351,7 +351,7 @@ def test_reused_device_pages_never_carry_an_old_l3_key(tmp_path):
 
 
 def test_a_failed_copy_is_never_agreed(tmp_path, monkeypatch):
-    import hicache.l2.transfer as transfer
+    import hicache.l2.copy_cpu as copy_cpu
     from hicache.l2.transfer import TransferError
     from hicache.l3 import chain_hashes
     cfg = make_cfg(tmp_path, l1_pages=8)
@@ -365,7 +365,7 @@ def test_a_failed_copy_is_never_agreed(tmp_path, monkeypatch):
 
     def broken(*args, **kwargs):
         raise OSError("simulated copy failure")
-    monkeypatch.setattr(transfer, "run_block_plan", broken)
+    monkeypatch.setattr(copy_cpu, "run_block_plan", broken)
     cache.finish("a", tokens)  # the write-through backup's D2H copy fails
     for _op, job, _c in cache._jobs.values():
         with pytest.raises(TransferError):
@@ -383,7 +383,7 @@ def test_a_failed_copy_is_never_agreed(tmp_path, monkeypatch):
 
 def _one_rank_copy_fails(rank, world, cfg_dict, tokens):
     import torch.distributed as dist
-    import hicache.l2.transfer as transfer
+    import hicache.l2.copy_cpu as copy_cpu
     from hicache.l2.transfer import TransferError
     cfg = HiCacheConfig.from_dict(cfg_dict)
     cache = HiCache(cfg, rank, dist.group.WORLD, mode="l1+l2")
@@ -392,7 +392,7 @@ def _one_rank_copy_fails(rank, world, cfg_dict, tokens):
     if rank == 1:
         def broken(*args, **kwargs):
             raise OSError("simulated copy failure")
-        transfer.run_block_plan = broken
+        copy_cpu.run_block_plan = broken
     cache.finish("a", tokens)  # the backup's copy fails on rank 1 only
     try:
         cache.drain()

@@ -136,7 +136,7 @@ def test_failed_transfer_surfaces_on_wait():
     def boom(job):
         raise OSError("disk on fire")
 
-    eng._run_cpu = boom
+    eng.backend.copy = boom
     job = eng.load([0], [0])
     with pytest.raises(TransferError, match="disk on fire"):
         job.wait(timeout=30)
@@ -156,13 +156,13 @@ def test_copies_run_off_the_calling_thread():
     lay, d, h, eng = make("layer_first", torch.float32)
     eng.inline_bytes = 0  # a job this small is otherwise copied at submit (see below)
     gate = threading.Event()
-    real = eng._run_cpu
+    real = eng.backend.copy
 
     def gated(job):
         gate.wait(30)
         real(job)
 
-    eng._run_cpu = gated
+    eng.backend.copy = gated
     d.kv.fill_(3.0)
     job = eng.backup([0, 1], [0, 1])
     assert not job.done()  # caller returned immediately; the worker is still blocked
@@ -190,7 +190,7 @@ def test_small_jobs_inline_and_waiters_run_unstarted_jobs():
     # hold the worker on a first job; a second one waited for runs on this thread
     eng.inline_bytes = 0
     gate, started = threading.Event(), threading.Event()
-    real = eng._run_cpu
+    real = eng.backend.copy
     ran_on = {}
 
     def gated(job):
@@ -200,7 +200,7 @@ def test_small_jobs_inline_and_waiters_run_unstarted_jobs():
             gate.wait(30)
         real(job)
 
-    eng._run_cpu = gated
+    eng.backend.copy = gated
     first = eng.backup([2], [2])
     assert started.wait(30)
     second = eng.load([1], [3])  # the h2d worker may or may not have claimed it yet

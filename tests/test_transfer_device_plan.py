@@ -9,8 +9,8 @@ import torch
 from hicache.kernels.page_copy import page_copy_reference
 from hicache.l1.pool import DeviceKVPool
 from hicache.l2.pool import HostKVPool
-from hicache.l2.transfer import (DeviceCopyPlan, TransferEngine, TransferJob, plan_device_copy,
-                                 plan_transfer)
+from hicache.l2.copy_cuda import CudaBackend, DeviceCopyPlan, plan_device_copy
+from hicache.l2.transfer import TransferEngine, TransferJob, plan_transfer
 from hicache.layout import DCPLayout
 
 L = 5
@@ -20,13 +20,14 @@ def make(kind, pages=12):
     lay = DCPLayout(2, 0, 4)
     d = DeviceKVPool(lay, L, 8, torch.float32, pages)
     h = HostKVPool(lay, L, 8, torch.float32, pages, layout_kind=kind)
-    return d, h, TransferEngine(d, h)
+    eng = TransferEngine(d, h)
+    return d, h, eng, CudaBackend(eng)  # the CUDA backend's plans and issue, checked on CPU
 
 
 def job(eng, direction, src, dst):
     limits = ((eng.device_pool.num_pages, eng.host_pool.num_pages) if direction == "d2h"
               else (eng.host_pool.num_pages, eng.device_pool.num_pages))
-    return TransferJob(direction, plan_transfer(src, dst, *limits), L, 0, cuda=False)
+    return TransferJob(direction, plan_transfer(src, dst, *limits), L, 0)
 
 
 SCATTERED = ([7, 2, 9, 0, 5, 11, 3], [1, 8, 4, 10, 6, 0, 2])
@@ -34,13 +35,13 @@ SCATTERED = ([7, 2, 9, 0, 5, 11, 3], [1, 8, 4, 10, 6, 0, 2])
 
 @pytest.mark.parametrize("kind", ["page_first", "layer_first"])
 def test_scattered_jobs_plan_kernel_launches_per_layer_not_per_page(kind):
-    d, h, eng = make(kind)
-    eng._device_kernel = page_copy_reference  # as on CUDA with Triton
+    d, h, eng, cb = make(kind)
+    cb._device_kernel = page_copy_reference  # as on CUDA with Triton
     for direction, want in (("h2d", L), ("d2h", 1)):
-        how = eng.device_copy_plan(job(eng, direction, *SCATTERED))
+        how = cb.plan(job(eng, direction, *SCATTERED))
         assert how == DeviceCopyPlan("kernel", want)
-    eng._device_kernel = None                 # no Triton, no CuPy: the old per-run/page path
-    how = eng.device_copy_plan(job(eng, "h2d", *SCATTERED))
+    cb._device_kernel = None                 # no Triton, no CuPy: the old per-run/page path
+    how = cb.plan(job(eng, "h2d", *SCATTERED))
     n = len(SCATTERED[0])
     assert how.launches == n * L and how.method == ("pages" if kind == "page_first" else "runs")
     eng.close()
@@ -56,13 +57,13 @@ def test_plan_prefers_2d_copies_only_when_cupy_is_asked_for():
 
 
 def test_contiguous_layer_first_uses_copy_engines():
-    d, h, eng = make("layer_first")
-    eng._device_kernel = page_copy_reference
-    how = eng.device_copy_plan(job(eng, "h2d", [0, 1, 2, 3], [4, 5, 6, 7]))
+    d, h, eng, cb = make("layer_first")
+    cb._device_kernel = page_copy_reference
+    how = cb.plan(job(eng, "h2d", [0, 1, 2, 3], [4, 5, 6, 7]))
     assert how == DeviceCopyPlan("runs", L)   # one copy_ per layer
-    d2, h2, eng2 = make("page_first")
-    eng2._device_kernel = page_copy_reference
-    assert eng2.device_copy_plan(job(eng2, "h2d", [0, 1, 2, 3], [4, 5, 6, 7])).method == \
+    d2, h2, eng2, cb2 = make("page_first")
+    cb2._device_kernel = page_copy_reference
+    assert cb2.plan(job(eng2, "h2d", [0, 1, 2, 3], [4, 5, 6, 7])).method == \
         "kernel"                              # strided host side: the kernel
     eng.close()
     eng2.close()
@@ -72,7 +73,7 @@ def test_contiguous_layer_first_uses_copy_engines():
 @pytest.mark.parametrize("method", ["kernel", "runs", "pages"])
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
 def test_every_issue_method_moves_the_right_bytes(kind, method, direction):
-    d, h, eng = make(kind)
+    d, h, eng, cb = make(kind)
     d.kv.normal_()
     h.buf.normal_()
     src, dst = SCATTERED
@@ -84,7 +85,7 @@ def test_every_issue_method_moves_the_right_bytes(kind, method, direction):
         calls.append(1)
         page_copy_reference(*a)
 
-    n = eng._issue(j, DeviceCopyPlan(method, 0), None, layers.append, kernel=counting_kernel)
+    n = cb.issue(j, DeviceCopyPlan(method, 0), None, layers.append, kernel=counting_kernel)
     assert layers == list(range(L))           # every layer reported, in order
     if method == "kernel":
         assert n == len(calls) == (L if direction == "h2d" else 1)

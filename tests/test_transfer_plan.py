@@ -8,8 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 from hicache.l1.pool import DeviceKVPool, PoolError, advise_hugepages, zeroed
 from hicache.l2.pool import HostKVPool
-from hicache.l2.transfer import (COPY_KINDS, TransferEngine, TransferError, TransferJob,
-                                 plan_blocks, plan_transfer, run_block_plan, split_block_plan)
+from hicache.l2.blocks import COPY_KINDS, plan_blocks, run_block_plan, split_block_plan
+from hicache.l2.transfer import TransferEngine, TransferError, TransferJob, plan_transfer
 from hicache.layout import DCPLayout
 
 BLOCK = 24  # bytes per block in the property tests
@@ -95,8 +95,10 @@ def test_engine_plans_few_calls_for_common_patterns(kind):
         hp = list(range(pages))
         perm = torch.randperm(pages, generator=torch.Generator().manual_seed(3)).tolist()
         for dev_pages in (hp, perm):
-            back = eng._plan_blocks("d2h", plan_transfer(dev_pages, hp, pages, pages))
-            load = eng._plan_blocks("h2d", plan_transfer(hp, dev_pages, pages, pages))
+            back = eng.backend.plan_blocks(
+                TransferJob("d2h", plan_transfer(dev_pages, hp, pages, pages), L, 0))
+            load = eng.backend.plan_blocks(
+                TransferJob("h2d", plan_transfer(hp, dev_pages, pages, pages), L, 0))
             assert back.num_calls <= (1 if kind == "page_first" else L)
             assert load.num_calls == 1
             assert back.num_blocks == L * pages and load.num_blocks == pages
@@ -127,7 +129,7 @@ def test_copy_threads_roundtrip_is_bit_identical(kind, threads):
 
 def test_layers_arrive_in_order_when_copied_out_of_order():
     plan = plan_transfer([0], [0], 1, 1)
-    job = TransferJob("h2d", plan, 3, 0, cuda=False)
+    job = TransferJob("h2d", plan, 3, 0)
     job._layer_landed(1)
     with pytest.raises(TransferError, match="layer 0 .* did not arrive"):
         job.wait_layer(0, timeout=0.01)
