@@ -104,13 +104,14 @@ def test_a_copy_failing_between_two_state_reads_is_never_agreed(tmp_path):
         cache.step()
     cache.alloc("a", 9)
     cache.finish("a", tokens)  # write_through: one backup
-    (op_id, (op, job, chains)), = cache._jobs.items()
+    (op_id, rec), = cache.io.inflight.items()
+    job = rec.job
     job.wait()
     # the same op, now a job still pending that fails right after its first state read
     pending = TransferJob("d2h", job.plan, job.num_layers, job.nbytes)
     assert pending.status() == PENDING
     flaky = _FailsAfterFirstRead(pending)
-    cache._jobs[op_id] = (op, flaky, chains)
+    rec.job = flaky
     assert cache.step() == []  # read once: pending, so not applied
     assert flaky.reads == 1 and pending.status() == FAILED
     node = next(n for n in cache.ctrl.iter_nodes() if n.parent is not None)
@@ -120,7 +121,7 @@ def test_a_copy_failing_between_two_state_reads_is_never_agreed(tmp_path):
     assert not node.host_valid
     with pytest.raises(TransferError, match="stopped"):
         cache.drain()
-    keys = cache._keys(chain_hashes(tokens, 4))
+    keys = cache.io.keys(chain_hashes(tokens, 4))
     cache.close()
     assert leaks(cache) == {}
     with PageStore(cfg.l3.path, cache.namespace, 0, cfg.l3.size_bytes) as store:
@@ -194,7 +195,7 @@ def test_locked_hits_never_starve_every_l3_restore(tmp_path):
     with HiCache(cfg.replace(l2={"ratio": 4.0}), mode="l1+l2+l3") as cache:  # cold
         Server(model, cache, chunk_tokens=16, max_running=1).run(jobs)
         cache.drain()
-        assert all(cache.l3.exists_prefix(cache._keys(chain_hashes(j.tokens[:-1], 4))) == 9
+        assert all(cache.l3.exists_prefix(cache.io.keys(chain_hashes(j.tokens[:-1], 4))) == 9
                    for j in jobs)  # every whole page of every prompt is in L3
     with HiCache(cfg.replace(l3={"path": str(tmp_path / "x")}), mode="recompute") as cache:
         ref = {r.request_id: r.output for r in Server(model, cache, chunk_tokens=16).run(jobs)}
@@ -208,7 +209,7 @@ def test_locked_hits_never_starve_every_l3_restore(tmp_path):
         read0 = cache.stats()["bytes"]["l3_read"]
         # hold every L3 read until all four requests are admitted and hold their hits
         gate = threading.Event()
-        cache._prefetcher._pool.submit(gate.wait, 60)
+        cache.io.prefetcher._pool.submit(gate.wait, 60)
         opener = threading.Thread(target=lambda: (_wait_for(lambda: len(cache._reqs) == 4, 20),
                                                   gate.set()))
         opener.start()

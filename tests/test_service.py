@@ -339,13 +339,13 @@ def test_reused_device_pages_never_carry_an_old_l3_key(tmp_path):
         pressure(cache, "z", np.arange(300, 305))
         pressure(cache, "y", np.arange(100, 120))  # N evicted: backed up and written to L3
         cache.drain()
-        cache._writer.flush()
+        cache.io.writer.flush()
         q = cache.admit("Q", np.concatenate([tm, [7]]))  # M's prompt
         while not q.ready:
             cache.step()
         restored = cache.l1.kv[:, cache.layout.page_rows(torch.tensor(q.page_table))]
         assert set(restored.unique().tolist()) <= {2.0}  # M's KV or nothing, never N's 1.0
-        keys = cache._keys(chain_hashes(tn, 4))
+        keys = cache.io.keys(chain_hashes(tn, 4))
         assert cache.l3.exists_prefix(keys) == 2  # N itself went to L3 under its own keys
         cache.abort("Q")
 
@@ -367,14 +367,14 @@ def test_a_failed_copy_is_never_agreed(tmp_path, monkeypatch):
         raise OSError("simulated copy failure")
     monkeypatch.setattr(copy_cpu, "run_block_plan", broken)
     cache.finish("a", tokens)  # the write-through backup's D2H copy fails
-    for _op, job, _c in cache._jobs.values():
+    for rec in cache.io.inflight.values():
         with pytest.raises(TransferError):
-            job.wait()
+            rec.job.wait()
     with pytest.raises(TransferError, match="simulated copy failure"):
         cache.step()
     node = next(n for n in cache.ctrl.iter_nodes() if n.parent is not None)
     assert not node.host_valid  # the host copy was never made valid
-    keys = cache._keys(chain_hashes(tokens, 4))
+    keys = cache.io.keys(chain_hashes(tokens, 4))
     cache.close(flush=False)
     from hicache.l3 import PageStore
     with PageStore(cfg.l3.path, cache.namespace, 0, cfg.l3.size_bytes) as store:
@@ -420,5 +420,5 @@ def test_l3_cost_model_switch(tmp_path, monkeypatch):
             slow = L3Stats(bytes_read=1, read_s=10.0)  # 0.1 B/s from the store
             monkeypatch.setattr(type(cache.l3), "stats", property(lambda self: slow))
             cache.observe_prefill(1 << 20, 1e-3)     # ~1e9 tokens/s of prefill
-            assert cache._worth_loading(4) is (not on)
+            assert cache.io.worth_loading(4) is (not on)
             monkeypatch.undo()

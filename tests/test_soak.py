@@ -68,7 +68,7 @@ def test_each_l3_fault_is_a_counted_miss(tmp_path, kind):
     tokens = np.random.default_rng(1).integers(0, 128, 33)
     with HiCache(cfg, mode="l1+l2+l3") as cache:
         _stored_prompt(cache, tokens)
-        keys = cache._keys(chain_hashes(tokens[:32], cache.page_tokens))
+        keys = cache.io.keys(chain_hashes(tokens[:32], cache.page_tokens))
         assert cache.l3.exists_prefix(keys) == 8
     with HiCache(cfg, mode="l1+l2+l3") as cache:  # cold L1/L2: the prompt can only hit L3
         inj = FaultInjector(FaultConfig(0), 0, 1)
