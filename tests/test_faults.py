@@ -358,10 +358,39 @@ def _check_l3_write_fails(rank, group, cfg, model):
     return {"out": out, "steps": steps, "leaks": lk, "close": closed}
 
 
+def _check_restore_fails(rank, group, cfg, model):
+    """Warm restart: the prompt is in L3 only. Rank 1's copy of its agreed L3 pages into L1 (a
+    restore job of the transfer engine) fails: both ranks raise at the same step, the request's
+    tokens are never returned, nothing leaks."""
+    prompt = np.random.default_rng(6).integers(0, 128, 33)
+    cache = HiCache(cfg, rank, group, mode="l1+l2+l3")
+    Server(model, cache, group=group, chunk_tokens=16).run([req("a", prompt, out=1)])
+    cache.close()
+    cache = HiCache(cfg, rank, group, mode="l1+l2+l3")
+    if rank == 1:
+        run = cache.transfer.backend.copy
+
+        def broken(job):
+            if job.src is not None and job.src.medium == "staging":
+                raise OSError("simulated restore failure")
+            run(job)
+        cache.transfer.backend.copy = broken
+    emitted = []
+    out = _outcome(lambda: Server(model, cache, group=group, chunk_tokens=16).run(
+        [req("b", prompt, out=2)], on_done=lambda r: emitted.append(r.request_id)))
+    steps = cache._stats.steps
+    st = cache.stats()
+    lk = leaks(cache)
+    cache.close()
+    return {"out": out, "steps": steps, "emitted": emitted, "leaks": lk,
+            "l3_read": st["bytes"]["l3_read"], "failed": st["failed_copies"]["h2d"]}
+
+
 CHECKS = {"layer_loop": _check_load_fails_in_layer_loop,
           "finish_abort": _check_finish_and_abort_after_failed_load,
           "issue": _check_issue_fails,
-          "l3_write": _check_l3_write_fails}
+          "l3_write": _check_l3_write_fails,
+          "restore": _check_restore_fails}
 
 
 def _fault_group(rank, world, base):
@@ -415,4 +444,14 @@ def test_an_l3_write_error_on_one_rank_stops_both_at_the_same_step(fault_runs):
     assert "No space left" in r1["out"] and "another rank" in r0["out"]
     assert r0["steps"] == r1["steps"]
     assert r0["close"] == r1["close"] == "ok"
+    assert r0["leaks"] == r1["leaks"] == {}
+
+
+def test_an_l3_restore_failing_on_one_rank_stops_both_at_the_same_step(fault_runs):
+    r0, r1 = (r["restore"] for r in fault_runs)
+    assert "simulated restore failure" in r1["out"] and "another rank" in r0["out"]
+    assert r0["steps"] == r1["steps"]
+    assert r0["l3_read"] > 0 and r1["l3_read"] > 0  # both read the hit; rank 1's copy failed
+    assert (r0["failed"], r1["failed"]) == (0, 1)
+    assert r0["emitted"] == r1["emitted"] == []
     assert r0["leaks"] == r1["leaks"] == {}

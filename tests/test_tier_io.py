@@ -1,0 +1,188 @@
+"""The service's data movement (hicache/tier_io.py): typed in-flight records, the L3 restore as
+a transfer job (per-layer completion, overlapping the step that agreed it, counted and timed as
+H2D, its failure agreed like any copy's) and the one cost model."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.controller import BackupOp
+from hicache.engine.model import MLAModel
+from hicache.l2.transfer import DONE, PENDING, TransferError, TransferJob
+from hicache.l3 import CostModel, L3Error, L3Stats, chain_hashes
+from hicache.serving import Server, model_config
+from hicache.service import HiCache
+from hicache.tier_io import InFlight, L3Read, PageChain, Waits
+
+from test_service import make_cfg, req
+
+
+def _stored(cfg, prompt):
+    """``prompt`` computed once and written to L3 (a cold cache, closed)."""
+    model = MLAModel(model_config(cfg))
+    with HiCache(cfg, mode="l1+l2+l3") as cache:
+        Server(model, cache, chunk_tokens=16).run([req("cold", prompt, out=1)])
+        cache.drain()
+
+
+def _reference(cfg, tmp_path, prompt, n):
+    """The KV rows prefill writes for the first ``n`` tokens of ``prompt``: [L, n, D]."""
+    model = MLAModel(model_config(cfg))
+    with HiCache(cfg.replace(l3={"path": str(tmp_path / "ref")}), mode="l1") as cache:
+        Server(model, cache, chunk_tokens=16).run([req("ref", prompt, out=1)])
+        m = cache.admit("look", prompt)
+        out = _kv_of(cache, m.page_table, n)
+        cache.finish("look", [])
+    return out
+
+
+def _kv_of(cache, table, n):
+    slots = torch.arange(n)
+    vps = cache.page_tokens
+    virt = torch.tensor(table)[slots // vps] * vps + slots % vps
+    return torch.stack([cache.l1.read(i, virt)[1] for i in range(cache.l1.num_layers)])
+
+
+def test_in_flight_records_are_typed(tmp_path):
+    cfg = make_cfg(tmp_path, l1_pages=8, prefetch="wait_complete")
+    tokens = np.random.default_rng(0).integers(0, 128, 12)
+    with HiCache(cfg, mode="l1+l2+l3") as cache:
+        p = cache.admit("a", np.concatenate([tokens, [1]]))
+        while not p.ready:
+            cache.step()
+        cache.alloc("a", 13)
+        cache.finish("a", tokens)  # write_through: one backup of 3 pages
+        (op_id, rec), = cache.io.inflight.items()
+        assert isinstance(rec, InFlight) and isinstance(rec.op, BackupOp)
+        assert rec.op.op_id == op_id and rec.direction == "d2h"
+        assert isinstance(rec.job, TransferJob) and rec.job.direction == "d2h"
+        want = {PageChain(c, i) for i, c in enumerate(chain_hashes(tokens, 4))}
+        assert set(rec.chains) == want and len(rec.chains) == 3
+        for page, chain in zip(rec.op.device_pages, rec.chains):
+            assert cache.io.chain_of_page[page] == chain  # what the page held when launched
+        rec.job.wait()
+        cache.step()
+        assert cache.io.inflight == {} and cache.stats()["bytes"]["d2h"] == rec.job.nbytes
+
+
+def test_l3_restore_is_a_transfer_job_that_overlaps_and_is_counted(tmp_path):
+    """The agreed restore returns at once with the copy still running (held on a gate here):
+    ``wait_layer`` blocks until it lands, then the rows are prefill's; the next step counts it
+    as H2D bytes."""
+    cfg = make_cfg(tmp_path, l1_pages=16, prefetch="wait_complete")
+    prompt = np.random.default_rng(1).integers(0, 128, 33)
+    _stored(cfg, prompt)
+    reference = _reference(cfg, tmp_path, prompt, 32)
+    with HiCache(cfg, mode="l1+l2+l3") as cache:
+        cache.transfer.inline_bytes = 0  # through the copy thread, so the gate can hold it
+        gate = threading.Event()
+        real = cache.transfer.backend.copy
+
+        def gated(job):
+            if job.src is not None and job.src.medium == "staging":
+                gate.wait(30)
+            real(job)
+        cache.transfer.backend.copy = gated
+        p = cache.admit("warm", prompt)
+        assert isinstance(cache._reqs["warm"].prefetch, L3Read)
+        while not cache.step():
+            pass
+        assert p.ready and p.storage_len == 32
+        (rec,) = cache.io.restores
+        assert rec.op is None and rec.direction == "h2d"
+        assert rec.job.status() == PENDING  # ready while its bytes are still being copied
+        assert cache._reqs["warm"].load_job is rec.job
+        landed = threading.Event()
+        waiter = threading.Thread(target=lambda: (cache.wait_layer("warm", 0), landed.set()))
+        waiter.start()
+        assert not landed.wait(0.2)  # cannot land while the copy is held
+        gate.set()
+        waiter.join(30)
+        assert landed.is_set()
+        for layer in range(cache.l1.num_layers):
+            cache.wait_layer("warm", layer)
+        assert torch.equal(_kv_of(cache, p.page_table, 32), reference)
+        assert rec.job.status() == DONE
+        h2d = cache.stats()["bytes"]["h2d"]
+        cache.step()
+        assert cache.io.restores == []
+        st = cache.stats()
+        assert st["bytes"]["h2d"] - h2d == rec.job.nbytes == 8 * cache.l1.bytes_per_page
+        assert st["transfer_s"]["h2d"] > 0 and st["failed_copies"]["h2d"] == 0
+        assert cache.transfer.stats.jobs_h2d == 1
+        cache.finish("warm", prompt)
+
+
+def test_an_l3_request_with_an_l2_hit_waits_on_both_copies(tmp_path):
+    cfg = make_cfg(tmp_path, l1_pages=16, l2_ratio=2.0, prefetch="wait_complete")
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, 128, 33)
+    _stored(cfg, prompt)
+    reference = _reference(cfg, tmp_path, prompt, 32)
+    model = MLAModel(model_config(cfg))
+    with HiCache(cfg, mode="l1+l2+l3") as cache:
+        server = Server(model, cache, chunk_tokens=16)
+        server.run([req("head", np.concatenate([prompt[:16], [3]]), out=1)])  # 4 pages
+        server.run([req(f"f{i}", rng.integers(0, 128, 33), out=1) for i in range(2)])
+        cache.drain()  # the head now lives in L2 only
+        p = cache.admit("again", prompt)
+        assert p.host_len == 16 and p.device_len == 0
+        while not p.ready:
+            cache.step()
+        assert p.storage_len == 16
+        assert isinstance(cache._reqs["again"].load_job, Waits)
+        for layer in range(cache.l1.num_layers):
+            cache.wait_layer("again", layer)
+        assert torch.equal(_kv_of(cache, p.page_table, 32), reference)
+        cache.finish("again", prompt)
+
+
+def test_a_restore_that_fails_is_agreed_and_leaks_nothing(tmp_path):
+    from test_faults import leaks
+    cfg = make_cfg(tmp_path, l1_pages=16, prefetch="wait_complete")
+    prompt = np.random.default_rng(3).integers(0, 128, 33)
+    _stored(cfg, prompt)
+    cache = HiCache(cfg, mode="l1+l2+l3")
+
+    def broken(job):
+        raise OSError("simulated restore failure")
+    cache.transfer.backend.copy = broken
+    p = cache.admit("warm", prompt)
+    while not cache.step():
+        pass
+    assert p.storage_len == 32  # agreed: the copy failed on this rank, said at the next step
+    with pytest.raises(TransferError, match="simulated restore failure"):
+        cache.wait_layer("warm", 0) or cache.step()
+    assert cache.stats()["failed_copies"]["h2d"] == 1
+    cache.finish("warm", prompt)
+    cache.close()
+    assert leaks(cache) == {}
+
+
+def test_one_cost_model_decides_load_or_recompute():
+    cm = CostModel(None, None)
+    assert not cm.measured
+    with pytest.raises(L3Error, match="not measured"):
+        cm.should_load(100, 100)
+    cm.observe_prefill(1000, 1.0)  # the first observation is the rate
+    assert cm.prefill_tokens_per_s == 1000.0
+    cm.observe_prefill(3000, 1.0)  # then a running average
+    assert cm.prefill_tokens_per_s == pytest.approx(1400.0)
+    cm.observe_store(L3Stats())  # served nothing: still unmeasured
+    assert not cm.measured
+    cm.observe_store(L3Stats(bytes_read=10_000, read_s=1.0))
+    assert cm.measured and cm.read_bytes_per_s == 10_000
+    assert not cm.should_load(1000, 20_000)  # 2 s to read, 0.7 s to prefill
+    assert cm.should_load(1000, 5_000)
+    with pytest.raises(L3Error, match="must be > 0"):
+        CostModel(None, 0)
+
+
+def test_the_service_feeds_the_cost_model(tmp_path):
+    cfg = make_cfg(tmp_path, l3_cost_model=True)
+    with HiCache(cfg, mode="l1+l2+l3") as cache:
+        assert cache.io.worth_loading(4)  # nothing measured: try the store
+        cache.observe_prefill(4000, 2.0)
+        assert cache.io.cost.prefill_tokens_per_s == 2000.0
