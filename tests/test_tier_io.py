@@ -16,7 +16,7 @@ from hicache.serving import Server, model_config
 from hicache.service import HiCache
 from hicache.tier_io import InFlight, L3Read, PageChain, Waits
 
-from test_service import make_cfg, req
+from test_service import _kv_of, make_cfg, req
 
 
 def _stored(cfg, prompt):
@@ -36,13 +36,6 @@ def _reference(cfg, tmp_path, prompt, n):
         out = _kv_of(cache, m.page_table, n)
         cache.finish("look", [])
     return out
-
-
-def _kv_of(cache, table, n):
-    slots = torch.arange(n)
-    vps = cache.page_tokens
-    virt = torch.tensor(table)[slots // vps] * vps + slots % vps
-    return torch.stack([cache.l1.read(i, virt)[1] for i in range(cache.l1.num_layers)])
 
 
 def test_in_flight_records_are_typed(tmp_path):
