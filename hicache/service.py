@@ -30,8 +30,7 @@ import torch.distributed as dist
 from . import distributed as hd
 from . import preflight
 from .config import ConfigError, HiCacheConfig
-from .controller import CacheController, DeviceFullError, StepAgreement
-from .controller.controller import LockHandle
+from .controller import CacheController, DeviceFullError, LockHandle, StepAgreement
 from .controller.tree import as_tokens
 from .l1.pool import DeviceKVPool, pick_device
 from .l2.pool import HostKVPool, check_host_memory, check_node_memory
