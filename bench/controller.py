@@ -38,7 +38,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from hicache.controller import CacheController, DeviceFullError, StepAgreement  # noqa: E402
-from hicache.l1.allocator import PageAllocator  # noqa: E402
+from hicache.pages import PageAllocator  # noqa: E402
 from hicache.workloads import agentic_trace, chat_trace, trace_summary  # noqa: E402
 
 

@@ -24,9 +24,9 @@ def main(policy: str = "examples/policy.toml") -> list[list[int]]:
     outputs = []
     # the model's digest names its weights in the L3 keys (or set [model] signature)
     with HiCache(cfg, weights_signature=model.weights_signature()) as cache:
-        model.to(cache.l1.device)                      # the engine runs where L1 lives
+        model.to(cache.kv.device)                      # the engine runs where L1 lives
         current = {"rid": None}
-        runner = DCPRunner(model, cache.l1,  # the engine's KV lives in the cache's L1 pool
+        runner = DCPRunner(model, cache.kv,  # the engine's KV port: the cache's L1, checked
                            layer_hook=lambda i: cache.wait_layer(current["rid"], i))
         for rid in range(3):
             question = np.random.default_rng(rid + 1).integers(0, cfg.model.vocab_size, 40)

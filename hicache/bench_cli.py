@@ -75,10 +75,10 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
             s = cache.stats()
             soak.append({"pass": passes, "rss": psutil.Process().memory_info().rss,
                          "l1_pages": s["pages"]["l1"], "l2_pages": s["pages"]["l2"],
-                         "locks": s["locks"], "request_pages": len(cache.ctrl.request_pages)})
+                         "locks": s["locks"], "request_pages": cache.request_pages})
         if bar:
             bar.close()
-        cache.ctrl.check()
+        cache.check()
         out.update(stats=first, final_stats=cache.stats(), wall_s=wall, passes=passes, soak=soak,
                    prefill_tokens=prefill[0], prefill_s=prefill[1])
     out["results"] = [(r.request_id, r.prompt_len, r.output, r.ttft_s, r.hit) for r in results]

@@ -97,6 +97,20 @@ class DCPLayout:
         pages = torch.as_tensor(pages, dtype=torch.int64)
         return (pages[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
 
+    def slot_of(self, page_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Virtual slots of token ``positions`` of a request whose widened pages are
+        ``page_table`` (see ``slot_of``); on the device of the two tensors."""
+        return slot_of(page_table, positions, self.virtual_page_size)
+
+    def owned_positions(self, start: int, end: int, device=None) -> torch.Tensor:
+        """The token positions in [start, end) this rank holds, ascending: int64 [m] with
+        m = local_length(end) - local_length(start). Ownership follows the position alone (a
+        widened page is a whole number of ``I*c`` runs), so no mask and no page table is
+        needed; built by ``arange`` on ``device`` (no host round trip)."""
+        local = torch.arange(self.local_length(start), self.local_length(end),
+                             dtype=torch.int64, device=device)
+        return self.virtual(local)
+
     def local_length(self, length: int) -> int:
         """How many of the first ``length`` positions this rank holds."""
         return local_length(length, self.dcp_size, self.rank, self.interleave)
@@ -112,6 +126,15 @@ def local_length(length: int, dcp_size: int, rank: int, interleave: int = 1) -> 
     cycle = interleave * dcp_size
     full, rem = divmod(length, cycle)
     return full * interleave + min(max(rem - rank * interleave, 0), interleave)
+
+
+def slot_of(page_table: torch.Tensor, positions: torch.Tensor,
+            virtual_page_size: int) -> torch.Tensor:
+    """The one home of "the slot of token i": ``table[i // W] * W + i % W`` with W the widened
+    page size (``P * c``). ``page_table`` int64 [pages], ``positions`` int64 [n] -> [n]; pure
+    tensor arithmetic on whatever device both live on (an index past the table raises)."""
+    w = virtual_page_size
+    return page_table[positions // w] * w + positions % w
 
 
 def effective_page_size(page_sizes: Sequence[int], dcp_size: int) -> int | None:

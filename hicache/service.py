@@ -19,6 +19,7 @@ collective is the agreement's one all-reduce per ``step``.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -32,6 +33,7 @@ from . import preflight
 from .config import ConfigError, HiCacheConfig
 from .controller import CacheController, DeviceFullError, LockHandle, StepAgreement
 from .controller.tree import as_tokens
+from .kvport import CheckedPort
 from .l1.pool import DeviceKVPool, pick_device
 from .l2.pool import HostKVPool, check_host_memory, check_node_memory
 from .l2.transfer import TransferError
@@ -250,19 +252,47 @@ class HiCache:
         req.prefix.page_table += pages
         return pages
 
+    @functools.cached_property
+    def kv(self) -> CheckedPort:
+        """The engine's KV port (``hicache.kvport``): this rank's L1 with its layout, device and
+        dtype; a write is refused (HiCacheError) unless every page it touches is one ``alloc``
+        gave an admitted request (never a cached page). Hand it to the engine, not ``l1``."""
+        return CheckedPort(self.l1, self._check_writable)
+
+    def _check_writable(self, pages: np.ndarray) -> None:
+        self._check_usable("write_kv")
+        bad = pages[~self._owned[pages]]
+        if bad.size:
+            raise HiCacheError(f"write_kv into device page {int(bad[0])}, which no admitted "
+                               "request owns (a cached page or a free one): only pages "
+                               "from alloc() take new KV")
+
     def write_kv(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> int:
         """Keep this rank's owned rows of ``rows`` ([n, kv_dim]) at virtual ``slots``. Every
-        slot must lie in a page ``alloc`` gave an admitted request (never a cached page)."""
+        slot must lie in a page ``alloc`` gave an admitted request (never a cached page).
+        The same path as ``kv.write``."""
         self._check_usable("write_kv")
-        v = self.l1._slots(slots)  # int64 [n] on the CPU, range-checked
-        if v.numel():
-            pages = np.unique((v // self.page_tokens).numpy())
-            bad = pages[~self._owned[pages]]
-            if bad.size:
-                raise HiCacheError(f"write_kv into device page {int(bad[0])}, which no admitted "
-                                   "request owns (a cached page or a free one): only pages "
-                                   "from alloc() take new KV")
-        return self.l1.write(layer, v, rows)
+        return self.kv.write(layer, slots, rows)
+
+    def check(self) -> None:
+        """Check the controller's invariants (tree, locks, pools); raises on the first broken."""
+        self.ctrl.check()
+
+    @property
+    def request_pages(self) -> int:
+        """Device pages held by admitted requests and not in the cache tree (0 when idle)."""
+        return len(self.ctrl.request_pages)
+
+    def leaks(self) -> dict:
+        """At a quiet point (no request admitted): pages of each tier in use but not held by the
+        cache tree, and open locks (requests' and tree nodes'); all 0 when nothing leaked.
+        Checks the controller's invariants first."""
+        self.check()
+        nodes = list(self.ctrl.iter_nodes())
+        dev = sum(len(nd.device) for nd in nodes if nd.device is not None)
+        host = sum(len(nd.host) for nd in nodes if nd.host is not None)
+        return {"l1": self.ctrl.device.num_used - dev, "l2": self.ctrl.host.num_used - host,
+                "locks": self.stats()["locks"] + sum(1 for nd in nodes if nd.lock_ref > 0)}
 
     def wait_layer(self, request_id, layer: int) -> None:
         """Before attention of ``layer``: wait until the request's loaded pages hold it. A load

@@ -73,7 +73,7 @@ class _Active:
 
 
 class Server:
-    """Runs jobs through a ``DCPRunner`` whose KV lives in ``cache``'s L1 pool."""
+    """Runs jobs through a ``DCPRunner`` on ``cache``'s KV port (its L1 pool, writes checked)."""
 
     def __init__(self, model: MLAModel, cache: HiCache, *, backend: str = "a2a",
                  replicate_q: bool = True, group=None, chunk_tokens: int = 512,
@@ -84,7 +84,7 @@ class Server:
         self.stall_steps = stall_steps
         self.cache = cache
         self._waiting_on: list = []
-        self.runner = DCPRunner(model, cache.l1, backend=backend, replicate_q=replicate_q,
+        self.runner = DCPRunner(model, cache.kv, backend=backend, replicate_q=replicate_q,
                                 group=group, layer_hook=self._wait_layer)
         self.chunk_tokens = chunk_tokens
         self.max_running = max_running

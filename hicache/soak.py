@@ -161,14 +161,10 @@ def _agree(local: bool, group) -> bool:
 def _quiet_point(cache, rss: int) -> dict:
     """Pages of each tier not held by the cache tree, and open locks (both 0 when nothing
     leaked), pages used, resident memory."""
-    ctrl = cache.ctrl
-    ctrl.check()
-    nodes = list(ctrl.iter_nodes())
-    dev = sum(len(nd.device) for nd in nodes if nd.device is not None)
-    host = sum(len(nd.host) for nd in nodes if nd.host is not None)
+    leaks = cache.leaks()
     s = cache.stats()
-    return {"leaked_pages": {"l1": ctrl.device.num_used - dev, "l2": ctrl.host.num_used - host},
-            "leaked_locks": s["locks"] + sum(1 for nd in nodes if nd.lock_ref > 0),
+    return {"leaked_pages": {"l1": leaks["l1"], "l2": leaks["l2"]},
+            "leaked_locks": leaks["locks"],
             "pages": dict(s["pages"]), "rss": rss}
 
 

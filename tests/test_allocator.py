@@ -5,8 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from hicache.l1 import PageAllocator as ExportedAllocator
-from hicache.l1.allocator import OutOfPagesError, PageAllocator, PageError
+from hicache.pages import OutOfPagesError, PageAllocator, PageError
 
 
 class StackModel:
@@ -26,7 +25,6 @@ class StackModel:
 
 
 def test_order_is_fresh_ids_ascending_then_last_freed_first():
-    assert ExportedAllocator is PageAllocator
     a = PageAllocator(6)
     assert a.alloc(3) == [0, 1, 2]
     a.free([1, 0])

@@ -14,7 +14,7 @@ from hicache.controller import (CacheController, ControllerError, DeviceFullErro
                                 PageOwnershipError, TokenTypeError, as_tokens)
 from hicache.controller.order import EvictionOrder
 from hicache.controller.tree import Node
-from hicache.l1.allocator import PageError
+from hicache.pages import PageError
 
 PT = 4
 

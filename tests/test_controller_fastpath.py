@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.controller import CacheController, PageOwnershipError
-from hicache.l1.allocator import OutOfPagesError, PageAllocator, PageError, id_array
+from hicache.pages import OutOfPagesError, PageAllocator, PageError, id_array
 
 PT = 4
 

@@ -12,7 +12,8 @@ from hicache.engine.cli import DecodeSpec, build_model, decode_worker, make_prom
 from hicache.engine.dcp import DCPConfigError
 from hicache.engine.model import MLAModel, ModelConfig
 from hicache.engine.runner import DCPRunner, EngineError, RequestState, reserve
-from hicache.l1 import DeviceKVPool, PageAllocator
+from hicache.l1 import DeviceKVPool
+from hicache.pages import PageAllocator
 from hicache.layout import DCPLayout
 
 

@@ -137,7 +137,8 @@ def ckpts(tmp_path_factory):
 def engine_decode(model, prompt, backend, replicate_q, group=None, rank=0, world=1):
     """Prefill then greedy decode through DCPRunner: (tokens, logits [P + NEW - 1, V])."""
     from hicache.engine.runner import DCPRunner, RequestState, reserve
-    from hicache.l1 import DeviceKVPool, PageAllocator
+    from hicache.l1 import DeviceKVPool
+    from hicache.pages import PageAllocator
     from hicache.layout import DCPLayout
     cfg = model.cfg
     layout = DCPLayout(world, rank, 2)

@@ -4,7 +4,7 @@ import psutil
 import pytest
 import torch
 
-from hicache.l1.allocator import PageError
+from hicache.pages import PageError
 from hicache.l1.pool import PoolError
 from hicache.l2.pool import HostKVPool, HostMemoryError, check_host_memory, host_pages_for
 from hicache.layout import DCPLayout

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hicache.distributed import CollectiveCounter
-from hicache.l1.allocator import PageError
+from hicache.pages import PageError
 from hicache.l1.pool import DeviceKVPool, PoolError
 from hicache.l2.pool import HostKVPool
 from hicache.l2.transfer import TransferEngine, TransferError, plan_transfer

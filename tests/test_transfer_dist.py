@@ -7,7 +7,7 @@ multiples of c, partial last pages), both host layouts, backup -> overwrite L1 -
 import torch
 
 from hicache.distributed import CollectiveCounter, all_reduce, launch
-from hicache.l1.allocator import PageAllocator
+from hicache.pages import PageAllocator
 from hicache.l1.pool import DeviceKVPool
 from hicache.l2.pool import HostKVPool
 from hicache.l2.transfer import TransferEngine

@@ -26,7 +26,7 @@ from hicache.controller.tree import Node, RadixTree, as_tokens, chain_pages
 from hicache.controller.types import (BackupOp, ControllerError, ControllerStats,
                                       DeviceFullError, InsertResult, LoadOp, LockError, Match,
                                       PageOwnershipError, StaleNodeError, UnknownOpError)
-from hicache.l1.allocator import PageAllocator, PageError, id_array
+from hicache.pages import PageAllocator, PageError, id_array
 
 Op = Union[BackupOp, LoadOp]
 _NO_IDS = np.zeros(0, np.int64)

@@ -110,7 +110,8 @@ def decode_worker(rank: int, world_size: int, spec: DecodeSpec) -> dict:
     """
     from hicache.distributed import CollectiveCounter
     from hicache.engine.runner import DCPRunner, RequestState, reserve
-    from hicache.l1 import DeviceKVPool, PageAllocator
+    from hicache.l1 import DeviceKVPool
+    from hicache.pages import PageAllocator
     from hicache.layout import DCPLayout
 
     if world_size != spec.world_size:

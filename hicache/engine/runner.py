@@ -1,12 +1,14 @@
 """The engine's one forward path: ``extend`` (prefill, chunked prefill, decode, multi-token verify).
 
-A request is a ``RequestState``: its widened page table and ``length``, the number of leading
-positions whose KV is already in the pool (written by an earlier extend, or restored from a cache
-tier). ``runner.extend(state, new_tokens) -> logits [k, vocab]`` runs the k new tokens at
-positions ``length .. length+k-1`` through every layer:
+The engine reaches its rank's KV through a port (``hicache.kvport.KVPort``): ``HiCache.kv`` when
+a cache is embedded, or a bare ``DeviceKVPool``. A request is a ``RequestState``: its widened
+page table and ``length``, the number of leading positions whose KV is already in the pool
+(written by an earlier extend, or restored from a cache tier). ``runner.extend(state,
+new_tokens) -> logits [k, vocab]`` runs the k new tokens at positions ``length .. length+k-1``
+through every layer:
 
-  1. latent rows of the new tokens -> ``kv_writer(layer, slots, rows)`` (default ``pool.write``,
-     which keeps only the rows this rank owns; positions, not arrival order, decide ownership);
+  1. latent rows of the new tokens -> ``port.write(layer, RowWrite, rows)``, which keeps only
+     the rows this rank owns (positions, not arrival order, decide ownership);
   2. the full query on every rank (replicated weights, or this rank's heads + one all-gather);
   3. attention over this rank's local shard of positions ``0 .. length+k-1`` with global
      positions (so k > 1 stays causal across shards);
@@ -14,11 +16,14 @@ positions ``length .. length+k-1`` through every layer:
      TP all-reduce, then the (replicated) MLP.
 
 Then ``state.length += k``. Token i of a request lives at virtual slot
-``page_table[i // (P*c)] * (P*c) + i % (P*c)``; the caller owns the pages (``reserve`` helps).
-Every rank of the group must call ``extend`` with the same requests and tokens (the control path
-is replicated). ``extend_batch`` runs several requests in one pass with one set of collectives
-per layer (continuous batching). ``layer_hook(i)`` runs before layer i (e.g. a cache's
-``wait_layer``); a custom ``kv_writer`` must still land the rows in ``pool`` (attention reads it).
+``layout.slot_of(page_table, i)``; the caller owns the pages (``reserve`` helps) and only
+appends to ``page_table``. Each request keeps its page table and the pool rows of its owned
+positions on the device (``DeviceIndex``), appended per step: a step uploads only its new tokens
+and new pages, and computes where their rows go with device arithmetic, so neither the index
+nor the KV write reads device data back. Every rank of the group must call ``extend`` with the
+same requests and tokens (the control path is replicated). ``extend_batch`` runs several
+requests in one pass with one set of collectives per layer (continuous batching).
+``layer_hook(i)`` runs before layer i (e.g. a cache's ``wait_layer``).
 
     pool = DeviceKVPool(DCPLayout(c, rank, P), cfg.num_layers, cfg.kv_dim, cfg.torch_dtype, pages)
     runner = DCPRunner(model.to(pool.device), pool, backend="a2a", replicate_q=True)
@@ -40,18 +45,86 @@ from hicache.distributed import CollectiveCounter
 from hicache.engine.attention import attend_latent
 from hicache.engine.dcp import DCPComm
 from hicache.engine.model import MLAModel
+from hicache.kvport import KVPort, RowWrite
+from hicache.layout import DCPLayout, slot_of
 
 
 class EngineError(ValueError):
     """A request the engine cannot run (too few pages, empty input, mismatched pool)."""
 
 
+class _DeviceVector:
+    """An int64 vector on a device that grows by appending (amortised: capacity doubles)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.buf = torch.empty(0, dtype=torch.int64, device=device)
+        self.n = 0
+
+    def append(self, values: torch.Tensor) -> None:
+        need = self.n + values.shape[0]
+        if need > self.buf.shape[0]:
+            grown = torch.empty(max(need, 2 * self.buf.shape[0], 16), dtype=torch.int64,
+                                device=self.buf.device)
+            grown[:self.n] = self.buf[:self.n]
+            self.buf = grown
+        self.buf[self.n:need] = values
+        self.n = need
+
+    def truncate(self, n: int) -> None:
+        self.n = min(self.n, n)
+
+    def view(self) -> torch.Tensor:
+        return self.buf[:self.n]
+
+
+class DeviceIndex:
+    """One request's index on this rank's device: its page table (``table``), and for its
+    owned positions below ``indexed`` their pool rows (``rows``) and positions (``kv_pos``),
+    both int64 [local_length(indexed)]. Kept in step with the host ``RequestState`` by
+    appending; rebuilt only when the state's page table object is replaced or shrinks."""
+
+    def __init__(self, layout: DCPLayout, device: torch.device, page_table: list) -> None:
+        self.layout, self.device, self.source = layout, device, page_table
+        self.table = _DeviceVector(device)
+        self.rows = _DeviceVector(device)
+        self.kv_pos = _DeviceVector(device)
+        self.indexed = 0
+
+    def fits(self, layout: DCPLayout, device: torch.device, page_table: list) -> bool:
+        return (self.layout == layout and self.device == device and self.source is page_table
+                and self.table.n <= len(page_table))
+
+    def sync(self, length: int) -> None:
+        """Upload pages appended to the host table; index positions [0, length)."""
+        if self.table.n < len(self.source):
+            new = torch.tensor(self.source[self.table.n:], dtype=torch.int64)
+            self.table.append(new.to(self.device, non_blocking=True))
+        if self.indexed > length:  # an extend that failed part-way: forget its positions
+            keep = self.layout.local_length(length)
+            self.rows.truncate(keep)
+            self.kv_pos.truncate(keep)
+            self.indexed = length
+        if self.indexed < length:  # KV placed by someone else (a cache tier, PCP prefill)
+            self.advance(self.indexed, length)
+
+    def advance(self, start: int, end: int, base: int = 0) -> RowWrite:
+        """Index positions [start, end) (``start == indexed``) and say where their rows go:
+        the write of new tokens whose rows are input rows ``base ..``."""
+        w = RowWrite.for_positions(self.layout, self.table.view(), self.source, start, end, base)
+        self.rows.append(w.dst)
+        self.kv_pos.append(w.src + (start - base))
+        self.indexed = end
+        return w
+
+
 @dataclass
 class RequestState:
-    """Page table (widened page ids) and the number of positions already in the KV pool."""
+    """Page table (widened page ids) and the number of positions already in the KV pool.
+    ``page_table`` only grows by appending (``reserve``, ``HiCache.alloc``)."""
 
     page_table: list[int] = field(default_factory=list)
     length: int = 0
+    index: Optional[DeviceIndex] = field(default=None, repr=False, compare=False)
 
     def capacity(self, virtual_page_size: int) -> int:
         return len(self.page_table) * virtual_page_size
@@ -59,8 +132,15 @@ class RequestState:
     def slots(self, start: int, end: int, virtual_page_size: int) -> torch.Tensor:
         """Virtual slots (int64 [end - start]) of positions ``start .. end-1``."""
         pos = torch.arange(start, end, dtype=torch.int64)
-        table = torch.as_tensor(self.page_table, dtype=torch.int64)
-        return table[pos // virtual_page_size] * virtual_page_size + pos % virtual_page_size
+        return slot_of(torch.as_tensor(self.page_table, dtype=torch.int64), pos,
+                       virtual_page_size)
+
+    def device_index(self, layout: DCPLayout, device: torch.device) -> DeviceIndex:
+        """This request's index on ``device``, in step with ``page_table`` and ``length``."""
+        if self.index is None or not self.index.fits(layout, device, self.page_table):
+            self.index = DeviceIndex(layout, device, self.page_table)
+        self.index.sync(self.length)
+        return self.index
 
 
 def reserve(state: RequestState, allocator, total_tokens: int, virtual_page_size: int) -> list[int]:
@@ -82,31 +162,28 @@ class EngineStats:
 
 
 class DCPRunner:
-    """One rank's engine: a model, its L1 pool shard and its DCP group."""
+    """One rank's engine: a model, the KV port of its rank and its DCP group."""
 
-    def __init__(self, model: MLAModel, pool, *, backend: str = "a2a", replicate_q: bool = True,
-                 group=None, attn_backend: str = "auto",
-                 kv_writer: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None,
+    def __init__(self, model: MLAModel, kv: KVPort, *, backend: str = "a2a",
+                 replicate_q: bool = True, group=None, attn_backend: str = "auto",
                  layer_hook: Optional[Callable[[int], None]] = None) -> None:
         cfg = model.cfg
-        layout = pool.layout
-        if pool.kv_dim != cfg.kv_dim or pool.num_layers != cfg.num_layers:
+        if kv.kv_dim != cfg.kv_dim or kv.num_layers != cfg.num_layers:
             raise EngineError(
-                f"pool holds {pool.num_layers} layers of {pool.kv_dim}-wide rows; the model needs "
+                f"pool holds {kv.num_layers} layers of {kv.kv_dim}-wide rows; the model needs "
                 f"{cfg.num_layers} layers of {cfg.kv_dim}")
         model_dev = model.embed_tokens.device
-        if model_dev != pool.device:
+        if model_dev != kv.device:
             raise EngineError(f"model weights are on {model_dev} but the KV pool is on "
-                              f"{pool.device}; move the model with model.to(pool.device)")
-        if pool.dtype != cfg.torch_dtype:
-            raise EngineError(f"pool dtype {pool.dtype} != model dtype {cfg.torch_dtype}")
+                              f"{kv.device}; move the model with model.to(pool.device)")
+        if kv.dtype != cfg.torch_dtype:
+            raise EngineError(f"pool dtype {kv.dtype} != model dtype {cfg.torch_dtype}")
         self.model = model
-        self.pool = pool
-        self.layout = layout
-        self.comm = DCPComm(layout.dcp_size, layout.rank, cfg.num_heads, backend, replicate_q,
-                            group)
+        self.kv = kv
+        self.layout = kv.layout
+        self.comm = DCPComm(self.layout.dcp_size, self.layout.rank, cfg.num_heads, backend,
+                            replicate_q, group)
         self.attn_backend = attn_backend
-        self.kv_writer = kv_writer or pool.write
         self.layer_hook = layer_hook
         self.stats = EngineStats()
 
@@ -119,74 +196,88 @@ class DCPRunner:
         """Run ``new_tokens`` after ``state.length`` cached positions: logits [k, vocab] fp32."""
         return self.extend_batch([state], [new_tokens])[0]
 
-    @torch.no_grad()
-    def extend_batch(self, states: Sequence[RequestState],
-                     token_lists: Sequence[Sequence[int] | torch.Tensor]) -> list[torch.Tensor]:
-        """``extend`` for several requests at once; one set of collectives per layer."""
+    def _check(self, states: Sequence[RequestState], token_lists) -> list[torch.Tensor]:
+        """The batch's token ids (int64 [k] each), or EngineError before anything changes."""
         if len(states) != len(token_lists) or not states:
             raise EngineError(
                 f"need one token list per request state, got {len(states)} states and "
                 f"{len(token_lists)} token lists")
         vps = self.virtual_page_size
-        dev = self.pool.device
-        toks, q_pos, new_slots, local = [], [], [], []
+        toks = []
         for st, tk in zip(states, token_lists):
             tk = torch.as_tensor(tk, dtype=torch.int64).reshape(-1)
-            k = tk.numel()
-            if k == 0:
+            if tk.numel() == 0:
                 raise EngineError("extend needs at least one new token per request")
-            end = st.length + k
+            end = st.length + tk.numel()
             if end > st.capacity(vps):
                 raise EngineError(
                     f"request needs {end} slots but its page table holds {st.capacity(vps)} "
                     f"({len(st.page_table)} pages of {vps}); reserve pages first")
-            slots = st.slots(0, end, vps)  # [end]
-            mask = self.layout.owned_mask(slots)
-            kv_pos = torch.arange(end, dtype=torch.int64)[mask]
-            rows = self.layout.physical(slots[mask])
             toks.append(tk)
-            q_pos.append(torch.arange(st.length, end, dtype=torch.int64))
-            new_slots.append(slots[st.length:])
-            local.append((rows.to(dev), kv_pos.to(dev)))
-        tokens = torch.cat(toks)
-        pos = torch.cat(q_pos)
-        slots_all = torch.cat(new_slots)
-        sizes = [t.numel() for t in toks]
-        pos_dev = pos.to(dev)
+        return toks
 
-        model, cfg, comm = self.model, self.model.cfg, self.comm
-        h = model.embed(tokens.to(dev))  # [sumK, hidden]
+    def _index(self, states: Sequence[RequestState], sizes: list[int]) -> tuple:
+        """Advance every request's device index over its new positions. Returns the step's KV
+        write (one ``RowWrite`` for the batch's rows, reused by every layer), the query
+        positions int64 [sumK] and per request (pool rows, positions) of its owned KV, all on
+        the device."""
+        dev = self.kv.device
+        writes, q_pos, local = [], [], []
+        base = 0
+        for st, k in zip(states, sizes):
+            idx = st.device_index(self.layout, dev)
+            writes.append(idx.advance(st.length, st.length + k, base))
+            q_pos.append(torch.arange(st.length, st.length + k, dtype=torch.int64, device=dev))
+            local.append((idx.rows.view(), idx.kv_pos.view()))
+            base += k
+        return RowWrite.concat(writes), torch.cat(q_pos), local
+
+    @torch.no_grad()
+    def extend_batch(self, states: Sequence[RequestState],
+                     token_lists: Sequence[Sequence[int] | torch.Tensor]) -> list[torch.Tensor]:
+        """``extend`` for several requests at once; one set of collectives per layer."""
+        toks = self._check(states, token_lists)
+        sizes = [t.numel() for t in toks]
+        write, pos_dev, local = self._index(states, sizes)
+        model = self.model
+        h = model.embed(torch.cat(toks).to(self.kv.device))  # [sumK, hidden]
         for i, layer in enumerate(model.layers):
             if self.layer_hook is not None:
                 self.layer_hook(i)
-            self.kv_writer(i, slots_all, layer.kv_rows(h, pos_dev))
-            with CollectiveCounter.measure() as m_dcp:
-                if comm.size == 1 or comm.replicate_q:
-                    q_lat, q_pe = layer.query(h, pos_dev)  # [sumK, H, R], [sumK, H, Dr]
-                else:
-                    q_lat, q_pe = comm.gather_query(*layer.query(h, pos_dev, comm.head_slice))
-                kv_layer = self.pool.layer_view(i)
-                o_parts, lse_parts, s = [], [], 0
-                for b, (rows, kv_pos) in enumerate(local):
-                    e = s + sizes[b]
-                    o_b, lse_b = attend_latent(q_lat[s:e], q_pe[s:e],
-                                               kv_layer.index_select(0, rows), pos_dev[s:e],
-                                               kv_pos, cfg.softmax_scale, cfg.kv_lora_rank,
-                                               backend=self.attn_backend)
-                    o_parts.append(o_b)
-                    lse_parts.append(lse_b)
-                    s = e
-                o, _ = comm.merge(torch.cat(o_parts), torch.cat(lse_parts))  # [sumK, H/c, R]
-            with CollectiveCounter.measure() as m_tp:
-                attn = comm.all_reduce_sum(layer.attn_out(o, comm.head_slice))
-            h = layer.finish(attn, h)
-            self.stats.layers_run += 1
-            self.stats.dcp_collectives += m_dcp["n"]
-            self.stats.tp_collectives += m_tp["n"]
+            self.kv.write(i, write, layer.kv_rows(h, pos_dev))
+            h = self._layer(i, layer, h, pos_dev, local, sizes)
         logits = model.logits(h)  # [sumK, vocab]
         for st, k in zip(states, sizes):
             st.length += k
         return list(torch.split(logits, sizes))
+
+    def _layer(self, i: int, layer, h: torch.Tensor, pos_dev: torch.Tensor, local: list,
+               sizes: list[int]) -> torch.Tensor:
+        """Layer ``i`` after its KV is written: attention over each request's owned rows, the
+        DCP merge, o_proj with its TP all-reduce, the MLP. h [sumK, hidden] -> same."""
+        cfg, comm = self.model.cfg, self.comm
+        with CollectiveCounter.measure() as m_dcp:
+            if comm.size == 1 or comm.replicate_q:
+                q_lat, q_pe = layer.query(h, pos_dev)  # [sumK, H, R], [sumK, H, Dr]
+            else:
+                q_lat, q_pe = comm.gather_query(*layer.query(h, pos_dev, comm.head_slice))
+            kv_layer = self.kv.layer_view(i)
+            o_parts, lse_parts, s = [], [], 0
+            for (rows, kv_pos), k in zip(local, sizes):
+                o_b, lse_b = attend_latent(q_lat[s:s + k], q_pe[s:s + k],
+                                           kv_layer.index_select(0, rows), pos_dev[s:s + k],
+                                           kv_pos, cfg.softmax_scale, cfg.kv_lora_rank,
+                                           backend=self.attn_backend)
+                o_parts.append(o_b)
+                lse_parts.append(lse_b)
+                s += k
+            o, _ = comm.merge(torch.cat(o_parts), torch.cat(lse_parts))  # [sumK, H/c, R]
+        with CollectiveCounter.measure() as m_tp:
+            attn = comm.all_reduce_sum(layer.attn_out(o, comm.head_slice))
+        self.stats.layers_run += 1
+        self.stats.dcp_collectives += m_dcp["n"]
+        self.stats.tp_collectives += m_tp["n"]
+        return layer.finish(attn, h)
 
     # ---- greedy decode -----------------------------------------------------------------------
     def generate(self, state: RequestState, prompt: Sequence[int], new_tokens: int,

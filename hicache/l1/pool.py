@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from typing import Sequence, Union
+from typing import Union
 
+import numpy as np
 import torch
 
+from hicache.kvport import RowWrite, Slots
 from hicache.layout import DCPLayout
-
-Slots = Union[torch.Tensor, Sequence[int]]
 
 
 class PoolError(ValueError):
@@ -120,30 +120,35 @@ class DeviceKVPool:
         self._check_layer(layer)
         return self.kv[layer]
 
-    # ---- access by virtual slot ----------------------------------------------------------------
-    def write(self, layer: int, virtual_slots: Slots, rows: torch.Tensor) -> int:
-        """Store the owned rows among ``rows`` [n, kv_dim] (full rows for ``virtual_slots`` [n]).
+    # ---- access by virtual slot (the KV port, ``hicache.kvport``) -----------------------------
+    def plan_write(self, virtual_slots: Slots) -> RowWrite:
+        """Validate virtual slots [n] on the host and say where this rank's rows among them go."""
+        return RowWrite.for_slots(self.layout, self._slots(virtual_slots), self.device)
 
-        Returns the number of rows this rank stored.
+    def write(self, layer: int, where: Union[RowWrite, Slots], rows: torch.Tensor) -> int:
+        """Store the owned rows among ``rows`` [n, kv_dim] (full rows for the slots of
+        ``where``: virtual slots [n], or a ``RowWrite`` built once for many layers).
+
+        Returns the number of rows this rank stored. One ``index_copy_`` (after an
+        ``index_select`` when this rank keeps a subset): no host sync on the device.
         """
         self._check_layer(layer)
-        slots = self._slots(virtual_slots)
+        if not isinstance(where, RowWrite):
+            where = self.plan_write(where)
+        else:
+            self.check_pages(where.pages)
         if not isinstance(rows, torch.Tensor):
             raise PoolError(f"rows must be a tensor, got {type(rows).__name__}")
         if rows.dtype != self.dtype:
             raise PoolError(f"rows have dtype {rows.dtype} but the pool stores {self.dtype}")
-        if rows.dim() != 2 or rows.shape[0] != slots.numel() or rows.shape[1] != self.kv_dim:
-            raise PoolError(f"rows must have shape [{slots.numel()}, {self.kv_dim}] "
+        if rows.dim() != 2 or rows.shape[0] != where.n or rows.shape[1] != self.kv_dim:
+            raise PoolError(f"rows must have shape [{where.n}, {self.kv_dim}] "
                             f"(one row per slot), got {list(rows.shape)}")
-        if self.layout.dcp_size == 1:
-            phys, src = self.layout.physical(slots), rows
-        else:
-            mask = self.layout.owned_mask(slots)
-            phys = self.layout.physical(slots[mask])
-            src = rows[mask.to(rows.device)]
-        phys = phys.to(self.device, non_blocking=True)
-        self.kv[layer].index_copy_(0, phys, src.to(self.device, non_blocking=True))
-        return int(phys.numel())
+        src = rows.to(self.device, non_blocking=True)
+        if where.src is not None:
+            src = src.index_select(0, where.src)
+        self.kv[layer].index_copy_(0, where.dst, src)
+        return int(where.dst.shape[0])
 
     def read(self, layer: int, virtual_slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
         """The owned slots among ``virtual_slots`` (input order) and their rows [m, kv_dim]."""
@@ -152,6 +157,12 @@ class DeviceKVPool:
         return owned, self.kv[layer].index_select(0, phys.to(self.device))
 
     # ---- validation ----------------------------------------------------------------------------
+    def check_pages(self, pages: np.ndarray) -> None:
+        """PoolError unless every widened page id in ``pages`` (host int array) is in the pool."""
+        if pages.size and not 0 <= pages.min() <= pages.max() < self.num_pages:
+            bad = pages[(pages < 0) | (pages >= self.num_pages)][0]
+            raise PoolError(f"page {int(bad)} is outside the pool's [0, {self.num_pages})")
+
     def _check_layer(self, layer: int) -> None:
         if isinstance(layer, bool) or not isinstance(layer, int) \
                 or not 0 <= layer < self.num_layers:

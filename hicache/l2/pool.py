@@ -23,7 +23,7 @@ import weakref
 import psutil
 import torch
 
-from hicache.l1.allocator import PageError
+from hicache.pages import PageError
 from hicache.l1.pool import PoolError, advise_hugepages, check_shape_args
 from hicache.layout import DCPLayout
 

@@ -32,7 +32,7 @@ from typing import Sequence, Union
 import numpy as np
 import torch
 
-from hicache.l1.allocator import PageError
+from hicache.pages import PageError
 from hicache.l1.pool import DeviceKVPool, PoolError
 from hicache.l2.pool import HostKVPool
 

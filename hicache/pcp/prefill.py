@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from hicache import distributed as hdist
-from hicache.layout import DCPLayout
+from hicache.layout import DCPLayout, slot_of
 from hicache.pcp.partition import DualChunkSwap
 from hicache.pcp.ring import MODES, ContextParallelAttention, ContextParallelError, KVPlacement
 
@@ -116,8 +116,7 @@ def slots_for_pages(pages, length: int, virtual_page_size: int) -> torch.Tensor:
     if pages.numel() < need:
         raise PCPPrefillError(f"{length} tokens need {need} pages of {virtual_page_size} slots, "
                               f"got {pages.numel()}")
-    pos = torch.arange(length, dtype=torch.int64)
-    return pages[pos // virtual_page_size] * virtual_page_size + pos % virtual_page_size
+    return slot_of(pages, torch.arange(length, dtype=torch.int64), virtual_page_size)
 
 
 def write_pcp_kv_to_pool(rows_by_layer: Sequence[torch.Tensor], positions: torch.Tensor,

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from hicache.layout import DCPLayout, LayoutError, plan_relayout
+from hicache.layout import DCPLayout, LayoutError, plan_relayout, slot_of
 
 
 class RelayoutError(LayoutError):
@@ -70,8 +70,7 @@ def _slots(pages, token_count: int, virtual_page_size: int, side: str) -> torch.
                             f"need {need} pages of {virtual_page_size} slots")
     if pages.numel() and int(pages.min()) < 0:
         raise RelayoutError(f"{side} page table holds a negative page id {int(pages.min())}")
-    pos = torch.arange(token_count, dtype=torch.int64)
-    return pages[pos // virtual_page_size] * virtual_page_size + pos % virtual_page_size
+    return slot_of(pages, torch.arange(token_count, dtype=torch.int64), virtual_page_size)
 
 
 def plan_pd_transfer(token_count: int, src_dcp: int, src_page_size: int, src_pages,

@@ -1,4 +1,9 @@
-"""Widened-page id allocator shared by L1, L2 and the cache controller.
+"""Widened-page ids: the allocator shared by L1, L2 and the cache controller.
+
+A neutral module: it imports no tier and no controller, so both sides use it without importing
+each other (``tests/test_layering.py``). ``PageError`` (a bad id) and ``OutOfPagesError`` (too few
+free pages) are the errors every user of page ids sees.
+
 
 A LIFO free stack kept in a numpy array plus a numpy used-map: alloc/free cost a few Python
 operations per call and vectorised work per page. Deterministic, so every rank running the same

@@ -1,0 +1,136 @@
+"""The KV port: what an engine needs from the KV cache of its rank, and nothing more.
+
+An engine (``hicache.engine.runner.DCPRunner``, PCP prefill, an adapter) holds a ``KVPort``, never
+a pool or the cache itself. The port gives the striping ``layout``, the KV shape
+(``num_layers``, ``kv_dim``), where it lives (``device``, ``dtype``), a layer's rows to attend
+over (``layer_view``), and two writes:
+
+- ``write(layer, slots, rows)``: full rows [n, kv_dim] for virtual ``slots`` [n] (host ints or a
+  CPU tensor, any order); the rank keeps the rows it owns. Validated on the host.
+- ``write(layer, RowWrite, rows)``: the engine's hot path. A ``RowWrite`` says which input rows
+  this rank keeps (``src``) and at which pool rows (``dst``), both index tensors on the port's
+  device, built once per step (``RowWrite.for_positions``) and reused for every layer. The copy
+  is one ``index_select`` + ``index_copy_``: no boolean mask, no ``.item()``, no data-dependent
+  shape, so the GPU is never synchronised by a KV write.
+
+Two ports exist: ``DeviceKVPool`` (the bare L1 pool: an engine run without a cache) and
+``HiCache.kv`` (``CheckedPort``: the same pool, but a write is refused unless every page it
+touches was given to an admitted request by ``alloc``; the refusal is decided on the host from
+``RowWrite.pages``, so it costs no sync either).
+
+This module imports no tier, controller or service (``tests/test_layering.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence, Union, runtime_checkable
+
+import numpy as np
+import torch
+
+from hicache.layout import DCPLayout
+
+Slots = Union[torch.Tensor, Sequence[int]]
+
+
+@dataclass(frozen=True)
+class RowWrite:
+    """Where the rows of one write land on this rank.
+
+    n:     rows the write takes (rows [n, kv_dim], one per slot / new token)
+    src:   int64 [m] on the port's device: the input rows this rank keeps (None: all n, in order)
+    dst:   int64 [m] on the port's device: their rows in the pool
+    pages: int64 [k] host array: the widened pages written (what a checked port verifies)
+    """
+
+    n: int
+    src: torch.Tensor | None
+    dst: torch.Tensor
+    pages: np.ndarray
+
+    @staticmethod
+    def for_slots(layout: DCPLayout, slots: torch.Tensor, device: torch.device) -> "RowWrite":
+        """From validated virtual slots int64 [n] on the CPU (ownership decided on the host)."""
+        n = int(slots.numel())
+        pages = np.unique((slots // layout.virtual_page_size).numpy())
+        if layout.dcp_size == 1:
+            src, kept = None, slots
+        else:
+            src = torch.nonzero(layout.owned_mask(slots)).reshape(-1)  # host tensor: no sync
+            kept = slots[src]
+            src = src.to(device, non_blocking=True)
+        dst = layout.physical(kept).to(device, non_blocking=True)
+        return RowWrite(n, src, dst, pages)
+
+    @staticmethod
+    def for_positions(layout: DCPLayout, table: torch.Tensor, pages: Sequence[int],
+                      start: int, end: int, base: int = 0) -> "RowWrite":
+        """The new tokens at positions [start, end) of one request, whose rows are input rows
+        ``base .. base + end - start - 1``. ``table`` is the request's page table on the device
+        (int64 [>= pages needed]); ``pages`` the same ids on the host. Everything on the device
+        comes from ``arange`` and arithmetic on host-known bounds: nothing reads device data
+        back."""
+        w = layout.virtual_page_size
+        pos = layout.owned_positions(start, end, device=table.device)  # [m]
+        dst = layout.physical(layout.slot_of(table, pos))
+        src = pos - (start - base)
+        touched = np.asarray(pages[start // w: -(-end // w)], dtype=np.int64)
+        return RowWrite(end - start, src, dst, touched)
+
+    @staticmethod
+    def concat(parts: Sequence["RowWrite"]) -> "RowWrite":
+        """One write for several requests' rows laid out one after another (each part's
+        ``src`` already offset by its ``base``)."""
+        if len(parts) == 1:
+            return parts[0]
+        return RowWrite(sum(p.n for p in parts), torch.cat([p.src for p in parts]),
+                        torch.cat([p.dst for p in parts]),
+                        np.concatenate([p.pages for p in parts]))
+
+
+@runtime_checkable
+class KVPort(Protocol):
+    """The engine's view of its rank's KV cache (see the module docstring)."""
+
+    layout: DCPLayout
+    num_layers: int
+    kv_dim: int
+    device: torch.device
+    dtype: torch.dtype
+
+    def write(self, layer: int, where: Union[RowWrite, Slots], rows: torch.Tensor) -> int:
+        """Store this rank's rows among ``rows`` [n, kv_dim]; the number stored."""
+
+    def layer_view(self, layer: int) -> torch.Tensor:
+        """One layer's rows [pool rows, kv_dim] (a view; attention reads it)."""
+
+
+class CheckedPort:
+    """A port onto ``pool`` whose writes first pass ``check(pages)`` (host int64 array of the
+    widened pages a write touches), which raises to refuse the whole write."""
+
+    def __init__(self, pool, check: Callable[[np.ndarray], None]) -> None:
+        self._pool = pool
+        self._check = check
+        self.layout = pool.layout
+        self.num_layers = pool.num_layers
+        self.kv_dim = pool.kv_dim
+        self.device = pool.device
+        self.dtype = pool.dtype
+
+    def write(self, layer: int, where: Union[RowWrite, Slots], rows: torch.Tensor) -> int:
+        if not isinstance(where, RowWrite):
+            where = self._pool.plan_write(where)
+        self._pool.check_pages(where.pages)
+        self._check(where.pages)
+        return self._pool.write(layer, where, rows)
+
+    def layer_view(self, layer: int) -> torch.Tensor:
+        return self._pool.layer_view(layer)
+
+    def __repr__(self) -> str:
+        return f"CheckedPort({self._pool!r})"
+
+
+__all__ = ["CheckedPort", "KVPort", "RowWrite", "Slots"]

@@ -1,0 +1,68 @@
+"""The layering, checked in fresh interpreters: each part is imported alone and the hicache
+modules it pulled in are compared with what it may depend on.
+
+- the tiers (l1, l2, l3) never import the controller, the service or the engine;
+- the controller imports no tier (page ids come from the neutral ``hicache.pages``);
+- the service never imports the engine (the engine reaches the cache through ``hicache.kvport``);
+- the neutral modules (pages, layout, kvport) import no tier, no controller, no service.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+PROBE = ("import importlib, json, sys; importlib.import_module(sys.argv[1]); "
+         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'hicache')))")
+
+ROOTS = ("hicache.pages", "hicache.layout", "hicache.kvport", "hicache.l1", "hicache.l2",
+         "hicache.l3", "hicache.controller", "hicache.service")
+
+
+@pytest.fixture(scope="module")
+def loaded() -> dict:
+    """root -> the hicache modules a fresh interpreter holds after ``import root`` (all roots
+    probed at once, each in its own interpreter)."""
+    procs = {r: subprocess.Popen([sys.executable, "-c", PROBE, r], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for r in ROOTS}
+    out = {}
+    for root, p in procs.items():
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, f"import {root} failed:\n{stderr}"
+        out[root] = set(json.loads(stdout.strip().splitlines()[-1]))
+    return out
+
+
+def under(modules: set, *packages: str) -> list:
+    return sorted(m for m in modules for p in packages if m == p or m.startswith(p + "."))
+
+
+def test_the_probe_sees_what_a_module_imports(loaded):
+    # the service holds every tier and the controller: the probe does see transitive imports
+    assert under(loaded["hicache.service"], "hicache.controller")
+    assert under(loaded["hicache.service"], "hicache.l1") and \
+        under(loaded["hicache.service"], "hicache.l2")
+    assert "hicache.pages" in loaded["hicache.controller"]
+
+
+@pytest.mark.parametrize("tier", ["hicache.l1", "hicache.l2", "hicache.l3"])
+def test_tiers_never_import_the_controller_service_or_engine(loaded, tier):
+    assert under(loaded[tier], "hicache.controller", "hicache.service", "hicache.engine") == []
+
+
+def test_the_controller_imports_no_tier(loaded):
+    mods = loaded["hicache.controller"]
+    assert under(mods, "hicache.l1", "hicache.l2", "hicache.l3", "hicache.service",
+                 "hicache.engine") == []
+
+
+def test_the_service_never_imports_the_engine(loaded):
+    assert under(loaded["hicache.service"], "hicache.engine", "hicache.serving",
+                 "hicache.pcp") == []
+
+
+@pytest.mark.parametrize("neutral", ["hicache.pages", "hicache.layout", "hicache.kvport"])
+def test_neutral_modules_import_no_tier_controller_or_service(loaded, neutral):
+    assert under(loaded[neutral], "hicache.l1", "hicache.l2", "hicache.l3",
+                 "hicache.controller", "hicache.service", "hicache.engine") == []
