@@ -185,12 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--timeout", type=float, default=600.0, help="seconds the walk may take")
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=_l3_check)
-    try:
-        from .engine import cli as engine_cli
-    except ImportError:  # the engine is optional for the planning commands
-        engine_cli = None
-    if engine_cli is not None:
-        engine_cli.add_parser(sub)
+    from .engine import cli as engine_cli
+    engine_cli.add_parser(sub)
     return parser
 
 

@@ -3,7 +3,7 @@
 An engine (``hicache.engine.runner.DCPRunner``, PCP prefill, an adapter) holds a ``KVPort``, never
 a pool or the cache itself. The port gives the striping ``layout``, the KV shape
 (``num_layers``, ``kv_dim``), where it lives (``device``, ``dtype``), a layer's rows to attend
-over (``layer_view``), and two writes:
+over (``layer_view``), and two writes (``plan_write(slots)`` makes the second from the first):
 
 - ``write(layer, slots, rows)``: full rows [n, kv_dim] for virtual ``slots`` [n] (host ints or a
   CPU tensor, any order); the rank keeps the rows it owns. Validated on the host.
@@ -99,6 +99,9 @@ class KVPort(Protocol):
     device: torch.device
     dtype: torch.dtype
 
+    def plan_write(self, slots: Slots) -> RowWrite:
+        """Validate virtual slots [n] on the host; where this rank's rows among them go."""
+
     def write(self, layer: int, where: Union[RowWrite, Slots], rows: torch.Tensor) -> int:
         """Store this rank's rows among ``rows`` [n, kv_dim]; the number stored."""
 
@@ -118,6 +121,9 @@ class CheckedPort:
         self.kv_dim = pool.kv_dim
         self.device = pool.device
         self.dtype = pool.dtype
+
+    def plan_write(self, slots: Slots) -> RowWrite:
+        return self._pool.plan_write(slots)
 
     def write(self, layer: int, where: Union[RowWrite, Slots], rows: torch.Tensor) -> int:
         if not isinstance(where, RowWrite):

@@ -104,21 +104,53 @@ def _sync(world_size: int, device: torch.device) -> None:
 def decode_worker(rank: int, world_size: int, spec: DecodeSpec) -> dict:
     """One rank: build model, pool and runner; prefill and decode; report what this rank saw.
 
-    ``world_size`` must be ``spec.world_size``. Ranks < ``spec.dcp`` hold a KV pool shard and
-    decode; with ``spec.pcp > 1`` the first ``spec.pcp`` ranks compute the prefill, and a rank
-    outside the DCP group returns after it (``role`` "pcp", no tokens).
+    ``world_size`` must be ``spec.world_size``. Ranks < ``spec.dcp`` hold a KV pool shard (their
+    KV port) and decode; with ``spec.pcp > 1`` the first ``spec.pcp`` ranks compute the
+    prefill, and a rank outside the DCP group returns after it (``role`` "pcp", no tokens).
     """
-    from hicache.distributed import CollectiveCounter
-    from hicache.engine.runner import DCPRunner, RequestState, reserve
-    from hicache.l1 import DeviceKVPool
-    from hicache.pages import PageAllocator
+    from hicache.engine.runner import RequestState, reserve
     from hicache.layout import DCPLayout
+    from hicache.pages import PageAllocator
 
     if world_size != spec.world_size:
         raise DecodeArgsError(f"decode_worker needs max(pcp, dcp) = {spec.world_size} ranks, "
                               f"got {world_size}")
     device = torch.device("cuda", torch.cuda.current_device()) if spec.device == "cuda" \
         else torch.device("cpu")
+    dcp_group, pcp_group = _groups(spec, world_size)
+    in_dcp = rank < spec.dcp
+    model = build_model(spec).to(device)
+    layout = DCPLayout(spec.dcp, rank if in_dcp else 0, spec.page_size)
+    prompt = make_prompt(spec, model.cfg.vocab_size)
+    vps = layout.virtual_page_size
+    total = len(prompt) + spec.new_tokens
+    warm_pages = -(-(spec.warmup_steps + 2) // vps) if spec.warmup_steps else 0
+    alloc = PageAllocator(-(-total // vps) + warm_pages)
+    runner = _runner(model, layout, alloc.num_pages, spec, dcp_group) if in_dcp else None
+    _warm_up(runner, alloc, prompt, spec, vps)
+    state = RequestState()
+    reserve(state, alloc, total, vps)
+    _sync(world_size, device)
+    run = _prefill_and_decode(runner, model, state, prompt, spec, layout, pcp_group)
+    if not in_dcp:
+        return {"role": "pcp", "prompt": prompt, "prefill_time_s": run["prefill_time_s"],
+                "collectives_total": run["collectives_total"], "wall_s": run["wall_s"]}
+    rows = layout.local_length(state.length)
+    cfg = model.cfg
+    elem = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    return {
+        "role": "dcp",
+        "prompt": prompt,
+        "kv_rows": rows,
+        "kv_bytes": rows * cfg.kv_dim * elem * cfg.num_layers,
+        "collectives_per_layer": runner.stats.dcp_collectives_per_layer(),
+        "tp_collectives_per_layer": runner.stats.tp_collectives / max(1, runner.stats.layers_run),
+        **run,
+    }
+
+
+def _groups(spec: DecodeSpec, world_size: int) -> tuple:
+    """(DCP group, PCP group): None where the group is the whole launched world."""
     dcp_group = pcp_group = None
     if world_size > 1:
         import torch.distributed as dist
@@ -127,70 +159,59 @@ def decode_worker(rank: int, world_size: int, spec: DecodeSpec) -> dict:
             dcp_group = dist.new_group(list(range(spec.dcp)))
         if 1 < spec.pcp < world_size:
             pcp_group = dist.new_group(list(range(spec.pcp)))
-    in_dcp = rank < spec.dcp
-    model = build_model(spec).to(device)
+    return dcp_group, pcp_group
+
+
+def _runner(model, layout, pages: int, spec: DecodeSpec, dcp_group):
+    """A DCP rank's engine over a bare L1 pool of ``pages`` widened pages (its KV port)."""
+    from hicache.engine.runner import DCPRunner
+    from hicache.l1 import DeviceKVPool
     cfg = model.cfg
-    layout = DCPLayout(spec.dcp, rank if in_dcp else 0, spec.page_size)
-    prompt = make_prompt(spec, cfg.vocab_size)
-    total = len(prompt) + spec.new_tokens
-    vps = layout.virtual_page_size
-    warm_pages = -(-(spec.warmup_steps + 2) // vps) if spec.warmup_steps else 0
-    pages = -(-total // vps) + warm_pages
-    alloc = PageAllocator(pages)
-    pool = runner = None
+    pool = DeviceKVPool(layout, cfg.num_layers, cfg.kv_dim, cfg.torch_dtype, pages,
+                        device=model.embed_tokens.device)
+    return DCPRunner(model, pool, backend=spec.backend, replicate_q=spec.replicate_q,
+                     attn_backend=spec.attn_backend, group=dcp_group)
+
+
+def _warm_up(runner, alloc, prompt: list[int], spec: DecodeSpec, vps: int) -> None:
+    """Decode ``spec.warmup_steps`` steps of a throwaway request (DCP ranks), then forget it:
+    every rank allocates and frees the same pages, so later page tables agree."""
+    from hicache.engine.runner import RequestState, reserve
+    if not spec.warmup_steps:
+        return
     warm = RequestState()
-    if spec.warmup_steps:  # every rank allocates the same pages, so page tables agree
-        reserve(warm, alloc, 2 + spec.warmup_steps, vps)
-    if in_dcp:
-        pool = DeviceKVPool(layout, cfg.num_layers, cfg.kv_dim, cfg.torch_dtype, pages,
-                            device=device)
-        runner = DCPRunner(model, pool, backend=spec.backend, replicate_q=spec.replicate_q,
-                           attn_backend=spec.attn_backend, group=dcp_group)
-        if spec.warmup_steps:
-            runner.generate(warm, prompt[:2], spec.warmup_steps)
+    reserve(warm, alloc, 2 + spec.warmup_steps, vps)
+    if runner is not None:
+        runner.generate(warm, prompt[:2], spec.warmup_steps)
         runner.stats = type(runner.stats)()
-    if spec.warmup_steps:
-        alloc.free(warm.page_table)
-    state = RequestState()
-    reserve(state, alloc, total, vps)
-    _sync(world_size, device)
+    alloc.free(warm.page_table)
+
+
+def _prefill_and_decode(runner, model, state, prompt: list[int], spec: DecodeSpec, layout,
+                        pcp_group) -> dict:
+    """Prefill (the engine's own, or PCP over ``spec.pcp`` ranks), then greedy decode on the
+    DCP ranks (``runner`` None elsewhere): tokens, step times, prefill and wall time,
+    collectives."""
+    from hicache.distributed import CollectiveCounter
     tokens: list[int] = []
     times: list[float] = []
     t0 = time.perf_counter()
     with CollectiveCounter.measure() as m:
         if spec.pcp > 1:
             from hicache.pcp.prefill import pcp_prefill_request
-            last = pcp_prefill_request(model, pool, state, prompt, mode=spec.pcp_mode,
+            kv = runner.kv if runner is not None else None
+            last = pcp_prefill_request(model, kv, state, prompt, mode=spec.pcp_mode,
                                        layout=layout, pcp_group=pcp_group)  # [V]
         else:
             last = runner.extend(state, prompt)[-1]  # [V]
         prefill_s = time.perf_counter() - t0
-        if in_dcp:
-            for _ in range(spec.new_tokens):  # greedy, as DCPRunner.generate
-                nxt = int(last.argmax())
-                tokens.append(nxt)
-                ts = time.perf_counter()
-                last = runner.extend(state, [nxt])[-1]
-                times.append(time.perf_counter() - ts)
-    wall = time.perf_counter() - t0
-    if not in_dcp:
-        return {"role": "pcp", "prompt": prompt, "prefill_time_s": prefill_s,
-                "collectives_total": m["n"], "wall_s": wall}
-    rows = layout.local_length(state.length)
-    elem = torch.empty((), dtype=cfg.torch_dtype).element_size()
-    return {
-        "role": "dcp",
-        "tokens": tokens,
-        "prompt": prompt,
-        "kv_rows": rows,
-        "kv_bytes": rows * cfg.kv_dim * elem * cfg.num_layers,
-        "collectives_per_layer": runner.stats.dcp_collectives_per_layer(),
-        "tp_collectives_per_layer": runner.stats.tp_collectives / max(1, runner.stats.layers_run),
-        "collectives_total": m["n"],
-        "prefill_time_s": prefill_s,
-        "step_times": times,
-        "wall_s": wall,
-    }
+        for _ in range(spec.new_tokens if runner is not None else 0):  # as DCPRunner.generate
+            tokens.append(int(last.argmax()))
+            ts = time.perf_counter()
+            last = runner.extend(state, [tokens[-1]])[-1]
+            times.append(time.perf_counter() - ts)
+    return {"tokens": tokens, "step_times": times, "prefill_time_s": prefill_s,
+            "wall_s": time.perf_counter() - t0, "collectives_total": m["n"]}
 
 
 def decode_worker_many(rank: int, world_size: int, specs: list) -> list[dict]:

@@ -475,12 +475,16 @@ class MLAModel(nn.Module):
 
     # ---- pieces ------------------------------------------------------------------------------
     def embed(self, tokens) -> torch.Tensor:
-        tokens = torch.as_tensor(tokens, dtype=torch.int64, device=self.embed_tokens.device)
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.vocab_size):
+        """Token ids (host or device) -> [T, hidden] fp32. The ids are range-checked where they
+        are: ids given on the host are checked there (numpy) before their upload, so an engine
+        step that passes host ids never waits for the device here."""
+        tokens = torch.as_tensor(tokens, dtype=torch.int64)
+        host = tokens.numpy() if tokens.device.type == "cpu" else tokens.cpu().numpy()
+        if host.size and (host.min() < 0 or host.max() >= self.cfg.vocab_size):
             raise ValueError(
                 f"token ids must be in [0, {self.cfg.vocab_size}); got range "
-                f"[{int(tokens.min())}, {int(tokens.max())}]")
-        return self.embed_tokens[tokens].float()  # [T, hidden]
+                f"[{int(host.min())}, {int(host.max())}]")
+        return self.embed_tokens[tokens.to(self.embed_tokens.device)].float()  # [T, hidden]
 
     @property
     def head(self) -> torch.Tensor:

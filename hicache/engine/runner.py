@@ -240,7 +240,7 @@ class DCPRunner:
         sizes = [t.numel() for t in toks]
         write, pos_dev, local = self._index(states, sizes)
         model = self.model
-        h = model.embed(torch.cat(toks).to(self.kv.device))  # [sumK, hidden]
+        h = model.embed(torch.cat(toks))  # [sumK, hidden]; ids checked on the host, then uploaded
         for i, layer in enumerate(model.layers):
             if self.layer_hook is not None:
                 self.layer_hook(i)

@@ -20,21 +20,21 @@ Exact signatures (for the ``--pcp N`` wiring of ``hicache decode``):
     slots_for_pages(pages: Sequence[int] | Tensor, length: int, virtual_page_size: int)
         -> int64 [length]: the virtual slot of every prompt position from a widened page table
 
-    write_pcp_kv_to_pool(rows_by_layer, positions, slots, pool, group=None, layout=None) -> int
+    write_pcp_kv_to_pool(rows_by_layer, positions, slots, kv, group=None, layout=None) -> int
         Every rank of ``group`` calls it (collective: one small all-gather of counts and one
         all_to_all). ``rows_by_layer``/``positions`` are this rank's prefill output (may be
         empty); ``slots`` int64 [L] the virtual slot of each global position (same on every
-        rank); ``pool`` this rank's ``DeviceKVPool`` (None on a rank outside the DCP group, i.e.
-        group rank >= dcp size; then pass ``layout`` of any DCP rank for routing). Returns the
-        rows this rank stored. DCP rank d is group rank d.
+        rank); ``kv`` this rank's KV port (``HiCache.kv`` or a ``DeviceKVPool``; None on a rank
+        outside the DCP group, i.e. group rank >= dcp size; then pass ``layout`` of any DCP
+        rank for routing). Returns the rows this rank stored. DCP rank d is group rank d.
 
-    pcp_prefill_request(model, pool, state, prompt, mode="ring", group=None, layout=None,
+    pcp_prefill_request(model, kv, state, prompt, mode="ring", group=None, layout=None,
                         pcp_group=None) -> last_logits fp32 [V]
         The one call for ``--pcp N``: prefill a fresh engine ``RequestState`` (page table
         reserved) and leave ``state.length == len(prompt)``; then decode with
         ``DCPRunner.extend(state, [next_token])`` as usual. PCP N == DCP C: call it on the C
         ranks with the defaults. N != C: launch max(N, C) ranks, ``pcp_group =
-        dist.new_group(range(N))`` on every rank, a pool on ranks < C (``layout`` elsewhere),
+        dist.new_group(range(N))`` on every rank, a KV port on ranks < C (``layout`` elsewhere),
         and give the DCP runner ``group=dist.new_group(range(C))`` when C < max(N, C).
 """
 
@@ -120,19 +120,38 @@ def slots_for_pages(pages, length: int, virtual_page_size: int) -> torch.Tensor:
 
 
 def write_pcp_kv_to_pool(rows_by_layer: Sequence[torch.Tensor], positions: torch.Tensor,
-                         slots: torch.Tensor, pool, group=None,
+                         slots: torch.Tensor, kv, group=None,
                          layout: Optional[DCPLayout] = None) -> int:
     """Route each prefill row to the DCP rank owning its slot and store it (see module doc)."""
     rank, world = _group_info(group)
-    layout = layout or (pool.layout if pool is not None else None)
+    layout = _routing_layout(kv, layout, rank, world)
+    positions, slots = _check_rows(rows_by_layer, positions, slots, kv)
+    my_slots = slots[positions]
+    packed, counts = _pack_by_owner(rows_by_layer, my_slots, layout.owner(my_slots), world)
+    got = _exchange(packed, counts, rank, world, group)  # [m, 8 + L * D * elt]
+    if kv is None:
+        if got.shape[0]:
+            raise PCPPrefillError(f"rank {rank} outside the DCP group received rows")
+        return 0
+    return _store(kv, got, rows_by_layer[0].dtype)
+
+
+def _routing_layout(kv, layout: Optional[DCPLayout], rank: int, world: int) -> DCPLayout:
+    """The DCP layout rows are routed by; checks this rank's port is the one it should hold."""
+    layout = layout or (kv.layout if kv is not None else None)
     if layout is None:
         raise PCPPrefillError("a rank without a pool must pass the DCP layout for routing")
     if layout.dcp_size > world:
         raise PCPPrefillError(f"DCP size {layout.dcp_size} exceeds the group's {world} ranks")
-    if rank < layout.dcp_size and pool is None:
+    if rank < layout.dcp_size and kv is None:
         raise PCPPrefillError(f"group rank {rank} is DCP rank {rank} and needs its pool")
-    if pool is not None and pool.layout.rank != rank:
-        raise PCPPrefillError(f"pool of DCP rank {pool.layout.rank} given on group rank {rank}")
+    if kv is not None and kv.layout.rank != rank:
+        raise PCPPrefillError(f"pool of DCP rank {kv.layout.rank} given on group rank {rank}")
+    return layout
+
+
+def _check_rows(rows_by_layer, positions, slots, kv) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions int64 [n] and slots int64 [L] on the CPU, once the rows fit them."""
     positions = torch.as_tensor(positions, dtype=torch.int64).cpu().reshape(-1)
     slots = torch.as_tensor(slots, dtype=torch.int64).cpu().reshape(-1)
     if positions.numel() and int(positions.max()) >= slots.numel():
@@ -142,24 +161,35 @@ def write_pcp_kv_to_pool(rows_by_layer: Sequence[torch.Tensor], positions: torch
     if any(r.shape[0] != n for r in rows_by_layer):
         raise PCPPrefillError(f"every layer needs {n} rows (one per position), got "
                               f"{[tuple(r.shape) for r in rows_by_layer]}")
-    if pool is not None and len(rows_by_layer) != pool.num_layers:
+    if kv is not None and len(rows_by_layer) != kv.num_layers:
         raise PCPPrefillError(f"{len(rows_by_layer)} layers of rows for a "
-                              f"{pool.num_layers}-layer pool")
-    num_layers = len(rows_by_layer)
-    if num_layers == 0:
+                              f"{kv.num_layers}-layer pool")
+    if not rows_by_layer:
         raise PCPPrefillError("no layers of rows to write")
-    my_slots = slots[positions]
-    dst = layout.owner(my_slots)  # [n] DCP rank = group rank
-    order = torch.argsort(dst, stable=True)
-    counts = torch.bincount(dst, minlength=world)[:world]  # [W]
-    # rows + their slot as raw bytes: [n, 8 + L * D * elt]
+    return positions, slots
+
+
+def _pack_by_owner(rows_by_layer, my_slots: torch.Tensor, owner: torch.Tensor,
+                   world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row with its slot as raw bytes [n, 8 + L * D * elt], grouped by owning rank, and
+    how many go to each rank (int64 [world], CPU)."""
+    n = my_slots.numel()
     stacked = torch.stack(list(rows_by_layer), 1)  # [n, L, D]
-    dev, dtype, kv_dim = stacked.device, stacked.dtype, stacked.shape[2]
-    row_bytes = stacked.reshape(n, -1).view(torch.uint8) if n else \
-        torch.empty(0, num_layers * kv_dim * stacked.element_size(), dtype=torch.uint8, device=dev)
+    dev = stacked.device
+    row_bytes = stacked.reshape(n, -1).view(torch.uint8) if n else torch.empty(
+        0, stacked.shape[1] * stacked.shape[2] * stacked.element_size(), dtype=torch.uint8,
+        device=dev)
     slot_bytes = my_slots.to(dev).view(torch.uint8).reshape(n, 8)
-    packed = torch.cat([slot_bytes, row_bytes], 1)[order.to(dev)]  # grouped by destination
-    width = packed.shape[1]
+    order = torch.argsort(owner, stable=True)
+    counts = torch.bincount(owner, minlength=world)[:world]
+    return torch.cat([slot_bytes, row_bytes], 1)[order.to(dev)], counts
+
+
+def _exchange(packed: torch.Tensor, counts: torch.Tensor, rank: int, world: int,
+              group) -> torch.Tensor:
+    """One all-gather of the counts, one all_to_all of the rows padded to the largest count:
+    the rows every rank sent here, in rank order [m, width]."""
+    dev, width = packed.device, packed.shape[1]
     if world > 1:
         all_counts = torch.empty(world * world, dtype=torch.int64, device=dev)
         hdist.all_gather_into_tensor(all_counts, counts.to(dev), group=group)
@@ -168,30 +198,31 @@ def write_pcp_kv_to_pool(rows_by_layer: Sequence[torch.Tensor], positions: torch
         matrix = counts.view(1, 1)
     cap = int(matrix.max())
     if cap == 0:
-        return 0
+        return packed[:0]
     send = torch.zeros(world, cap, width, dtype=torch.uint8, device=dev)
-    offs = torch.cumsum(counts, 0) - counts
-    for d in range(world):
-        c = int(counts[d])
-        send[d, :c] = packed[int(offs[d]): int(offs[d]) + c]
+    offs = (torch.cumsum(counts, 0) - counts).tolist()
+    for d, c in enumerate(counts.tolist()):
+        send[d, :c] = packed[offs[d]: offs[d] + c]
     if world > 1:
         recv = torch.empty_like(send)
         hdist.all_to_all_single(recv.view(-1), send.view(-1), group=group)
     else:
         recv = send
-    got = torch.cat([recv[s, : int(matrix[s, rank])] for s in range(world)])  # [m, width]
-    if pool is None:
-        if got.shape[0]:
-            raise PCPPrefillError(f"rank {rank} outside the DCP group received rows")
-        return 0
+    return torch.cat([recv[s, : int(matrix[s, rank])] for s in range(world)])
+
+
+def _store(kv, got: torch.Tensor, dtype: torch.dtype) -> int:
+    """Unpack received rows [m, 8 + L * D * elt] and write every layer through the port (one
+    write plan for all layers); the rows stored."""
     m = got.shape[0]
     if m == 0:
         return 0
     got_slots = got[:, :8].contiguous().view(torch.int64).reshape(m).cpu()
-    got_rows = got[:, 8:].contiguous().view(dtype).reshape(m, num_layers, kv_dim)
+    got_rows = got[:, 8:].contiguous().view(dtype).reshape(m, kv.num_layers, -1)
+    where = kv.plan_write(got_slots)
     stored = 0
-    for layer in range(num_layers):
-        stored = pool.write(layer, got_slots, got_rows[:, layer].contiguous())
+    for layer in range(kv.num_layers):
+        stored = kv.write(layer, where, got_rows[:, layer].contiguous())
     return stored
 
 
@@ -201,7 +232,7 @@ def _member(pcp_group) -> bool:
     return pcp_group != dist.GroupMember.NON_GROUP_MEMBER
 
 
-def pcp_prefill_request(model, pool, state, prompt, mode: str = "ring", group=None,
+def pcp_prefill_request(model, kv, state, prompt, mode: str = "ring", group=None,
                         layout: Optional[DCPLayout] = None, pcp_group=None) -> torch.Tensor:
     """PCP-prefill ``prompt`` for a fresh request and store its KV in the DCP pools.
 
@@ -216,9 +247,7 @@ def pcp_prefill_request(model, pool, state, prompt, mode: str = "ring", group=No
     if state.length != 0:
         raise PCPPrefillError(f"PCP prefill needs a fresh request, this one holds {state.length} "
                               "positions")
-    layout = layout or (pool.layout if pool is not None else None)
-    if layout is None:
-        raise PCPPrefillError("a rank without a pool must pass the DCP layout for routing")
+    layout = _routing_layout(kv, layout, *_group_info(group))
     length = len(prompt)
     if length == 0:
         raise PCPPrefillError("cannot prefill an empty prompt")
@@ -238,7 +267,7 @@ def pcp_prefill_request(model, pool, state, prompt, mode: str = "ring", group=No
         last = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)
         lead = False
     slots = slots_for_pages(state.page_table, length, layout.virtual_page_size)
-    write_pcp_kv_to_pool(rows, positions, slots, pool, group=group, layout=layout)
+    write_pcp_kv_to_pool(rows, positions, slots, kv, group=group, layout=layout)
     if pcp_group is not None and dist.is_initialized():
         # only the PCP group's rank 0 contributes; everyone else adds exact zeros
         last = last if lead else torch.zeros_like(last)

@@ -113,9 +113,10 @@ def unpack_shard(dst_pool, transfer: RankTransfer, packed: torch.Tensor) -> int:
     if tuple(packed.shape) != expect:
         raise RelayoutError(f"packed rows {tuple(packed.shape)} != expected {expect} "
                             "(layers, exact token rows, kv_dim)")
+    where = dst_pool.plan_write(transfer.dst_slots)  # one plan for every layer
     stored = 0
     for layer in range(dst_pool.num_layers):
-        stored = dst_pool.write(layer, transfer.dst_slots, packed[layer])
+        stored = dst_pool.write(layer, where, packed[layer])
     return stored
 
 

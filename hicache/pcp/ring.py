@@ -260,19 +260,5 @@ class ContextParallelAttention:
             self.pairs_computed += (run.hi - run.lo) * keys.shape[0]
 
 
-def ring_attention(q_lat, q_pe, q_pos, kv_local, placement: KVPlacement, rank: int, scale: float,
-                   kv_lora_rank: int, group=None):
-    """One-shot ring attention (see ``ContextParallelAttention``)."""
-    return ContextParallelAttention(placement, rank, q_pos, "ring", group)(
-        q_lat, q_pe, kv_local, scale, kv_lora_rank)
-
-
-def full_kv_attention(q_lat, q_pe, q_pos, kv_local, placement: KVPlacement, rank: int,
-                      scale: float, kv_lora_rank: int, group=None):
-    """One-shot all-gather attention (see ``ContextParallelAttention``)."""
-    return ContextParallelAttention(placement, rank, q_pos, "full_kv", group)(
-        q_lat, q_pe, kv_local, scale, kv_lora_rank)
-
-
 __all__: Sequence[str] = ("MODES", "ContextParallelError", "Run", "contiguous_runs", "KVPlacement",
-                          "ContextParallelAttention", "ring_attention", "full_kv_attention")
+                          "ContextParallelAttention")
