@@ -46,8 +46,18 @@ SCRIPT = textwrap.dedent(r"""
                                          num_splits=splits)
         o_ref, lse_ref = attend_latent_torch(q_lat, q_pe, kv, q_pos, kv_pos, 0.37, r)
         o2, lse2 = attend_latent(q_lat, q_pe, kv, q_pos, kv_pos, 0.37, r, backend="triton")
+        # the same keys as scattered rows of a larger pool layer, read in place (no gather)
+        pool = torch.randn(3 * n + 2, r + dr, generator=g).to(dt)
+        rows = torch.randperm(3 * n + 2, generator=g)[:n]
+        pool[rows] = kv
+        o3, lse3 = decode_attention_latent(q_lat, q_pe, pool, q_pos, kv_pos, 0.37, r,
+                                           num_splits=splits, rows=rows)
+        o4, lse4 = attend_latent(q_lat, q_pe, pool, q_pos, kv_pos, 0.37, r, backend="torch",
+                                 rows=rows)
         fin = torch.isfinite(lse_ref)
         out["cases"].append({
+            "indirect_same": bool(torch.equal(o3, o) and torch.equal(lse3, lse)),
+            "indirect_torch_same": bool(torch.equal(o4, o_ref) and torch.equal(lse4, lse_ref)),
             "o_err": float((o - o_ref).abs().max()) if o.numel() else 0.0,
             "lse_err": float((lse[fin] - lse_ref[fin]).abs().max()) if fin.any() else 0.0,
             "inf_match": bool(torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))),
@@ -76,4 +86,5 @@ def test_kernel_matches_torch_reference_interpreted():
         assert c["zeros_where_empty"], (i, c)
         assert c["o_err"] < 2e-5 and c["lse_err"] < 2e-5, (i, c)
         assert c["dispatch_same"], (i, c)
+        assert c["indirect_same"] and c["indirect_torch_same"], (i, c)
     assert res["cases"][0]["any_allowed"] and not res["cases"][3]["any_allowed"]

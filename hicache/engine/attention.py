@@ -30,7 +30,7 @@ _BACKENDS = ("auto", "torch", "triton")
 _SCORE_BUDGET = 1 << 24
 
 
-def _check(q_lat, q_pe, kv, q_pos, kv_pos, kv_lora_rank) -> None:
+def _check(q_lat, q_pe, kv, q_pos, kv_pos, kv_lora_rank, rows=None) -> None:
     if q_lat.dim() != 3 or q_pe.dim() != 3:
         raise AttentionInputError(
             f"q_lat and q_pe must be [T, H, D]; got {tuple(q_lat.shape)} and {tuple(q_pe.shape)}")
@@ -44,9 +44,14 @@ def _check(q_lat, q_pe, kv, q_pos, kv_pos, kv_lora_rank) -> None:
         raise AttentionInputError(
             f"kv must be [N, {kv_lora_rank + q_pe.shape[2]}] (kv_lora_rank + rope_dim); "
             f"got {tuple(kv.shape)}")
-    if q_pos.shape != (t,) or kv_pos.shape != (kv.shape[0],):
+    if rows is not None and (rows.dim() != 1 or rows.dtype != torch.int64
+                             or rows.device != kv.device):
+        raise AttentionInputError(f"rows must be int64 [N] on {kv.device}, got {rows.dtype} "
+                                  f"{tuple(rows.shape)} on {rows.device}")
+    n = kv.shape[0] if rows is None else rows.shape[0]
+    if q_pos.shape != (t,) or kv_pos.shape != (n,):
         raise AttentionInputError(
-            f"q_pos must be [{t}] and kv_pos [{kv.shape[0]}]; got {tuple(q_pos.shape)} and "
+            f"q_pos must be [{t}] and kv_pos [{n}]; got {tuple(q_pos.shape)} and "
             f"{tuple(kv_pos.shape)}")
     if q_pos.dtype != torch.int64 or kv_pos.dtype != torch.int64:
         raise AttentionInputError(f"positions must be int64, got {q_pos.dtype} and {kv_pos.dtype}")
@@ -91,11 +96,14 @@ def _triton_applies(kv: torch.Tensor) -> bool:
 
 def attend_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
                   q_pos: torch.Tensor, kv_pos: torch.Tensor, scale: float, kv_lora_rank: int,
-                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                  backend: str = "auto", rows: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal absorbed-MLA attention of T queries over N latent rows (any subset of positions).
 
     q_lat [T, H, R], q_pe [T, H, Dr], kv [N, R + Dr] (c_kv | k_pe), q_pos int64 [T],
     kv_pos int64 [N] global positions; key n is allowed for query t iff kv_pos[n] <= q_pos[t].
+    With ``rows`` int64 [N] the keys are ``kv[rows]`` of a larger ``kv`` (a pool layer): the
+    Triton kernel reads them in place, the torch path gathers them.
     Returns o [T, H, R] fp32 normalised over the allowed keys and lse [T, H] fp32 (natural log;
     -inf and o = 0 where a query has no allowed key). ``backend``: auto | torch | triton
     (env ``HICACHE_ATTN_BACKEND`` overrides auto).
@@ -104,7 +112,7 @@ def attend_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
         raise AttentionInputError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     q_pos = torch.as_tensor(q_pos, dtype=torch.int64, device=kv.device)
     kv_pos = torch.as_tensor(kv_pos, dtype=torch.int64, device=kv.device)
-    _check(q_lat, q_pe, kv, q_pos, kv_pos, kv_lora_rank)
+    _check(q_lat, q_pe, kv, q_pos, kv_pos, kv_lora_rank, rows)
     if backend == "auto":
         backend = os.environ.get("HICACHE_ATTN_BACKEND", "auto")
         if backend not in _BACKENDS:
@@ -114,5 +122,8 @@ def attend_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
         backend = "triton" if _triton_applies(kv) else "torch"
     if backend == "triton":
         from hicache.kernels.decode_attention import decode_attention_latent
-        return decode_attention_latent(q_lat, q_pe, kv, q_pos, kv_pos, scale, kv_lora_rank)
+        return decode_attention_latent(q_lat, q_pe, kv, q_pos, kv_pos, scale, kv_lora_rank,
+                                       rows=rows)
+    if rows is not None:
+        kv = kv.index_select(0, rows)  # [N, R + Dr]
     return attend_latent_torch(q_lat, q_pe, kv, q_pos, kv_pos, scale, kv_lora_rank)

@@ -264,10 +264,10 @@ class DCPRunner:
             kv_layer = self.kv.layer_view(i)
             o_parts, lse_parts, s = [], [], 0
             for (rows, kv_pos), k in zip(local, sizes):
-                o_b, lse_b = attend_latent(q_lat[s:s + k], q_pe[s:s + k],
-                                           kv_layer.index_select(0, rows), pos_dev[s:s + k],
-                                           kv_pos, cfg.softmax_scale, cfg.kv_lora_rank,
-                                           backend=self.attn_backend)
+                o_b, lse_b = attend_latent(q_lat[s:s + k], q_pe[s:s + k], kv_layer,
+                                           pos_dev[s:s + k], kv_pos, cfg.softmax_scale,
+                                           cfg.kv_lora_rank, backend=self.attn_backend,
+                                           rows=rows)  # the owned rows, read in place
                 o_parts.append(o_b)
                 lse_parts.append(lse_b)
                 s += k

@@ -40,13 +40,13 @@ if triton is not None:
 
     @triton.jit
     def _latent_attn_kernel(
-        q_lat_ptr, q_pe_ptr, kv_ptr, q_pos_ptr, kv_pos_ptr, o_ptr, lse_ptr,
+        q_lat_ptr, q_pe_ptr, kv_ptr, rows_ptr, q_pos_ptr, kv_pos_ptr, o_ptr, lse_ptr,
         N, H, scale,
         s_qt, s_qh, s_pt, s_ph, s_kn, s_os, s_ot, s_oh, s_ls, s_lt,
         split_len,
         R: tl.constexpr, DR: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
-        BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+        BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, INDIRECT: tl.constexpr,
     ):
         # 64-bit token, split and key indices: t * s_qt alone passes 2**31 at 32768 tokens of
         # 128 heads x 512 dims, and a product of int32 values wraps silently.
@@ -80,9 +80,13 @@ if triton is not None:
             nmask = offs_n < end
             kpos = tl.load(kv_pos_ptr + offs_n, mask=nmask, other=0)
             allowed = nmask & (kpos <= qpos)
-            c = tl.load(kv_ptr + offs_n[:, None] * s_kn + offs_r[None, :],
+            if INDIRECT:  # key n is row rows[n] of the pool layer: no gathered copy
+                krow = tl.load(rows_ptr + offs_n, mask=nmask, other=0).to(tl.int64)
+            else:
+                krow = offs_n
+            c = tl.load(kv_ptr + krow[:, None] * s_kn + offs_r[None, :],
                         mask=nmask[:, None] & rmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
-            kp = tl.load(kv_ptr + offs_n[:, None] * s_kn + R + offs_d[None, :],
+            kp = tl.load(kv_ptr + krow[:, None] * s_kn + R + offs_d[None, :],
                          mask=nmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_DR]
             if DOT_FP32:
                 c = c.to(tl.float32)
@@ -136,15 +140,17 @@ def _num_splits(n: int, t: int, head_blocks: int, block_n: int, device: torch.de
 def decode_attention_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
                             q_pos: torch.Tensor, kv_pos: torch.Tensor, scale: float,
                             kv_lora_rank: int, num_splits: int | None = None,
-                            block_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``attend_latent``: o [T, H, R] fp32, lse [T, H] fp32 (natural log)."""
+                            block_n: int | None = None, rows: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``attend_latent``: o [T, H, R] fp32, lse [T, H] fp32 (natural log).
+    ``rows`` int64 [N]: the keys are ``kv[rows]``, read in place (no gathered copy)."""
     if triton is None:
         raise RuntimeError("triton is not installed; use the torch attention path")
     from hicache.engine.merge import merge_attn_states
 
     t, h, r = q_lat.shape
     dr = q_pe.shape[2]
-    n = kv.shape[0]
+    n = kv.shape[0] if rows is None else rows.shape[0]
     dev = kv.device
     o_empty = torch.zeros(t, h, r, dtype=torch.float32, device=dev)
     lse_empty = torch.full((t, h), -math.inf, dtype=torch.float32, device=dev)
@@ -157,6 +163,7 @@ def decode_attention_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.T
     kv = kv.contiguous()
     q_pos = q_pos.to(device=dev, dtype=torch.int64).contiguous()
     kv_pos = kv_pos.to(device=dev, dtype=torch.int64).contiguous()
+    rows_arg = kv_pos if rows is None else rows.to(device=dev, dtype=torch.int64).contiguous()
 
     block_h = 16
     block_r = _next_pow2(r)
@@ -172,14 +179,14 @@ def decode_attention_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.T
     lse_part = torch.empty(splits, t, h, dtype=torch.float32, device=dev)
     grid = (t, head_blocks, splits)
     _latent_attn_kernel[grid](
-        q_lat, q_pe, kv, q_pos, kv_pos, o_part, lse_part,
+        q_lat, q_pe, kv, rows_arg, q_pos, kv_pos, o_part, lse_part,
         n, h, float(scale),
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
         lse_part.stride(1),
         split_len,
         R=r, DR=dr, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_DR=block_dr, BLOCK_N=block_n,
-        DOT_FP32=dot_fp32,
+        DOT_FP32=dot_fp32, INDIRECT=rows is not None,
     )
     if splits == 1:
         return o_part[0], lse_part[0]
