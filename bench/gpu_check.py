@@ -399,7 +399,7 @@ def _serve_on(group, dev) -> str:
     for mode in ("recompute", "l1+l2+l3", "warm"):
         with HiCache(cfg, 0, group, mode="l1+l2+l3" if mode == "warm" else mode,
                      device=dev, weights_signature=model.weights_signature()) as cache:
-            model.to(cache.l1.device)
+            model.to(cache.kv.device)
             res = Server(model, cache, group=group, chunk_tokens=256, max_running=2).run(jobs)
             cache.drain()
             assert cache.l1.kv.device.type == dev.type

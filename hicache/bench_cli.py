@@ -50,7 +50,7 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
     with HiCache(cfg, rank, group, mode=mode,
                  weights_signature=model.weights_signature()) as cache, \
             _serve_metrics(cache, rank, opts):
-        model.to(cache.l1.device)  # the engine computes where its KV pool lives
+        model.to(cache.kv.device)  # the engine computes where its KV port lives
         server = Server(model, cache, group=group, backend=opts["backend"],
                         chunk_tokens=opts["chunk"], max_running=opts["max_running"])
         bar = None

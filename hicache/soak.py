@@ -62,7 +62,7 @@ def run_soak_rank(rank: int, world: int, cfg_dict: dict, jobs: list, opts: dict)
 
     sig = model.weights_signature()  # the built-in model's digest names its weights in L3 keys
     with HiCache(cfg, rank, group, mode="recompute") as ref_cache:
-        model.to(ref_cache.l1.device)  # the engine computes where its KV pool lives
+        model.to(ref_cache.kv.device)  # the engine computes where its KV port lives
         ref = {r.request_id: r.output for r in server(ref_cache).run(jobs)}
 
     every = opts.get("fault_every", 40)

@@ -42,13 +42,17 @@ COMPILE = textwrap.dedent(r"""
         return {"ir": triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ttir"],
                 "args": args}
 
+    def decode(indirect):  # indirect: keys are pool rows read through a row index
+        return ttir(_latent_attn_kernel,
+                    {"q_lat_ptr": "*bf16", "q_pe_ptr": "*bf16", "kv_ptr": "*bf16",
+                     "rows_ptr": "*i64", "q_pos_ptr": "*i64", "kv_pos_ptr": "*i64",
+                     "o_ptr": "*fp32", "lse_ptr": "*fp32", "scale": "fp32"},
+                    {"R": 512, "DR": 64, "BLOCK_H": 16, "BLOCK_R": 512, "BLOCK_DR": 64,
+                     "BLOCK_N": 32, "DOT_FP32": False, "INDIRECT": indirect})
+
     out = {
-        "decode": ttir(_latent_attn_kernel,
-                       {"q_lat_ptr": "*bf16", "q_pe_ptr": "*bf16", "kv_ptr": "*bf16",
-                        "q_pos_ptr": "*i64", "kv_pos_ptr": "*i64", "o_ptr": "*fp32",
-                        "lse_ptr": "*fp32", "scale": "fp32"},
-                       {"R": 512, "DR": 64, "BLOCK_H": 16, "BLOCK_R": 512, "BLOCK_DR": 64,
-                        "BLOCK_N": 32, "DOT_FP32": False}),
+        "decode": decode(False),
+        "decode_indirect": decode(True),
         "page_copy": ttir(_page_copy_kernel,
                           {"src_ptr": "*bf16", "dst_ptr": "*bf16", "src_idx_ptr": "*i64",
                            "dst_idx_ptr": "*i64"}, {"BLOCK": 1024}),
@@ -129,8 +133,9 @@ def test_the_check_finds_a_32_bit_index_stride_product(compiled):
     assert len(bad) >= 1 and wide == 0, (bad, wide)
 
 
-def test_decode_attention_kernel_offsets_are_64_bit(compiled):
-    c = compiled["decode"]
+@pytest.mark.parametrize("variant", ["decode", "decode_indirect"])
+def test_decode_attention_kernel_offsets_are_64_bit(compiled, variant):
+    c = compiled[variant]
     strides = {a for a in c["args"] if a.startswith("s_")} | {"split_len"}
     bad, wide = narrow_index_stride_products(c["ir"], c["args"], strides, {"x", "z"})
     assert bad == [], "32-bit index x stride products:\n" + "\n".join(bad)
