@@ -135,18 +135,17 @@ def decode_worker(rank: int, world_size: int, spec: DecodeSpec) -> dict:
     if not in_dcp:
         return {"role": "pcp", "prompt": prompt, "prefill_time_s": run["prefill_time_s"],
                 "collectives_total": run["collectives_total"], "wall_s": run["wall_s"]}
-    rows = layout.local_length(state.length)
-    cfg = model.cfg
+    return {"role": "dcp", "prompt": prompt, **_kv_report(runner, state.length), **run}
+
+
+def _kv_report(runner, length: int) -> dict:
+    """This DCP rank's share of a ``length``-token request and its collectives per layer."""
+    rows = runner.layout.local_length(length)
+    cfg, stats = runner.model.cfg, runner.stats
     elem = torch.empty((), dtype=cfg.torch_dtype).element_size()
-    return {
-        "role": "dcp",
-        "prompt": prompt,
-        "kv_rows": rows,
-        "kv_bytes": rows * cfg.kv_dim * elem * cfg.num_layers,
-        "collectives_per_layer": runner.stats.dcp_collectives_per_layer(),
-        "tp_collectives_per_layer": runner.stats.tp_collectives / max(1, runner.stats.layers_run),
-        **run,
-    }
+    return {"kv_rows": rows, "kv_bytes": rows * cfg.kv_dim * elem * cfg.num_layers,
+            "collectives_per_layer": stats.dcp_collectives_per_layer(),
+            "tp_collectives_per_layer": stats.tp_collectives / max(1, stats.layers_run)}
 
 
 def _groups(spec: DecodeSpec, world_size: int) -> tuple:
