@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hicache.kernels.page_copy import page_copy_reference
-from hicache.l1.allocator import PageError
+from hicache.pages import PageError
 from hicache.l1.pool import DeviceKVPool, PoolError
 from hicache.l2 import transfer
 from hicache.l2.copy_cpu import CpuBackend
