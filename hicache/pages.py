@@ -17,18 +17,17 @@ already hold int64 arrays.
 
 from __future__ import annotations
 
-import array
 import operator
 from typing import Iterable, Optional, Union
 
 import numpy as np
 import torch
 
+from hicache.ids import PageError, page_ids
+
+__all__ = ["OutOfPagesError", "PageAllocator", "PageError", "PageIds"]
+
 PageIds = Union[Iterable[int], np.ndarray, torch.Tensor]
-
-
-class PageError(ValueError):
-    """A page id that is not an int, negative, outside the pool, or not currently allocated."""
 
 
 class OutOfPagesError(MemoryError):
@@ -37,49 +36,6 @@ class OutOfPagesError(MemoryError):
     def __init__(self, asked: int, free: int, total: int) -> None:
         super().__init__(f"asked for {asked} pages but only {free} of {total} are free")
         self.asked, self.free, self.total = asked, free, total
-
-
-def as_id_list(ids: PageIds) -> list[int]:
-    """Page ids from a python iterable, an int array or an integer tensor, as python ints."""
-    if isinstance(ids, torch.Tensor):
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise PageError(f"page ids must be integers, got a {ids.dtype} tensor")
-        return [int(x) for x in ids.reshape(-1).tolist()]
-    if isinstance(ids, np.ndarray):
-        if ids.dtype.kind not in "iu":
-            raise PageError(f"page ids must be integers, got a {ids.dtype} array")
-        return ids.reshape(-1).tolist()
-    out = []
-    for x in ids:
-        if isinstance(x, (bool, np.bool_)):
-            raise PageError(f"page id {x!r} is not an int")
-        try:
-            out.append(operator.index(x))
-        except TypeError:
-            raise PageError(f"page id {x!r} is not an int") from None
-    return out
-
-
-def id_array(ids: PageIds) -> np.ndarray:
-    """Page ids (list of ints, int array or integer tensor) as a 1-D int64 array [k];
-    PageError otherwise. A list is converted by ``array.array`` (a C loop that rejects floats,
-    strings and None, but takes bools as 0/1); a 1-D int64 array is returned as is (not copied)."""
-    if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1:
-        return ids
-    if type(ids) is list:
-        try:
-            return np.frombuffer(array.array("q", ids), np.int64)
-        except (TypeError, ValueError, OverflowError):
-            pass  # the slow path names the bad id
-    if isinstance(ids, np.ndarray) and ids.dtype.kind in "iu" and ids.ndim == 1:
-        return ids.astype(np.int64)
-    if (isinstance(ids, torch.Tensor) and ids.ndim == 1 and not ids.dtype.is_floating_point
-            and not ids.dtype.is_complex and ids.dtype != torch.bool):
-        return np.array(ids.detach().to("cpu", torch.int64).numpy())
-    try:
-        return np.array(as_id_list(ids), dtype=np.int64).reshape(-1)
-    except OverflowError:
-        raise PageError(f"page ids {ids!r} include one out of the int64 range") from None
 
 
 class PageAllocator:
@@ -181,9 +137,7 @@ class PageAllocator:
     def free(self, ids: PageIds) -> None:
         """Return pages to the pool. Every id is checked first; on any bad id nothing is freed
         and the error names it (a bool is not a page id)."""
-        if type(ids) is list and bool in map(type, ids):
-            as_id_list(ids)  # raises, naming the bool
-        self.free_array(id_array(ids))
+        self.free_array(page_ids(ids))
 
     def free_array(self, idx: np.ndarray, *, trusted: bool = False) -> None:
         """Return the int64 ids ``idx`` [k] to the pool (see ``free``). ``trusted``: the

@@ -32,7 +32,7 @@ from . import distributed as hd
 from . import preflight
 from .config import ConfigError, HiCacheConfig
 from .controller import CacheController, DeviceFullError, LockHandle, StepAgreement
-from .controller.tree import as_tokens
+from .ids import as_tokens
 from .kvport import CheckedPort
 from .l1.pool import DeviceKVPool, pick_device
 from .l2.pool import HostKVPool, check_host_memory, check_node_memory

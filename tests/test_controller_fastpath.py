@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.controller import CacheController, PageOwnershipError
-from hicache.pages import OutOfPagesError, PageAllocator, PageError, id_array
+from hicache.ids import page_ids as id_array
+from hicache.pages import OutOfPagesError, PageAllocator, PageError
 
 PT = 4
 
@@ -59,7 +60,7 @@ def test_vectorised_checks_and_trusted_free():
     assert p.iota(3).tolist() == [0, 1, 2] and len(p.iota(100)) == 100
 
 
-def test_id_array_types():
+def test_page_ids_types():
     assert id_array([3, 1]).tolist() == [3, 1]
     assert id_array([np.int64(3), 2]).tolist() == [3, 2]
     a = np.array([5, 6], np.int64)

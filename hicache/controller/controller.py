@@ -14,51 +14,23 @@ tree state only when ``complete`` is called with ids that every rank agreed are 
 
 from __future__ import annotations
 
-import array
 from dataclasses import dataclass
-from typing import Iterable, Union
+from typing import Callable, Iterable, NamedTuple, Union
 
 import numpy as np
 
 from hicache.controller.order import EvictionOrder
-from hicache.controller.policy import ControllerPolicy
-from hicache.controller.tree import Node, RadixTree, as_tokens, chain_pages
+from hicache.controller.policy import controller_policy
+from hicache.controller.tree import Node, RadixTree, chain_pages
 from hicache.controller.types import (BackupOp, ControllerError, ControllerStats,
                                       DeviceFullError, InsertResult, LoadOp, LockError, Match,
                                       PageOwnershipError, StaleNodeError, UnknownOpError)
-from hicache.pages import PageAllocator, PageError, id_array
+from hicache.ids import as_tokens, page_ids
+from hicache.pages import PageAllocator
 
 Op = Union[BackupOp, LoadOp]
 _NO_IDS = np.zeros(0, np.int64)
 _NO_IDS.flags.writeable = False
-_INT_FORMATS = frozenset("bBhHiIlLqQnN")
-
-
-def page_array(pages) -> np.ndarray:
-    """Page ids as int64 [k] without a copy where possible: an int64 array as is, any integer
-    buffer (``array('q')``, a memoryview) viewed, a list or tuple of ints in one C conversion;
-    anything else through ``id_array`` (PageError naming a bad id)."""
-    tp = type(pages)
-    if tp is np.ndarray:
-        if pages.dtype == np.int64 and pages.ndim == 1:
-            return pages
-        return id_array(pages)
-    if tp is list or tp is tuple:
-        try:
-            return np.frombuffer(array.array("q", pages), np.int64)
-        except (TypeError, ValueError, OverflowError):
-            return id_array(list(pages))  # raises, naming the bad id
-    if not isinstance(pages, (str, bytes, bytearray)):
-        try:
-            mv = memoryview(pages)
-        except TypeError:
-            mv = None
-        if mv is not None:
-            if mv.format.lstrip("@=<>!") not in _INT_FORMATS or mv.ndim != 1:
-                raise PageError(f"page ids must be a 1-D integer buffer, got format "
-                                f"{mv.format!r} with {mv.ndim} dims")
-            return np.asarray(mv).astype(np.int64, copy=False)
-    return id_array(pages)
 
 
 class InvariantError(AssertionError):
@@ -81,6 +53,19 @@ class _OpRecord:
     nodes: list[Node]
 
 
+class _InsertPlan(NamedTuple):
+    """What a checked insert will do (see ``CacheController._check_insert``)."""
+    cached: int                          # leading pages already in the tree (the walked path)
+    dup: np.ndarray                      # int64: caller pages duplicating cached ones (freed)
+    adopt: list[tuple[Node, int, int]]   # host-only path nodes taking pages[a:b]
+    taken: np.ndarray                    # int64: every request page the insert takes
+
+
+def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else _NO_IDS
+
 
 class CacheController:
     """Radix tree over widened pages of ``page_tokens`` (= P * c) token slots, with
@@ -90,9 +75,11 @@ class CacheController:
     tokens. Page ids go in as any integer sequence or buffer and come out as int64 arrays."""
 
     def __init__(self, page_tokens: int, device_pages: int, host_pages: int, *,
-                 write: str = "write_through", eviction: str = "lru",
-                 selective_threshold: int = 2, load_back_threshold: int = 0) -> None:
-        self.policy = ControllerPolicy(write, eviction, selective_threshold, load_back_threshold)
+                 policy=None, **settings) -> None:
+        """``policy``: the policy file's ``[policy]`` section (``HiCacheConfig.policy``);
+        keyword ``settings`` (write, eviction, selective_threshold, load_back_threshold) override
+        its fields, checked against the policy file's choices and ranges (PolicyError)."""
+        self.policy = controller_policy(policy, settings)
         self.tree = RadixTree(page_tokens)
         self.tree.on_split = self._on_split
         self.page_tokens = page_tokens
@@ -100,10 +87,9 @@ class CacheController:
         self.host = PageAllocator(host_pages)
         self.stats = ControllerStats()
         self._clock = 0
-        # per device page: the serial of the alloc_device call that handed it out while it is
-        # not yet inserted or freed (a "request page"), else -1
-        self._gen = np.full(self.device.num_pages, -1, np.int64)
-        self._serial = 0
+        # per device page: True while it is a request page, i.e. handed out by alloc_device and
+        # not yet inserted or freed (the only pages insert and free_device take from a caller)
+        self._request_page = np.zeros(self.device.num_pages, np.bool_)
         lfu = self.policy.eviction == "lfu"
         self._dev = EvictionOrder(lfu)  # nodes with device pages, eviction order
         self._hst = EvictionOrder(lfu)  # nodes with host pages, eviction order
@@ -113,7 +99,7 @@ class CacheController:
         self._ops: dict[int, _OpRecord] = {}       # in flight
         self._new_ops: list[Op] = []               # not yet taken
         self._next_op = 0
-        self._evicting_pages = 0
+        self._evicting_pages = 0        # device pages freed once their write_back backups land
 
     # ---- lookup ---------------------------------------------------------------------------
     def match(self, tokens) -> Match:
@@ -198,35 +184,44 @@ class CacheController:
             raise ControllerError(f"number of device pages must be an int >= 0, got {n!r}")
         if not n:
             return []
-        if self.device.num_free < n:
-            self._evict_device(n - self.device.num_free)
-        if self.device.num_free < n:
+        pages = self._take(self.device, self.evict_device, n)
+        if pages is None:
             raise DeviceFullError(n, self.device.num_free, self._evicting_pages,
                                   self.device.num_pages)
-        arr = self.device.alloc_array(n)
-        self._gen[arr] = self._serial
-        self._serial += 1
-        return arr.tolist()
+        self._request_page[pages] = True
+        return pages.tolist()
 
     def free_device(self, pages) -> None:
         """Return pages from ``alloc_device`` that were not inserted (e.g. a partial tail)."""
-        idx = self._req_ids(page_array(pages), "free")
-        if self.device.has_duplicates(idx):
-            raise PageOwnershipError("free_device got the same page twice")
-        self._gen[idx] = -1
+        idx = page_ids(pages)
+        self._check_request_pages(idx, "free_device")
+        self._request_page[idx] = False
         self.device.free_array(idx, trusted=True)
 
-    def _req_ids(self, idx: np.ndarray, what: str) -> np.ndarray:
-        """Check that each id of ``idx`` (int64 [n]) is a request page (from alloc_device)."""
-        try:  # one reduce: negative where an id is negative or not a request page
-            ok = not len(idx) or int((self._gen[idx] | idx).min()) >= 0
+    @staticmethod
+    def _take(pool: PageAllocator, evict: Callable[[int], int], n: int) -> np.ndarray | None:
+        """``n`` pages of ``pool`` (int64 [n]), evicting from its tier first when fewer are
+        free; None when there are still too few."""
+        if pool.num_free < n:
+            evict(n - pool.num_free)
+            if pool.num_free < n:
+                return None
+        return pool.alloc_array(n)
+
+    def _check_request_pages(self, idx: np.ndarray, what: str) -> None:
+        """PageOwnershipError unless the ids of ``idx`` (int64 [k]) are distinct request pages."""
+        if not len(idx):
+            return
+        try:
+            ok = int(idx.min()) >= 0 and bool(self._request_page[idx].all())
         except IndexError:
             ok = False
         if not ok:
-            bad = next(int(p) for p in idx.tolist()
-                       if not 0 <= p < len(self._gen) or self._gen[p] < 0)
+            bad = next(p for p in idx.tolist()
+                       if not 0 <= p < len(self._request_page) or not self._request_page[p])
             raise PageOwnershipError(self._foreign_page_msg(bad, what))
-        return idx
+        if self.device.has_duplicates(idx):
+            raise PageOwnershipError(f"{what} got the same device page twice")
 
     def _foreign_page_msg(self, p: int, what: str) -> str:
         if not (0 <= p < self.device.num_pages) or not self.device.is_allocated(p):
@@ -258,74 +253,83 @@ class CacheController:
         that continues decoding keeps its tail page by not passing it). Pages duplicating
         cached ones are freed too; ``freed`` lists both. Any integer sequence or buffer of page
         ids is accepted (``Match.device_pages`` plus ``alloc_device``'s list, an int64 array,
-        ``array('q')`` ...)."""
+        ``array('q')`` ...). Nothing changes when the pages are refused."""
         arr = as_tokens(tokens, int64=False)
-        pt = self.page_tokens
-        n_pages = len(arr) // pt
-        pages = page_array(device_pages)
-        if not n_pages <= len(pages) <= -(-len(arr) // pt):
-            raise ControllerError(f"insert of {len(arr)} tokens ({n_pages} whole pages of {pt}) "
-                                  f"got {len(pages)} device pages; pass one per whole page, "
-                                  f"optionally plus one for a partial tail")
+        pages = page_ids(device_pages)
+        whole = self._whole_pages(len(arr), len(pages))
         self._clock += 1
         self.stats.inserts += 1
         path = self.tree.walk(arr)
-        # validate everything before changing anything: each page either is the node's own page
-        # at that position or a request page (from alloc_device), and no request page repeats
-        pos = 0
-        owns, adopt = [], []
+        plan = self._check_insert(path, pages)
+        return self._adopt(arr, pages, whole, path, plan)
+
+    def _whole_pages(self, n_tokens: int, n_pages: int) -> int:
+        pt = self.page_tokens
+        whole = n_tokens // pt
+        if not whole <= n_pages <= -(-n_tokens // pt):
+            raise ControllerError(f"insert of {n_tokens} tokens ({whole} whole pages of {pt}) "
+                                  f"got {n_pages} device pages; pass one per whole page, "
+                                  f"optionally plus one for a partial tail")
+        return whole
+
+    def _check_insert(self, path: list[Node], pages: np.ndarray) -> "_InsertPlan":
+        """Validate an insert along its walked ``path``; changes nothing. At each position the
+        caller's page is the cached node's own page there, or a request page the insert takes:
+        one duplicating a cached page (freed), one for a host-only node the caller recomputed
+        (adopted), a new page or the tail's. No request page may repeat."""
+        cached = 0
+        dups: list[np.ndarray] = []
+        adopt: list[tuple[Node, int, int]] = []
+        raw = None  # the caller's pages as bytes: one compare per node, no numpy call
         for node in path:
-            end = pos + node.npages
-            if node.device is not None:
-                owns.append(node.device)
-            else:  # host-only node recomputed by the caller: it adopts these pages
-                owns.append(pages[pos:end])
-                adopt.append((node, pos, end))
-            pos = end
-        new_pages = n_pages - pos
-        dup = _NO_IDS
-        if pos:
-            head = pages[:pos]
-            own = owns[0] if len(owns) == 1 else np.concatenate(owns)
-            diff = head != own
-            if diff.any():
-                dup = head[diff]
-        parts = [dup] if len(dup) else []
-        parts += [pages[a:b] for _, a, b in adopt]
-        if len(pages) > pos:
-            parts.append(pages[pos:])
-        if parts:
-            idx = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            self._req_ids(idx, "insert")
-            if self.device.has_duplicates(idx):
-                raise PageOwnershipError("insert got the same device page twice")
-            self._gen[idx] = -1  # every request page is now adopted, new or freed
-        clock = self._clock
-        for node, a, b in adopt:
+            end = cached + node.npages
+            if node.device is None:
+                adopt.append((node, cached, end))
+            else:
+                if raw is None:
+                    raw = pages.tobytes()
+                if raw[8 * cached:8 * end] != node.device.tobytes():
+                    part = pages[cached:end]
+                    dups.append(part[part != node.device])
+            cached = end
+        taken = dups + [pages[a:b] for _, a, b in adopt]
+        if len(pages) > cached:
+            taken.append(pages[cached:])
+        idx = _concat(taken)
+        self._check_request_pages(idx, "insert")
+        return _InsertPlan(cached, _concat(dups), adopt, idx)
+
+    def _adopt(self, arr: np.ndarray, pages: np.ndarray, whole: int, path: list[Node],
+               plan: "_InsertPlan") -> InsertResult:
+        """Apply a checked insert: host-only nodes on the path take the caller's pages, a new
+        leaf takes the pages past the cached ones, duplicates and the tail's page are freed."""
+        self._request_page[plan.taken] = False  # every request page is now placed or freed
+        for node, a, b in plan.adopt:
             self._attach_device(node, pages[a:b].copy())
         last = path[-1] if path else self.tree.root
-        touched = path[::-1]
+        touched = path[::-1]  # leaf first
+        new_pages = whole - plan.cached
         if new_pages:
-            leaf = self.tree.add_child(last, arr[pos * pt:n_pages * pt])
+            pt = self.page_tokens
+            leaf = self.tree.add_child(last, arr[plan.cached * pt:whole * pt])
             leaf.hits = 0  # +1 below
-            self._attach_device(leaf, pages[pos:n_pages].copy())
+            self._attach_device(leaf, pages[plan.cached:whole].copy())
             touched.insert(0, leaf)
             path.append(leaf)
             last = leaf
         for node in path:
             node.hits += 1
-        self._touch(touched, clock)
+        self._touch(touched, self._clock)
         if self.host.num_pages:
             for node in path:
                 self._maybe_backup(node)
-        freed = dup
-        if len(pages) > n_pages:
-            freed = np.concatenate([dup, pages[n_pages:]])
+        freed = plan.dup
+        if len(pages) > whole:
+            freed = np.concatenate([freed, pages[whole:]])
         if len(freed):
             freed = freed.copy()
             self.device.free_array(freed, trusted=True)
-        return InsertResult(freed=freed, device_pages=chain_pages(path, "device"),
-                            last_node=last, new_pages=new_pages)
+        return InsertResult(freed, [n.device for n in path], last, new_pages)
 
     def _maybe_backup(self, node: Node) -> None:
         if (node.host is not None or node.device is None or node.pending
@@ -370,16 +374,14 @@ class CacheController:
         need = sum(n.npages for n in nodes)
         if need * self.page_tokens < self.policy.load_back_threshold:
             return None
-        if self.device.num_free < need:
-            self._evict_device(need - self.device.num_free)
-        if self.device.num_free < need:
+        pages = self._take(self.device, self.evict_device, need)
+        if pages is None:
             return None
-        darr = self.device.alloc_array(need)
         op_id = self._new_op_id()
         i = 0
         for n in reversed(nodes):  # leaf first, then its ancestors: eviction order
             k = n.npages
-            self._attach_device(n, darr[need - i - k:need - i])
+            self._attach_device(n, pages[need - i - k:need - i])
             i += k
             n.pending.add(op_id)
         p = nodes[0].parent
@@ -387,7 +389,7 @@ class CacheController:
             if p.device is not None:
                 self._dev.touch(p)
             p = p.parent
-        op = LoadOp(op_id, tuple(chain_pages(nodes, "host").tolist()), tuple(darr.tolist()))
+        op = LoadOp(op_id, tuple(chain_pages(nodes, "host").tolist()), tuple(pages.tolist()))
         self._ops[op_id] = _OpRecord(op, nodes)
         self._new_ops.append(op)
         self.stats.loads += 1
@@ -452,14 +454,6 @@ class CacheController:
         return (n.host_valid and n.lock_ref == 0 and not n.pending
                 and (n.device is not None or not n.children))
 
-    def evict_device(self, n_pages: int) -> int:
-        """Evict at least ``n_pages`` device pages if possible; returns pages freed now."""
-        return self._evict_device(n_pages)
-
-    def evict_host(self, n_pages: int) -> int:
-        """Drop at least ``n_pages`` host copies if possible; returns pages freed."""
-        return self._evict_host(n_pages)
-
     def _pick_device(self, need: int, write_back: bool) -> list[tuple[Node, bool]]:
         """Victims in eviction order whose eviction frees ``need`` pages now, as (node, back
         up first). A node counts as a leaf once its device children are picked. Under
@@ -487,7 +481,7 @@ class CacheController:
                 break
         return out
 
-    def _evict_device(self, need: int) -> int:
+    def evict_device(self, need: int) -> int:
         """Free at least ``need`` device pages now if possible; returns how many were freed.
         Scans the eviction order (no rebuild) and picks first, then evicts: a parent freed by
         its children's eviction and placed before them is met by the next pass."""
@@ -550,11 +544,7 @@ class CacheController:
     def _alloc_host(self, n: int) -> np.ndarray | None:
         if n > self.host.num_pages:
             return None
-        if self.host.num_free < n:
-            self._evict_host(n - self.host.num_free)
-        if self.host.num_free < n:
-            return None
-        return self.host.alloc_array(n)
+        return self._take(self.host, self.evict_host, n)
 
     def _pick_host(self, need: int) -> list[Node]:
         out: list[Node] = []
@@ -573,7 +563,8 @@ class CacheController:
                 break
         return out
 
-    def _evict_host(self, need: int) -> int:
+    def evict_host(self, need: int) -> int:
+        """Drop at least ``need`` host copies if possible; returns how many were freed."""
         freed = 0
         while freed < need:
             progress = False
@@ -596,7 +587,7 @@ class CacheController:
         head = [("clock", self._clock, "next_op", self._next_op, "inflight",
                  tuple(self.inflight_ops()), "device_used", self.device.num_used,
                  "host_used", self.host.num_used,
-                 "req_pages", tuple(np.flatnonzero(self._gen >= 0).tolist()))]
+                 "req_pages", tuple(np.flatnonzero(self._request_page).tolist()))]
         return head + self.tree.digest()
 
     def iter_nodes(self):
@@ -605,7 +596,7 @@ class CacheController:
     @property
     def request_pages(self) -> frozenset[int]:
         """Device pages handed out by alloc_device and not yet inserted or freed."""
-        return frozenset(np.flatnonzero(self._gen >= 0).tolist())
+        return frozenset(np.flatnonzero(self._request_page).tolist())
 
     def cached_pages(self) -> tuple[int, int]:
         """(device pages held by the tree, valid host copies held by the tree); O(1)."""
@@ -618,7 +609,7 @@ class CacheController:
 
     def check(self) -> None:
         """Raise InvariantError if the bookkeeping is inconsistent (tests, debug)."""
-        dev_seen: set[int] = set(np.flatnonzero(self._gen >= 0).tolist())
+        dev_seen: set[int] = set(np.flatnonzero(self._request_page).tolist())
         host_seen: set[int] = set()
         dev_nodes, host_nodes = set(), set()
         evicting = dev_pages = locked = host_valid = 0

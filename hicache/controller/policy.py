@@ -1,44 +1,41 @@
-"""Write and eviction policies of the controller, validated once into a frozen dataclass."""
+"""The controller's write and eviction policy: the policy file's ``[policy]`` section.
+
+Choices, defaults and ranges are the policy file's (``hicache.config.PolicySection``), so a
+controller built from keyword arguments accepts exactly what the policy file accepts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import dataclasses
+from typing import Any, Mapping
 
-from hicache.controller.tree import Node
+from hicache.config import ConfigError, HiCacheConfig, PolicySection
 from hicache.controller.types import ControllerError
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-EVICTION_POLICIES = ("lru", "lfu")
+_FIELDS = {f.name: f for f in dataclasses.fields(PolicySection)}
+WRITE_POLICIES: tuple[str, ...] = _FIELDS["write"].metadata["choices"]
+EVICTION_POLICIES: tuple[str, ...] = _FIELDS["eviction"].metadata["choices"]
+# what the controller reads; the section's other fields (L3 prefetch, cost model) are the service's
+SETTINGS = ("write", "eviction", "selective_threshold", "load_back_threshold")
 
 
 class PolicyError(ControllerError):
     """A policy name or threshold that is not allowed."""
 
 
-@dataclass(frozen=True)
-class ControllerPolicy:
-    """write: when device pages get a host copy; eviction: which unlocked leaf goes first;
-    selective_threshold: uses (inserts) after which write_through_selective backs a node up;
-    load_back_threshold: host hits shorter than this many tokens are recomputed instead."""
-    write: str = "write_through"
-    eviction: str = "lru"
-    selective_threshold: int = 2
-    load_back_threshold: int = 0
-
-    def __post_init__(self) -> None:
-        if self.write not in WRITE_POLICIES:
-            raise PolicyError(f"write policy {self.write!r} is not one of {WRITE_POLICIES}")
-        if self.eviction not in EVICTION_POLICIES:
-            raise PolicyError(f"eviction policy {self.eviction!r} is not one of "
-                              f"{EVICTION_POLICIES}")
-        for name in ("selective_threshold", "load_back_threshold"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise PolicyError(f"{name} must be an int >= 0, got {v!r}")
-
-    def eviction_key(self) -> Callable[[Node], tuple]:
-        """Sort key: smallest is evicted first. Ties break on node id (deterministic)."""
-        if self.eviction == "lru":
-            return lambda n: (n.last_access, n.nid)
-        return lambda n: (n.hits, n.last_access, n.nid)
+def controller_policy(policy: PolicySection | None, settings: Mapping[str, Any]) -> PolicySection:
+    """``policy`` (default: the policy file's defaults) with ``settings`` replacing fields of
+    ``SETTINGS``, validated by the policy file's own rules; PolicyError otherwise."""
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        raise PolicyError(f"unknown controller setting(s) {unknown}; expected some of {SETTINGS}")
+    if policy is None and not settings:
+        return PolicySection()
+    if policy is not None and not isinstance(policy, PolicySection):
+        raise PolicyError(f"policy must be a PolicySection (HiCacheConfig.policy), got "
+                          f"{type(policy).__name__}")
+    values = dataclasses.asdict(policy) if policy is not None else {}
+    values.update(settings)
+    try:
+        return HiCacheConfig.from_dict({"policy": values}).policy
+    except ConfigError as e:
+        raise PolicyError(str(e)) from None

@@ -10,14 +10,12 @@ here (walk, split, add, remove, digest); policies live in ``controller.py``.
 
 from __future__ import annotations
 
-import array
 import hashlib
 from typing import Iterator, Sequence
 
 import numpy as np
-import torch
 
-from hicache.controller.types import TokenTypeError
+from hicache.ids import as_tokens  # noqa: F401  (the one token coercion; re-exported)
 
 
 class Node:
@@ -62,68 +60,6 @@ class Node:
 
 def _i64(x: np.ndarray) -> np.ndarray:
     return x if x.dtype == np.int64 else x.astype(np.int64)
-
-
-_INT_FORMATS = frozenset("bBhHiIlLqQnN")
-
-
-def _list_tokens(tokens: list) -> np.ndarray:
-    """A list of ints as int64 [n]: one C conversion (``array('q')``); only elements equal to 0
-    or 1 are looked at again, to refuse bools."""
-    try:
-        arr = np.frombuffer(array.array("q", tokens), np.int64)
-    except (TypeError, ValueError, OverflowError):
-        arr = None
-    if arr is not None:
-        small = np.flatnonzero((arr >> 1) == 0)  # 0 or 1: could be False or True
-        if not any(isinstance(tokens[i], (bool, np.bool_)) for i in small.tolist()):
-            return arr
-    bad = next(t for t in tokens
-               if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))
-               or not -(1 << 63) <= t < (1 << 63))
-    raise TokenTypeError(f"tokens must be int64 integers, got {type(bad).__name__} {bad!r}")
-
-
-def as_tokens(tokens, int64: bool = True) -> np.ndarray:
-    """Token ids as a 1-D numpy integer array; raises TokenTypeError for anything else.
-
-    Accepts a list/tuple/range of ints, a numpy array, an integer tensor, or any object with an
-    integer buffer (``array('q')``, a memoryview, ...). Arrays, CPU tensors and buffers are
-    viewed, not copied. ``int64=False`` keeps another integer dtype (the tree converts only the
-    pages it reads); ``int64=True`` converts to int64 where needed."""
-    tp = type(tokens)
-    if tp is np.ndarray:
-        arr = tokens
-    elif tp is list:
-        arr = _list_tokens(tokens)
-    elif isinstance(tokens, torch.Tensor):
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise TokenTypeError(f"tokens must be integers, got a {tokens.dtype} tensor")
-        arr = tokens.detach().cpu().numpy()
-    elif isinstance(tokens, np.ndarray):
-        arr = tokens
-    elif isinstance(tokens, (tuple, range)):
-        arr = _list_tokens(list(tokens))
-    elif isinstance(tokens, (str, bytes, bytearray)) or tokens is None:
-        raise TokenTypeError(f"tokens must be a list, numpy array, tensor or integer buffer, "
-                             f"got {type(tokens).__name__}")
-    else:
-        try:
-            mv = memoryview(tokens)
-        except TypeError:
-            raise TokenTypeError(f"tokens must be a list, numpy array, tensor or integer "
-                                 f"buffer, got {type(tokens).__name__}") from None
-        if mv.format.lstrip("@=<>!") not in _INT_FORMATS:
-            raise TokenTypeError(f"tokens must be integers, got a buffer of format "
-                                 f"{mv.format!r}")
-        arr = np.asarray(mv)
-    if arr.dtype.kind not in "iu":
-        raise TokenTypeError(f"tokens must be integers, got dtype {arr.dtype}")
-    if arr.ndim != 1:
-        raise TokenTypeError(f"tokens must be 1-D, got shape {tuple(arr.shape)}")
-    if int64 and arr.dtype != np.int64:
-        arr = arr.astype(np.int64)
-    return arr
 
 
 _FIRST_BYTES = 64 * 1024  # a walk first converts this much of the query (a miss costs no more)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from hicache.ids import TokenTypeError  # noqa: F401  (raised by the token coercion; re-exported)
 
 if TYPE_CHECKING:  # pragma: no cover
     from hicache.controller.tree import Node
@@ -13,10 +15,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 class ControllerError(ValueError):
     """Base class of controller input errors."""
-
-
-class TokenTypeError(ControllerError, TypeError):
-    """Tokens are not a 1-D sequence of integers."""
 
 
 class LockError(ControllerError):
@@ -72,8 +70,7 @@ class Match:
     """Result of ``match``: the longest cached whole-page prefix, by tier.
 
     Tokens ``[0, device_len)`` are on the device (``device_pages``), then
-    ``[device_len, device_len + host_len)`` only on the host (``host_pages``), then (later, with
-    L3) ``storage_len`` tokens in storage. ``wait_ops`` are in-flight loads that some matched
+    ``[device_len, device_len + host_len)`` only on the host (``host_pages``). ``wait_ops`` are in-flight loads that some matched
     device pages still depend on. Page ids are int64 arrays (the caller's copy), one per page;
     ``device_pages`` can go straight into ``insert`` (``np.concatenate`` or ``list() +`` with
     ``alloc_device``'s pages)."""
@@ -85,23 +82,36 @@ class Match:
     host_nodes: tuple["Node", ...]
     last_node: "Node"
     wait_ops: tuple[int, ...] = ()
-    storage_len: int = 0  # extension point for the L3 tier
 
     @property
     def total_len(self) -> int:
-        return self.device_len + self.host_len + self.storage_len
+        return self.device_len + self.host_len
 
 
-@dataclass(eq=False, slots=True)
 class InsertResult:
     """Result of ``insert``: ``freed`` are the caller's pages the controller returned to the pool
     (pages duplicating cached ones, then a partial tail's page); ``device_pages`` are the tree's
-    pages for the inserted whole pages (use them instead of the freed ones); ``last_node`` ends
-    the path. Page ids are int64 arrays."""
-    freed: np.ndarray         # int64 [k]
-    device_pages: np.ndarray  # int64 [whole pages]
-    last_node: "Node"
-    new_pages: int
+    pages for the inserted whole pages as of the insert (use them instead of the freed ones;
+    built on first use); ``last_node`` ends the path. Page ids are int64 arrays."""
+
+    __slots__ = ("freed", "last_node", "new_pages", "_parts", "_pages")
+
+    def __init__(self, freed: np.ndarray, parts: list[np.ndarray], last_node: "Node",
+                 new_pages: int) -> None:
+        self.freed = freed            # int64 [k]
+        self.last_node = last_node
+        self.new_pages = new_pages    # pages of the new leaf (0: all were cached)
+        self._parts = parts           # the path's device page arrays, root side first
+        self._pages: np.ndarray | None = None
+
+    @property
+    def device_pages(self) -> np.ndarray:
+        """int64 [whole pages]: the tree's page of each inserted whole page."""
+        if self._pages is None:
+            parts = self._parts
+            self._pages = (parts[0].copy() if len(parts) == 1 else
+                           np.concatenate(parts) if parts else np.zeros(0, np.int64))
+        return self._pages
 
 
 @dataclass
@@ -116,4 +126,3 @@ class ControllerStats:
     loads: int = 0
     load_pages: int = 0
     dropped_pages: int = 0  # evicted from L1 with no host copy: gone
-    extra: dict = field(default_factory=dict)

@@ -32,7 +32,7 @@ from typing import Sequence, Union
 import numpy as np
 import torch
 
-from hicache.pages import PageError
+from hicache.ids import PageError, page_ids
 from hicache.l1.pool import DeviceKVPool, PoolError
 from hicache.l2.pool import HostKVPool
 
@@ -65,32 +65,11 @@ class TransferPlan:
         return int(self.src_pages.numel())
 
 
-def _as_pages(pages: PageList, what: str) -> np.ndarray:
-    """Page ids as a flat int64 numpy array (validated kind and shape)."""
-    if isinstance(pages, torch.Tensor):
-        t = pages
-        if t.numel() == 0:
-            return np.zeros(0, dtype=np.int64)
-        if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
-            raise PageError(f"{what} must be integer page ids, got dtype {t.dtype}")
-        if t.dim() > 1:
-            raise PageError(f"{what} must be a flat list of page ids, got shape {list(t.shape)}")
-        return t.reshape(-1).to(device="cpu", dtype=torch.int64).numpy()
-    a = np.asarray(pages)
-    if a.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if a.dtype.kind not in "iu":
-        raise PageError(f"{what} must be integer page ids, got dtype {a.dtype}")
-    if a.ndim > 1:
-        raise PageError(f"{what} must be a flat list of page ids, got shape {list(a.shape)}")
-    return a.reshape(-1).astype(np.int64, copy=False)
-
-
 def plan_transfer(src_pages: PageList, dst_pages: PageList, src_limit: int, dst_limit: int,
                   src_name: str = "source", dst_name: str = "destination") -> TransferPlan:
     """Validate page lists (equal length, in range, no repeated destination) and find runs."""
-    s = _as_pages(src_pages, f"{src_name} pages")
-    d = _as_pages(dst_pages, f"{dst_name} pages")
+    s = page_ids(src_pages, f"{src_name} pages")
+    d = page_ids(dst_pages, f"{dst_name} pages")
     if s.size != d.size:
         raise PageError(f"{src_name} and {dst_name} page lists differ in length: "
                         f"{s.size} vs {d.size}")
@@ -379,7 +358,7 @@ class TransferEngine:
                    if isinstance(staging, torch.Tensor) else type(staging).__name__)
             raise PoolError(f"restore needs a contiguous CPU staging tensor [n, "
                             f"{', '.join(map(str, want))}] of {d.dtype}, got {got}")
-        dst = _as_pages(device_pages, "device pages")
+        dst = page_ids(device_pages, "device pages")
         n = int(staging.shape[0])
         if dst.size > n:
             raise PageError(f"restore of {dst.size} pages from a staging buffer of {n}")

@@ -20,6 +20,8 @@ import msgpack
 import numpy as np
 import torch
 
+from hicache.ids import TokenTypeError, as_tokens
+
 FORMAT_VERSION = 2  # 2: XXH3-64 value checksum (1: CRC-32)
 DIGEST_BYTES = 16
 KEY_BYTES = 2 * DIGEST_BYTES + 2
@@ -111,20 +113,11 @@ class Namespace:
 
 
 def _tokens_array(tokens: Any) -> np.ndarray:
-    if isinstance(tokens, torch.Tensor):
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise L3Error(f"token ids must be integers, got a {tokens.dtype} tensor")
-        arr = tokens.detach().to("cpu", torch.int64).reshape(-1).numpy()
-    elif isinstance(tokens, np.ndarray):
-        if tokens.dtype.kind not in "iu":
-            raise L3Error(f"token ids must be integers, got a {tokens.dtype} array")
-        arr = tokens.astype(np.int64, copy=False).reshape(-1)
-    elif isinstance(tokens, (list, tuple, range)):
-        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in tokens):
-            raise L3Error("token ids must be ints")
-        arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
-    else:
-        raise L3Error(f"tokens must be a list, tensor or array of ints, got {type(tokens).__name__}")
+    """Token ids as little-endian int64 [n] (``hicache.ids.as_tokens``), non-negative."""
+    try:
+        arr = as_tokens(tokens)
+    except TokenTypeError as e:
+        raise L3Error(str(e)) from None
     if arr.size and arr.min() < 0:
         raise L3Error("token ids must be non-negative")
     return np.ascontiguousarray(arr, dtype="<i8")

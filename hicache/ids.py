@@ -1,0 +1,108 @@
+"""Token ids and page ids as int64 numpy arrays: the one coercion of each.
+
+Every layer that takes ids from a caller (controller, service, L3 keys, page allocator,
+transfer engine) converts them here, so all accept the same types and refuse the same inputs:
+a list, tuple or range of ints (one C conversion, ``array('q')``), a numpy integer array, an
+integer tensor, or any object with an integer buffer (``array('q')``, a memoryview). Arrays,
+CPU tensors and buffers are viewed, not copied, where their dtype allows. A bool is never an id.
+This module imports no other part of hicache (tiers and the controller both use it).
+"""
+
+from __future__ import annotations
+
+import array
+
+import numpy as np
+import torch
+
+_INT_FORMATS = frozenset("bBhHiIlLqQnN")  # struct codes of integer buffers
+
+
+class TokenTypeError(TypeError, ValueError):
+    """Tokens are not a 1-D sequence of integers."""
+
+
+class PageError(ValueError):
+    """A page id that is not an int, negative, outside the pool, or not currently allocated."""
+
+
+def _from_list(values: list, error: type[Exception], what: str) -> np.ndarray:
+    """Python ints as int64 [n]: one C conversion; only elements equal to 0 or 1 are looked at
+    again, to refuse bools. ``error`` names the first bad element otherwise."""
+    try:
+        arr = np.frombuffer(array.array("q", values), np.int64)
+    except (TypeError, ValueError, OverflowError):
+        arr = None
+    if arr is not None:
+        small = np.flatnonzero((arr >> 1) == 0)  # 0 or 1: could be False or True
+        if not any(isinstance(values[i], (bool, np.bool_)) for i in small.tolist()):
+            return arr
+    for t in values:
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise error(f"{what} must be ints: {type(t).__name__} {t!r} is not an int")
+        if not -(1 << 63) <= t < (1 << 63):
+            raise error(f"{what} must be ints: {t!r} is out of the int64 range")
+    raise error(f"{what} must be ints")  # not reached: array('q') refused one of them
+
+
+def _int_array(ids, error: type[Exception], what: str) -> np.ndarray:
+    """``ids`` as a numpy integer array of any int dtype and shape (viewed where possible)."""
+    tp = type(ids)
+    if tp is np.ndarray:
+        arr = ids
+    elif tp is list:
+        return _from_list(ids, error, what)
+    elif isinstance(ids, torch.Tensor):
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise error(f"{what} must be integers, got a {ids.dtype} tensor")
+        arr = ids.detach().cpu().numpy()
+    elif isinstance(ids, np.ndarray):
+        arr = ids
+    elif isinstance(ids, (tuple, range)):
+        return _from_list(list(ids), error, what)
+    elif isinstance(ids, (str, bytes, bytearray)) or ids is None:
+        raise error(f"{what} must be a list, tensor, numpy array or integer buffer, got "
+                    f"{type(ids).__name__}")
+    else:
+        try:
+            mv = memoryview(ids)
+        except TypeError:
+            raise error(f"{what} must be a list, tensor, numpy array or integer buffer, got "
+                        f"{type(ids).__name__}") from None
+        if mv.format.lstrip("@=<>!") not in _INT_FORMATS:
+            raise error(f"{what} must be integers, got a buffer of format {mv.format!r}")
+        arr = np.asarray(mv)
+    if arr.dtype.kind not in "iu":
+        raise error(f"{what} must be integers, got dtype {arr.dtype}")
+    return arr
+
+
+def as_tokens(tokens, int64: bool = True) -> np.ndarray:
+    """Token ids as a 1-D numpy integer array; TokenTypeError for anything else.
+
+    ``int64=False`` keeps another integer dtype (the radix tree converts only the pages it
+    reads); ``int64=True`` converts to int64 where needed."""
+    arr = _int_array(tokens, TokenTypeError, "tokens")
+    if arr.ndim != 1:
+        raise TokenTypeError(f"tokens must be 1-D, got shape {tuple(arr.shape)}")
+    if int64 and arr.dtype != np.int64:
+        arr = arr.astype(np.int64)
+    return arr
+
+
+def page_ids(pages, what: str = "page ids") -> np.ndarray:
+    """Page ids as a flat int64 array [k], viewed when already int64; PageError naming ``what``
+    otherwise (the range check against a pool is the pool's)."""
+    if type(pages) is np.ndarray and pages.dtype == np.int64 and pages.ndim == 1:
+        return pages  # the hot path: what the controller hands out
+    try:
+        arr = _int_array(pages, PageError, what)
+    except PageError as e:
+        raise PageError(f"{e} (integer page ids)") from None
+    if arr.ndim != 1:
+        arr = arr.reshape(-1)
+    if arr.dtype != np.int64:
+        if arr.dtype == np.uint64 and arr.size and int(arr.max()) >= 1 << 63:
+            raise PageError(f"{what} include {int(arr.max())}, out of the int64 range")
+        arr = arr.astype(np.int64)
+    return arr
