@@ -27,16 +27,20 @@ class PageError(ValueError):
 
 
 def _from_list(values: list, error: type[Exception], what: str) -> np.ndarray:
-    """Python ints as int64 [n]: one C conversion; only elements equal to 0 or 1 are looked at
-    again, to refuse bools. ``error`` names the first bad element otherwise."""
+    """Python ints as int64 [n]: one C conversion, then a check for bools; ``error`` names
+    the first bad element otherwise."""
     try:
         arr = np.frombuffer(array.array("q", values), np.int64)
     except (TypeError, ValueError, OverflowError):
         arr = None
-    if arr is not None:
-        small = np.flatnonzero((arr >> 1) == 0)  # 0 or 1: could be False or True
-        if not any(isinstance(values[i], (bool, np.bool_)) for i in small.tolist()):
-            return arr
+    if arr is not None:  # array('q') takes a bool as 0/1: refuse bools here
+        if len(values) <= 256:  # two C scans of the types beat numpy's fixed cost
+            if bool not in map(type, values) and np.bool_ not in map(type, values):
+                return arr
+        else:  # only elements equal to 0 or 1 could be False or True
+            small = np.flatnonzero((arr >> 1) == 0)
+            if not any(isinstance(values[i], (bool, np.bool_)) for i in small.tolist()):
+                return arr
     for t in values:
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
             raise error(f"{what} must be ints: {type(t).__name__} {t!r} is not an int")

@@ -40,6 +40,9 @@ def test_controller_benchmark_json():
         if r["capacity"] == "ample":
             assert r["hit_tokens"] == r["ref_hit_tokens"] == r["page_ref_hit_tokens"]
             assert r["identical_hits"]
+        if r["capacity"] == "budget+l2":  # the page-keyed reference runs the same host tier
+            assert r["hit_l2"] > 0 and r["hit_tokens"] == r["page_ref_hit_tokens"]
+    assert out["hits_identical"] is True
 
 
 def test_l3_benchmark_json_with_redis(redis_server):
