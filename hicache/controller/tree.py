@@ -65,6 +65,12 @@ def _i64(x: np.ndarray) -> np.ndarray:
 _FIRST_BYTES = 64 * 1024  # a walk first converts this much of the query (a miss costs no more)
 
 
+def _query_bytes(arr: np.ndarray, want: int, total: int) -> tuple[int, bytes]:
+    """(n, the first n bytes of ``arr`` as native int64), n = min(want, total)."""
+    n = min(want, total)
+    return n, arr[:n // 8].astype(np.int64, copy=False).tobytes()
+
+
 class RadixTree:
     """Structure of the page radix tree. Not thread-safe; deterministic."""
 
@@ -87,47 +93,54 @@ class RadixTree:
         """Nodes covering the longest cached whole-page prefix of ``arr`` (ints), root excluded.
 
         A node only partly covered is split, so the path ends exactly on the matched prefix.
-        A native int64 query is compared in place (a memoryview: no copy); another dtype is
-        converted lazily (a prefix at least twice what was compared, at least
-        ``_FIRST_BYTES``), so a miss does not convert a long prompt."""
+        Per node: one dict lookup on the page's bytes and one memcmp of the node's tokens. The
+        query is compared as bytes, made lazily (a prefix at least twice what was compared, at
+        least ``_FIRST_BYTES``: a miss does not convert a long prompt), except a long native
+        int64 query, which is compared in place (a memoryview: no copy of the prompt)."""
         pt = self.page_tokens
         w = pt * 8  # bytes per page
         n_pages = len(arr) // pt
         total = n_pages * w  # bytes of the whole pages
-        if arr.dtype == np.int64 and arr.dtype.isnative and arr.flags.c_contiguous:
-            qv, hi = memoryview(arr).cast("B"), total
+        if arr.dtype != np.int64:  # (np.int64 is native-endian)
+            q, flat, hi = b"", True, 0  # converted as the walk goes
+        elif total <= _FIRST_BYTES:
+            q, flat, hi = arr[:total // 8].tobytes(), True, total
+        elif arr.flags.c_contiguous:
+            q, flat, hi = memoryview(arr).cast("B"), False, total
         else:
-            qv, hi = None, 0
-        node, pos, path = self.root, 0, []
-        children = node.children
+            q, flat, hi = b"", True, 0
+        pos, path = 0, []
+        children = self.root.children
         while pos < n_pages and children:
             a = pos * w
             if a + w > hi:
-                hi = min(total, max(a + w, 2 * hi, _FIRST_BYTES))
-                qv = memoryview(arr[:hi // 8].astype(np.int64)).cast("B")
-            child = children.get(qv[a:a + w].tobytes())
+                hi, q = _query_bytes(arr, max(a + w, 2 * hi, _FIRST_BYTES), total)
+            child = children.get(q[a:a + w] if flat else q[a:a + w].tobytes())
             if child is None:
                 break
-            m = min(child.npages, n_pages - pos)
-            k = m
+            ct = child.tokens
+            if (q.startswith(ct, a) if flat else  # memcmp: the whole node matches
+                    a + len(ct) <= total and ct.startswith(q[a:a + len(ct)])):
+                path.append(child)
+                pos += child.npages
+                children = child.children
+                continue
+            # the query ends inside the node or differs in it: find the first page that differs
+            m = min(child.npages, n_pages - pos)  # pages of the node the query can cover
+            k = 1  # the lookup matched the first page
             if m > 1:
                 e = a + m * w
                 if e > hi:
-                    hi = min(total, max(e, 2 * hi))
-                    qv = memoryview(arr[:hi // 8].astype(np.int64)).cast("B")
-                ct = child.tokens
-                if not ct.startswith(qv[a:e]):  # memcmp, no copy
-                    q = np.frombuffer(qv, np.int64, m * pt, a)
-                    b = np.frombuffer(ct, np.int64, m * pt)
-                    k = int((q != b).argmax()) // pt
+                    hi, q = _query_bytes(arr, max(e, 2 * hi), total)
+                ne = np.frombuffer(q, np.int64, m * pt, a) != np.frombuffer(ct, np.int64, m * pt)
+                k = int(ne.argmax()) // pt if ne.any() else m
             if k < child.npages:
                 child = self.split(child, k)
             path.append(child)
             pos += k
             if k < m:
                 break
-            node = child
-            children = node.children
+            children = child.children
         return path
 
     def split(self, node: Node, k: int) -> Node:
