@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 _INT_FORMATS = frozenset("bBhHiIlLqQnN")  # struct codes of integer buffers
+_BOOLS = frozenset((bool, np.bool_))
 
 
 class TokenTypeError(TypeError, ValueError):
@@ -34,8 +35,8 @@ def _from_list(values: list, error: type[Exception], what: str) -> np.ndarray:
     except (TypeError, ValueError, OverflowError):
         arr = None
     if arr is not None:  # array('q') takes a bool as 0/1: refuse bools here
-        if len(values) <= 256:  # two C scans of the types beat numpy's fixed cost
-            if bool not in map(type, values) and np.bool_ not in map(type, values):
+        if len(values) <= 256:  # one C scan of the types beats numpy's fixed cost
+            if _BOOLS.isdisjoint(map(type, values)):
                 return arr
         else:  # only elements equal to 0 or 1 could be False or True
             small = np.flatnonzero((arr >> 1) == 0)

@@ -31,6 +31,7 @@ from hicache.pages import PageAllocator
 Op = Union[BackupOp, LoadOp]
 _NO_IDS = np.zeros(0, np.int64)
 _NO_IDS.flags.writeable = False
+_MAX_GRANTS = 4096
 
 
 class InvariantError(AssertionError):
@@ -90,6 +91,11 @@ class CacheController:
         # per device page: True while it is a request page, i.e. handed out by alloc_device and
         # not yet inserted or freed (the only pages insert and free_device take from a caller)
         self._request_page = np.zeros(self.device.num_pages, np.bool_)
+        # the bytes of alloc_device results not yet seen again: request pages given back as
+        # exactly one of them (the common insert) skip the range and duplicate checks, which an
+        # allocation guarantees. An entry outlives its pages only when they were given back
+        # another way; it then costs memory alone (bounded by _MAX_GRANTS)
+        self._grants: set[bytes] = set()
         lfu = self.policy.eviction == "lfu"
         self._dev = EvictionOrder(lfu)  # nodes with device pages, eviction order
         self._hst = EvictionOrder(lfu)  # nodes with host pages, eviction order
@@ -189,6 +195,9 @@ class CacheController:
             raise DeviceFullError(n, self.device.num_free, self._evicting_pages,
                                   self.device.num_pages)
         self._request_page[pages] = True
+        if len(self._grants) >= _MAX_GRANTS:
+            self._grants.clear()
+        self._grants.add(pages.tobytes())
         return pages.tolist()
 
     def free_device(self, pages) -> None:
@@ -292,6 +301,13 @@ class CacheController:
                     part = pages[cached:end]
                     dups.append(part[part != node.device])
             cached = end
+        if not dups and not adopt and len(pages) > cached:  # new pages (and a tail) only
+            idx = pages[cached:]
+            grant = raw[8 * cached:] if raw is not None else idx.tobytes()
+            if grant in self._grants:  # one allocation's pages: in range, distinct
+                self._grants.discard(grant)
+                if self._request_page[idx].all():
+                    return _InsertPlan(cached, _NO_IDS, adopt, idx)
         taken = dups + [pages[a:b] for _, a, b in adopt]
         if len(pages) > cached:
             taken.append(pages[cached:])
@@ -422,16 +438,20 @@ class CacheController:
                     if not n.host_valid:
                         n.host_valid = True
                         self._host_valid_pages += n.npages
-                for n in sorted(rec.nodes, key=lambda n: -n.depth()):
-                    if n.evicting:
-                        n.evicting = False
-                        self._evicting_pages -= n.npages
-                        if n.lock_ref == 0 and not n.pending and not n.has_device_child():
-                            self._demote(n)
+                evicting = [n for n in rec.nodes if n.evicting]
+                if len(evicting) > 1:
+                    evicting.sort(key=lambda n: -n.depth())  # children first: each is a leaf
+                for n in evicting:
+                    n.evicting = False
+                    self._evicting_pages -= n.npages
+                    if n.lock_ref == 0 and not n.pending and not n.has_device_child():
+                        self._demote(n)
 
     def agree(self, agreement, done: Iterable[int], extras=()):
         """One agreement step: in-flight op ids + this rank's finished ones -> ``complete``
         what every rank finished. Returns the agreement's result (its ``extras`` are MIN'd)."""
+        if not self._ops and not extras and agreement.local:  # nothing to agree on
+            return agreement.step((), done)
         res = agreement.step(self.inflight_ops(), done, extras,
                              digest=self.digest() if agreement.debug else None)
         self.complete(res.done_ops)
