@@ -28,6 +28,7 @@ import heapq
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections import deque
@@ -416,6 +417,32 @@ def _finish(ctrl, agree, item):
     ctrl.agree(agree, ctrl.inflight_ops())
 
 
+def engines_python(arg: str | None) -> str | None:
+    """The Python of the environment with SGLang (``--sglang``, else HICACHE_ENGINES_PYTHON,
+    else ``.venv-engines`` of this repository), or None."""
+    if arg == "off":
+        return None
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    path = arg or os.environ.get("HICACHE_ENGINES_PYTHON") or os.path.join(
+        root, ".venv-engines", "bin", "python")
+    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+
+
+def replay_sglang(python: str, cases: list[dict]) -> tuple[list[dict] | None, str]:
+    """Run ``bench/sglang_tree.py`` under ``python`` for ``cases``: (results, why not)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.path.join(here, ".."))
+    try:
+        out = subprocess.run([python, os.path.join(here, "sglang_tree.py")],
+                             input=json.dumps(cases), capture_output=True, text=True, env=env,
+                             timeout=1800)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"{python}: {e}"
+    if out.returncode:
+        return None, f"{python} bench/sglang_tree.py failed: {out.stderr.strip()[-600:]}"
+    return json.loads(out.stdout.strip().splitlines()[-1]), ""
+
+
 def unique_pages(reqs, page) -> int:
     seen = set()
     for r in reqs:
@@ -469,6 +496,7 @@ def run(args) -> dict:
         total = hits["l1"] + hits["l2"]
         rows.append({
             "workload": w, "page": page, "capacity": cap, "requests": len(reqs),
+            "scale": scales[w],
             "prompt_tokens": prompt, "l1_pages": dev, "l2_pages": host,
             "hit_tokens": total, "hit_l1": hits["l1"], "hit_l2": hits["l2"],
             "ref_hit_tokens": ref_hits, "page_ref_hit_tokens": page_hits,
@@ -480,7 +508,22 @@ def run(args) -> dict:
             # like for like: both references without L2, the page-keyed one with it
             "identical_hits": total == page_hits and (bool(host) or total == ref_hits),
         })
+    sglang = engines_python(args.sglang) if not args.quick or args.sglang else None
+    why = "no SGLang environment (.venv-engines, --sglang PATH)" if sglang is None else ""
+    todo = [r for r in rows if not r["l2_pages"]]  # its tree core, L1 only
+    done = None
+    if sglang is not None and todo:
+        done, why = replay_sglang(sglang, [
+            {"workload": r["workload"], "scale": r["scale"], "seed": args.seed,
+             "page": r["page"], "l1_pages": r["l1_pages"], "inflight": args.inflight,
+             "reps": args.reps} for r in todo])
+    for r, got in zip(todo, done or ()):
+        r["sglang_hit_tokens"] = got["hit_tokens"]
+        r["sglang_us_per_request"] = got["us_per_request"]
+        r["sglang_speedup"] = got["us_per_request"] / r["us_per_request"]
+        r["identical_hits"] = r["identical_hits"] and got["hit_tokens"] == r["hit_tokens"]
     return {"bench": "controller", "seed": args.seed, "inflight": args.inflight,
+            "sglang": sglang if done else None, "sglang_missing": why,
             "scales": scales, "traces": {w: trace_summary(traces[w]) for w in traces},
             "rows": rows,
             "min_speedup": min(r["speedup"] for r in rows if r["capacity"] != "budget+l2"),
@@ -501,6 +544,10 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=0.25,
                     help="L1 share of the trace's unique pages in the budget runs")
     ap.add_argument("--reps", type=int, default=2, help="repetitions; the best time counts")
+    ap.add_argument("--sglang", default=None, metavar="PYTHON",
+                    help="Python of an environment with SGLang, whose compiled (Rust) tree core "
+                         "is replayed as a third reference (default: HICACHE_ENGINES_PYTHON or "
+                         ".venv-engines, when present and not --quick; 'off': skip)")
     args = ap.parse_args(argv)
     res = run(args)
     if args.json:
@@ -508,7 +555,7 @@ def main(argv=None) -> int:
         return 0
     hdr = (f"{'workload':8} {'page':>4} {'capacity':9} {'reqs':>5} {'hit':>6} {'l2 part':>7} "
            f"{'tok hit':>7} {'pg hit':>6} {'same':>4} {'us/req':>8} {'token ref':>9} "
-           f"{'page ref':>8} {'x token':>7} {'x page':>6}")
+           f"{'page ref':>8} {'sglang':>7} {'x token':>7} {'x page':>6} {'x sglang':>8}")
     print(hdr)
     print("-" * len(hdr))
     for r in res["rows"]:
@@ -517,12 +564,20 @@ def main(argv=None) -> int:
               f"{r['ref_hit_ratio']:>7.1%} {r['page_ref_hit_ratio']:>6.1%} "
               f"{'yes' if r['identical_hits'] else 'no':>4} {r['us_per_request']:>8.1f} "
               f"{r['ref_us_per_request']:>9.1f} {r['page_ref_us_per_request']:>8.1f} "
-              f"{r['speedup']:>6.1f}x {r['page_speedup']:>5.1f}x")
+              + (f"{r['sglang_us_per_request']:>7.1f} " if "sglang_speedup" in r else
+                 f"{'-':>7} ")
+              + f"{r['speedup']:>6.1f}x {r['page_speedup']:>5.1f}x "
+              + (f"{r['sglang_speedup']:>7.1f}x" if "sglang_speedup" in r else f"{'-':>8}"))
     print(f"\nmin x page (every row, like for like) {res['min_page_speedup']:.1f}x; min x token "
           f"(ample, budget) {res['min_speedup']:.1f}x; hit tokens identical to the like-for-like "
           f"references on every row: {res['hits_identical']}\n(budget+l2: the page-keyed "
           f"reference runs the same host tier as ours (write-through backups, demotion, load-back)"
           f"; the per-token tree stays L1-only there)")
+    if res["sglang"]:
+        print(f"x sglang: SGLang's UnifiedRadixCache on its Rust tree core ({res['sglang']}), "
+              f"L1 rows; its hit tokens are part of 'same'")
+    else:
+        print(f"x sglang: not run ({res['sglang_missing']})")
     return 0
 
 

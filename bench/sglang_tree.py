@@ -1,0 +1,119 @@
+"""SGLang's compiled tree core on the controller bench's traces (run by ``bench/controller.py``).
+
+    <engines python> bench/sglang_tree.py < cases.json > results.json
+
+Runs in the environment that has SGLang installed (``.venv-engines``, ``make test-engines``),
+with this repository on PYTHONPATH for the traces. Each case replays one trace through SGLang's
+``UnifiedRadixCache`` on its Rust TreeCore (the backend SGLang selects by default; a prebuilt
+extension shipped in the wheel, nothing to compile), set up as its scheduler does: the paged
+token-to-KV allocator (frees staged, sorted when an allocation runs short) over a one-layer,
+one-head KV pool on CPU, pages of ``page`` tokens, one torch thread. The loop is the bench's:
+match + lock + allocate (evicting unlocked leaves when short) + insert (the tree frees duplicate slots)
++ unlock, ``inflight`` requests admitted before the oldest finishes. Input: a JSON list of cases
+``{"workload", "scale", "seed", "page", "l1_pages", "inflight", "reps"}``; output: one JSON
+object per case with hit tokens and microseconds per request (process CPU time, best of reps).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import sys
+import time
+from array import array
+from collections import deque
+
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.join(_ROOT, "tests", "engines"))
+import engine_helpers  # noqa: E402,F401  (the engine tests' torchvision import placeholder)
+
+
+def _build(page: int, l1_pages: int, max_len: int):
+    """SGLang's cache with its default (Rust) TreeCore over a real allocator and a one-layer,
+    one-head KV pool on CPU, as its scheduler assembles them."""
+    import torch
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=page))
+    size = l1_pages * page
+    req_pool = ReqToTokenPool(size=4, max_context_len=max_len + page, device="cpu",
+                              enable_memory_saver=False)
+    kv = MHATokenToKVPool(size=size, page_size=page, dtype=torch.float16, head_num=1,
+                          head_dim=1, layer_num=1, device="cpu", enable_memory_saver=False)
+    allocator = PagedTokenToKVPoolAllocator(size=size, page_size=page, dtype=torch.float16,
+                                            device="cpu", kvcache=kv, need_sort=True)
+    params = CacheInitParams(req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator,
+                             page_size=page, disable=False, eviction_policy="lru",
+                             tree_components=(ComponentType.FULL,))
+    return UnifiedRadixCache(params=params), allocator
+
+
+def replay(case: dict) -> dict:
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import (EvictParams, InsertParams,
+                                                        MatchPrefixParams)
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from hicache.workloads import agentic_trace, chat_trace
+    make = chat_trace if case["workload"] == "chat" else agentic_trace
+    reqs = make(case["seed"], case["scale"])
+    page, inflight = case["page"], case["inflight"]
+    keys = [array("q", r.tokens[:len(r.tokens) // page * page].tolist()) for r in reqs]
+    max_len = max(len(k) for k in keys)
+    best, hits = None, 0
+    for _ in range(case["reps"]):
+        cache, allocator = _build(page, case["l1_pages"], max_len)
+        q: deque = deque()
+
+        def finish(item):
+            key, lock, value, cached = item
+            if value is not None:  # the tree frees slots duplicating what others inserted
+                cache.insert(InsertParams(key=RadixKey(key), value=value, prev_prefix_len=cached))
+            cache.unlock(lock)
+
+        gc.collect()
+        hits = 0
+        t0 = time.process_time()
+        for key in keys:
+            m = cache.match_prefix(MatchPrefixParams(key=RadixKey(key)))
+            lock = cache.lock(m.last_device_node)
+            cached = m.device_prefix_len
+            hits += cached
+            need = len(key) - cached
+            new = allocator.alloc(need) if need else None
+            if need and new is None:
+                cache.evict(EvictParams(num_tokens=need - allocator.available_size()))
+                new = allocator.alloc(need)
+            value = None
+            if new is not None or not need:  # the prefix's slots, read off the locked path
+                have = cache.path_device_indices(m.last_device_node)[:cached]
+                value = torch.cat([have, new]) if need else have
+            q.append((key, lock, value, cached))
+            if len(q) >= inflight:
+                finish(q.popleft())
+        while q:
+            finish(q.popleft())
+        dt = time.process_time() - t0
+        best = dt if best is None else min(best, dt)
+    return {**case, "hit_tokens": hits, "us_per_request": 1e6 * best / len(keys),
+            "backend": cache._tree_core_backend}
+
+
+def main() -> int:
+    import torch
+    torch.set_num_threads(1)  # tiny tensors: intra-op threads only contend for the cores
+    logging.disable(logging.WARNING)
+    cases = json.load(sys.stdin)
+    print(json.dumps([replay(c) for c in cases]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
