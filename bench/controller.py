@@ -391,9 +391,10 @@ def replay_controller(arrays, page, device_pages, host_pages, inflight, write="w
         ld = ctrl.load_back(m)
         have = m.device_len // page + (len(ld.device_pages) if ld else 0)
         try:
-            new = ctrl.alloc_device(len(toks) // page - have)
-            pages = (m.device_pages.tolist() + (list(ld.device_pages) if ld else []) + new
-                     if ld or new else m.device_pages)
+            new = ctrl.alloc_device(len(toks) // page - have, as_array=True)
+            parts = [m.device_pages, np.array(ld.device_pages, np.int64)] if ld else [
+                m.device_pages]
+            pages = np.concatenate(parts + [new]) if ld or len(new) else m.device_pages
         except DeviceFullError:
             pages = None
         hits["l1"] += m.device_len
