@@ -1,23 +1,33 @@
-"""Controller benchmark: hit ratio and microseconds per request against a plain reference.
+"""Controller benchmark: hit tokens and microseconds per request against reference trees.
 
-    python bench/controller.py [--json] [--quick] [--seed N] [--inflight K]
+    python bench/controller.py [--json] [--quick] [--seed N] [--inflight K] [--sglang PYTHON]
 
 Replays the seeded ``chat`` and ``agentic`` traces through ``CacheController`` (one widened page
 = ``--page`` tokens, page sizes 16 and 64) with ``--inflight`` requests admitted before the
-oldest finishes, under three capacities: ``ample`` (everything fits in L1: hit tokens must equal the
-reference's), ``budget`` (L1 holds ``--budget`` of the trace's unique pages, no L2: like for
-like with the references) and ``budget+l2`` (the same L1 plus an L2 four times its size). Two
-baselines run on the same trace in the same process, each a pure-Python prefix cache given the
-same L1 capacity, with node values holding page ids from the same PageAllocator and LRU
-eviction of unlocked leaves: a compressed radix tree whose key match walks one token at a time
-(``x token``), and a page-keyed radix tree of the kind the major serving engines use (children
-keyed by the page's token tuple, whole-page list compares: ``x page``). Per request all do
-match + lock + allocate page ids (evicting) + insert (freeing duplicate pages) + unlock; ours
-also runs its L2 policy (write_through backups, host eviction, load-back) and the per-step
-agreement. Times are CPU time of this process (time.process_time, robust on a shared, busy
-machine), best of --reps; a ratio is reference us/request over ours. Objects alive at start-up
-are frozen out of the cyclic GC first (``gc.freeze()``) so a full collection does not land in
-one replay and decide its time.
+oldest finishes, under three capacities: ``ample`` (everything fits in L1), ``budget`` (L1 holds
+``--budget`` of the trace's unique pages, no L2) and ``budget+l2`` (the same L1 plus an L2 four
+times its size). References run on the same trace in the same process, each given the same
+capacities, page ids from the same PageAllocator and LRU eviction of unlocked leaves:
+
+- ``x token``: a pure-Python compressed radix tree whose key match walks one token at a time
+  (L1 only, in every row);
+- ``x page``: a page-keyed radix tree of the kind the major serving engines write in Python
+  (children keyed by the page's token tuple, whole-page list compares, every eviction collects
+  and heapifies its candidates); in the budget+l2 rows the same tree with the host tier ours runs
+  (write-through backups, demotion of evicted nodes that have a host copy, load-back of a host
+  hit), so every row compares the same work;
+- ``x sglang``: SGLang's ``UnifiedRadixCache`` on its compiled (Rust) tree core, replayed by
+  ``bench/sglang_tree.py`` in the environment that has SGLang (``--sglang``, the
+  HICACHE_ENGINES_PYTHON variable or ``.venv-engines``; ample and budget rows).
+
+Per request all do match + lock + allocate (evicting) + insert (freeing duplicate pages) +
+unlock; ours also runs the per-step agreement. Each gets the prompt in its own form, made before
+timing: ours int64 arrays (what ``HiCache`` hands it), the Python references lists, SGLang
+``array('q')``. Hit tokens must be identical to every like-for-like reference (``same``). Times
+are CPU time of the process (time.process_time, robust on a shared, busy machine), best of
+--reps; a ratio is reference us/request over ours. Objects alive at start-up are frozen out of
+the cyclic GC first (``gc.freeze()``) so a full collection does not land in one replay and decide
+its time.
 """
 
 from __future__ import annotations
@@ -86,9 +96,10 @@ class RefRadixCache:
         child.parent = top
         return top
 
-    def _walk(self, tokens):
+    def _walk_path(self, tokens):
+        """Nodes covering the longest cached whole-page prefix, split to fit."""
         p = self.page
-        node, pos, pages = self.root, 0, []
+        node, pos, path = self.root, 0, []
         end = len(tokens) // p * p  # children are keyed by whole pages
         while pos < end:
             child = node.children.get(tuple(tokens[pos:pos + p]))
@@ -98,11 +109,16 @@ class RefRadixCache:
             if i < len(child.key):
                 child = self._split(child, i)
             child.last_access = self.clock
-            pages.extend(child.value)
+            path.append(child)
             node, pos = child, pos + i
             if i < len(child.key):
                 break
-        return node, pos, pages
+        return path
+
+    def _walk(self, tokens):
+        path = self._walk_path(tokens)
+        pages = [x for n in path for x in n.value]
+        return (path[-1] if path else self.root), len(pages) * self.page, pages
 
     def match(self, tokens):
         self.clock += 1
@@ -135,24 +151,39 @@ class RefRadixCache:
             node.children[tuple(tokens[pos:pos + self.page])] = new
 
     def evict(self, n_pages):
-        leaves, stack = [], [self.root]
+        self._evict_lru([n for n in self._nodes() if not n.children], n_pages,
+                        self._release_leaf)
+
+    def _release_leaf(self, n):
+        parent = n.parent
+        del parent.children[tuple(n.key[:self.page])]
+        self.alloc.free(n.value)
+        more = parent is not self.root and not parent.children and not parent.lock_ref
+        return len(n.value), parent if more else None
+
+    def _nodes(self):
+        stack, out = list(self.root.children.values()), []
         while stack:
             n = stack.pop()
-            if not n.children and n is not self.root:
-                leaves.append((n.last_access, id(n), n))
+            out.append(n)
             stack.extend(n.children.values())
-        heapq.heapify(leaves)
+        return out
+
+    def _evict_lru(self, nodes, n_pages, release):
+        """Release unlocked ``nodes``, least recently used first, until ``n_pages`` are freed;
+        ``release(n)`` returns (pages freed, a node that became a candidate or None). Every
+        eviction collects its candidates and heapifies them, as the engines' Python trees do."""
+        heap = [(n.last_access, id(n), n) for n in nodes]
+        heapq.heapify(heap)
         freed = 0
-        while leaves and freed < n_pages:
-            _, _, n = heapq.heappop(leaves)
+        while heap and freed < n_pages:
+            _, _, n = heapq.heappop(heap)
             if n.lock_ref > 0:
                 continue
-            parent = n.parent
-            del parent.children[tuple(n.key[:self.page])]
-            self.alloc.free(n.value)
-            freed += len(n.value)
-            if parent is not self.root and not parent.children and not parent.lock_ref:
-                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+            k, more = release(n)
+            freed += k
+            if more is not None:
+                heapq.heappush(heap, (more.last_access, id(more), more))
 
 
 # ---- the stronger reference: a page-keyed radix tree, as the major engines' Python trees -----
@@ -182,25 +213,6 @@ class PageHostRadixCache(PageRadixCache):
     def __init__(self, page_size: int, num_pages: int, host_pages: int):
         super().__init__(page_size, num_pages)
         self.halloc = PageAllocator(host_pages)
-
-    def _walk_path(self, tokens):
-        """Nodes covering the longest cached whole-page prefix (either tier), split to fit."""
-        p = self.page
-        node, pos, path = self.root, 0, []
-        end = len(tokens) // p * p
-        while pos < end:
-            child = node.children.get(tuple(tokens[pos:pos + p]))
-            if child is None:
-                break
-            i = self._key_match(child.key, tokens, pos) // p * p
-            if i < len(child.key):
-                child = self._split(child, i)
-            child.last_access = self.clock
-            path.append(child)
-            node, pos = child, pos + i
-            if i < len(child.key):
-                break
-        return path
 
     def _split(self, child, i):
         k, v = i // self.page, child.value
@@ -275,58 +287,45 @@ class PageHostRadixCache(PageRadixCache):
             return None
         return self.halloc.alloc(n)
 
-    def _nodes(self):
-        stack, out = list(self.root.children.values()), []
-        while stack:
-            n = stack.pop()
-            out.append(n)
-            stack.extend(n.children.values())
-        return out
-
     def _device_leaf(self, n):
         return n.value is not None and not any(c.value is not None for c in n.children.values())
 
     def evict(self, n_pages):
-        heap = [(n.last_access, id(n), n) for n in self._nodes() if self._device_leaf(n)]
-        heapq.heapify(heap)
-        freed = 0
-        while heap and freed < n_pages:
-            _, _, n = heapq.heappop(heap)
-            if n.lock_ref > 0:
-                continue
-            self.alloc.free(n.value)
-            freed += len(n.value)
-            n.value = None
-            parent = n.parent
-            if n.host is None:  # no host copy: the node and its host-only subtree go
-                del parent.children[tuple(n.key[:self.page])]
-                stack = [n]
-                while stack:
-                    x = stack.pop()
-                    if x.host is not None:
-                        self.halloc.free(x.host)
-                    stack.extend(x.children.values())
-            if parent is not self.root and self._device_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        self._evict_lru([n for n in self._nodes() if self._device_leaf(n)], n_pages,
+                        self._release_device)
+
+    def _release_device(self, n):
+        k = len(n.value)
+        self.alloc.free(n.value)
+        n.value = None
+        parent = n.parent
+        if n.host is None:  # no host copy: the node and its host-only subtree go
+            del parent.children[tuple(n.key[:self.page])]
+            stack = [n]
+            while stack:
+                x = stack.pop()
+                if x.host is not None:
+                    self.halloc.free(x.host)
+                stack.extend(x.children.values())
+        return k, parent if parent is not self.root and self._device_leaf(parent) else None
 
     def evict_host(self, n_pages):
-        heap = [(n.last_access, id(n), n) for n in self._nodes()
-                if n.host is not None and (n.value is not None or not n.children)]
-        heapq.heapify(heap)
-        freed = 0
-        while heap and freed < n_pages:
-            _, _, n = heapq.heappop(heap)
-            if n.lock_ref > 0:
-                continue
-            self.halloc.free(n.host)
-            freed += len(n.host)
-            n.host = None
-            parent = n.parent
-            if n.value is None:  # a host-only leaf: gone
-                del parent.children[tuple(n.key[:self.page])]
-                if (parent is not self.root and parent.host is not None and parent.value is None
-                        and not parent.children):
-                    heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        self._evict_lru([n for n in self._nodes()
+                         if n.host is not None and (n.value is not None or not n.children)],
+                        n_pages, self._release_host)
+
+    def _release_host(self, n):
+        k = len(n.host)
+        self.halloc.free(n.host)
+        n.host = None
+        parent = n.parent
+        if n.value is not None:
+            return k, None
+        del parent.children[tuple(n.key[:self.page])]  # a host-only leaf: gone
+        if (parent is not self.root and parent.host is not None and parent.value is None
+                and not parent.children):
+            return k, parent
+        return k, None
 
 
 # ---- replays ---------------------------------------------------------------------------------
