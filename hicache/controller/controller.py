@@ -236,8 +236,8 @@ class CacheController:
 
     def _foreign_page_msg(self, p: int, what: str) -> str:
         if not (0 <= p < self.device.num_pages) or not self.device.is_allocated(p):
-            return f"cannot {what} device page {p}: it was not allocated by alloc_device"
-        return f"cannot {what} device page {p}: it is owned by a cached node"
+            return f"{what} of device page {p}: it was not allocated by alloc_device"
+        return f"{what} of device page {p}: it is owned by a cached node"
 
     def _attach_device(self, n: Node, pages: np.ndarray) -> None:
         n.device = pages
