@@ -428,19 +428,34 @@ def engines_python(arg: str | None) -> str | None:
     return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
 
 
-def replay_sglang(python: str, cases: list[dict]) -> tuple[list[dict] | None, str]:
-    """Run ``bench/sglang_tree.py`` under ``python`` for ``cases``: (results, why not)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.path.join(here, ".."))
-    try:
-        out = subprocess.run([python, os.path.join(here, "sglang_tree.py")],
-                             input=json.dumps(cases), capture_output=True, text=True, env=env,
-                             timeout=1800)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"{python}: {e}"
-    if out.returncode:
-        return None, f"{python} bench/sglang_tree.py failed: {out.stderr.strip()[-600:]}"
-    return json.loads(out.stdout.strip().splitlines()[-1]), ""
+class SGLangReplayer:
+    """``bench/sglang_tree.py`` running under ``python``, one case at a time (so its replays
+    interleave with ours and the references' under the same machine load)."""
+
+    def __init__(self, python: str) -> None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        env = dict(os.environ, PYTHONPATH=os.path.join(here, ".."))
+        self.proc = subprocess.Popen([python, os.path.join(here, "sglang_tree.py")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env)
+        self._expect("ready")
+
+    def _expect(self, what: str) -> str:
+        line = self.proc.stdout.readline()
+        if not line or (what == "ready" and line.strip() != "ready"):
+            err = self.proc.stderr.read() if self.proc.poll() is not None else ""
+            raise RuntimeError(f"bench/sglang_tree.py: no {what} ({line.strip()!r}; "
+                               f"{err.strip()[-600:]})")
+        return line
+
+    def replay(self, case: dict) -> dict:
+        self.proc.stdin.write(json.dumps(case) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._expect("result"))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
 
 def unique_pages(reqs, page) -> int:
@@ -466,6 +481,15 @@ def run(args) -> dict:
     # what exists now (imports, traces) lives for the whole run: keep it out of the cyclic GC's
     # full collections, as serving engines do after start-up, so a full collection landing in
     # one replay does not decide its time (the same for ours and both references)
+    sglang, why = None, ""
+    python = engines_python(args.sglang) if not args.quick or args.sglang else None
+    if python is None:
+        why = "no SGLang environment (.venv-engines, --sglang PATH)"
+    else:
+        try:
+            sglang = SGLangReplayer(python)
+        except (OSError, RuntimeError) as e:
+            why = str(e)
     gc.collect()
     gc.freeze()
     for w, page, cap in tqdm(cases, desc="controller bench", disable=args.json):
@@ -476,8 +500,12 @@ def run(args) -> dict:
         else:
             dev = max(int(uniq * args.budget), 4 * max(len(r.tokens) for r in reqs) // page)
             host = 4 * dev if cap == "budget+l2" else 0
-        ours_t, ref_t, page_t = [], [], []
+        ours_t, ref_t, page_t, sg = [], [], [], []
         for _ in range(args.reps):
+            if sglang is not None and not host:  # its tree core, L1 only
+                sg.append(sglang.replay({"workload": w, "scale": scales[w], "seed": args.seed,
+                                         "page": page, "l1_pages": dev,
+                                         "inflight": args.inflight, "reps": 1}))
             ref_hits, dt = replay_reference(reqs, lists[w], page, dev, args.inflight)
             ref_t.append(dt)
             if host:  # the same work as ours: the page-keyed tree with the host tier
@@ -496,7 +524,7 @@ def run(args) -> dict:
         total = hits["l1"] + hits["l2"]
         rows.append({
             "workload": w, "page": page, "capacity": cap, "requests": len(reqs),
-            "scale": scales[w],
+
             "prompt_tokens": prompt, "l1_pages": dev, "l2_pages": host,
             "hit_tokens": total, "hit_l1": hits["l1"], "hit_l2": hits["l2"],
             "ref_hit_tokens": ref_hits, "page_ref_hit_tokens": page_hits,
@@ -508,22 +536,17 @@ def run(args) -> dict:
             # like for like: both references without L2, the page-keyed one with it
             "identical_hits": total == page_hits and (bool(host) or total == ref_hits),
         })
-    sglang = engines_python(args.sglang) if not args.quick or args.sglang else None
-    why = "no SGLang environment (.venv-engines, --sglang PATH)" if sglang is None else ""
-    todo = [r for r in rows if not r["l2_pages"]]  # its tree core, L1 only
-    done = None
-    if sglang is not None and todo:
-        done, why = replay_sglang(sglang, [
-            {"workload": r["workload"], "scale": r["scale"], "seed": args.seed,
-             "page": r["page"], "l1_pages": r["l1_pages"], "inflight": args.inflight,
-             "reps": args.reps} for r in todo])
-    for r, got in zip(todo, done or ()):
-        r["sglang_hit_tokens"] = got["hit_tokens"]
-        r["sglang_us_per_request"] = got["us_per_request"]
-        r["sglang_speedup"] = got["us_per_request"] / r["us_per_request"]
-        r["identical_hits"] = r["identical_hits"] and got["hit_tokens"] == r["hit_tokens"]
+        if sg:
+            r = rows[-1]
+            r["sglang_hit_tokens"] = sg[0]["hit_tokens"]
+            r["sglang_us_per_request"] = min(x["us_per_request"] for x in sg)
+            r["sglang_speedup"] = r["sglang_us_per_request"] / ours_us
+            r["identical_hits"] = r["identical_hits"] and all(
+                x["hit_tokens"] == total for x in sg)
+    if sglang is not None:
+        sglang.close()
     return {"bench": "controller", "seed": args.seed, "inflight": args.inflight,
-            "sglang": sglang if done else None, "sglang_missing": why,
+            "sglang": python if sglang is not None else None, "sglang_missing": why,
             "scales": scales, "traces": {w: trace_summary(traces[w]) for w in traces},
             "rows": rows,
             "min_speedup": min(r["speedup"] for r in rows if r["capacity"] != "budget+l2"),

@@ -1,6 +1,6 @@
 """SGLang's compiled tree core on the controller bench's traces (run by ``bench/controller.py``).
 
-    <engines python> bench/sglang_tree.py < cases.json > results.json
+    <engines python> bench/sglang_tree.py   (then one JSON case per stdin line)
 
 Runs in the environment that has SGLang installed (``.venv-engines``, ``make test-engines``),
 with this repository on PYTHONPATH for the traces. Each case replays one trace through SGLang's
@@ -9,13 +9,15 @@ extension shipped in the wheel, nothing to compile), set up as its scheduler doe
 token-to-KV allocator (frees staged, sorted when an allocation runs short) over a one-layer,
 one-head KV pool on CPU, pages of ``page`` tokens, one torch thread. The loop is the bench's:
 match + lock + allocate (evicting unlocked leaves when short) + insert (the tree frees duplicate slots)
-+ unlock, ``inflight`` requests admitted before the oldest finishes. Input: a JSON list of cases
-``{"workload", "scale", "seed", "page", "l1_pages", "inflight", "reps"}``; output: one JSON
-object per case with hit tokens and microseconds per request (process CPU time, best of reps).
++ unlock, ``inflight`` requests admitted before the oldest finishes. It prints ``ready`` once
+SGLang is imported, then answers each stdin line, a case ``{"workload", "scale", "seed",
+"page", "l1_pages", "inflight", "reps"}``, with one JSON line: hit tokens and microseconds per
+request (process CPU time, best of reps), so the bench can interleave it with its own replays.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
@@ -55,17 +57,22 @@ def _build(page: int, l1_pages: int, max_len: int):
     return UnifiedRadixCache(params=params), allocator
 
 
+@functools.lru_cache(maxsize=4)
+def _keys(workload: str, scale: float, seed: int, page: int) -> list:
+    """The trace's prompts, whole pages, as ``array('q')`` (SGLang's key type)."""
+    from hicache.workloads import agentic_trace, chat_trace
+    reqs = (chat_trace if workload == "chat" else agentic_trace)(seed, scale)
+    return [array("q", r.tokens[:len(r.tokens) // page * page].tolist()) for r in reqs]
+
+
 def replay(case: dict) -> dict:
     import torch
     from sglang.srt.mem_cache.base_prefix_cache import (EvictParams, InsertParams,
                                                         MatchPrefixParams)
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from hicache.workloads import agentic_trace, chat_trace
-    make = chat_trace if case["workload"] == "chat" else agentic_trace
-    reqs = make(case["seed"], case["scale"])
     page, inflight = case["page"], case["inflight"]
-    keys = [array("q", r.tokens[:len(r.tokens) // page * page].tolist()) for r in reqs]
+    keys = _keys(case["workload"], case["scale"], case["seed"], page)
     max_len = max(len(k) for k in keys)
     best, hits = None, 0
     for _ in range(case["reps"]):
@@ -78,7 +85,6 @@ def replay(case: dict) -> dict:
                 cache.insert(InsertParams(key=RadixKey(key), value=value, prev_prefix_len=cached))
             cache.unlock(lock)
 
-        gc.collect()
         hits = 0
         t0 = time.process_time()
         for key in keys:
@@ -107,11 +113,17 @@ def replay(case: dict) -> dict:
 
 
 def main() -> int:
+    """One case per stdin line, one result per stdout line; ``ready`` once SGLang is imported."""
     import torch
     torch.set_num_threads(1)  # tiny tensors: intra-op threads only contend for the cores
     logging.disable(logging.WARNING)
-    cases = json.load(sys.stdin)
-    print(json.dumps([replay(c) for c in cases]))
+    _build(16, 16, 64)  # imports and first-use work, before anything is timed
+    gc.collect()
+    gc.freeze()  # as the bench does for ours: start-up objects stay out of full collections
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip():
+            print(json.dumps(replay(json.loads(line))), flush=True)
     return 0
 
 
