@@ -114,26 +114,29 @@ class CacheController:
         self._clock += 1
         self.stats.matches += 1
         path = self.tree.walk(arr)
-        dev: list[Node] = []
-        hst: list[Node] = []
+        k = 0  # the device part: nodes on the device from the root on
         for n in path:
-            if n.device is not None and not hst:
-                dev.append(n)
-            elif n.device is None and n.host_valid:
-                hst.append(n)
-            else:
+            if n.device is None:
                 break
-        waits: list[int] = []
-        for n in dev:
-            if n.pending:
-                waits.extend(o for o in n.pending if isinstance(self._ops[o].op, LoadOp))
-        self._touch((dev + hst)[::-1], self._clock)
+            k += 1
+        dev = path if k == len(path) else path[:k]
+        hst: list[Node] = []  # then the host-only part (host copies agreed complete)
+        for n in path[k:]:
+            if n.device is not None or not n.host_valid:
+                break
+            hst.append(n)
+        waits: tuple[int, ...] = ()
+        if self._ops:  # matched pages still being loaded
+            waits = tuple(sorted({o for n in dev for o in n.pending
+                                  if isinstance(self._ops[o].op, LoadOp)}))
+        used = dev + hst if hst else dev
+        self._touch(used[::-1], self._clock)
         dpages = chain_pages(dev, "device")
         hpages = chain_pages(hst, "host") if hst else _NO_IDS
         pt = self.page_tokens
-        last = (hst or dev or [self.tree.root])[-1]
+        last = used[-1] if used else self.tree.root
         return Match(pt * len(dpages), pt * len(hpages), dpages, hpages, tuple(dev), tuple(hst),
-                     last, tuple(sorted(set(waits))) if waits else ())
+                     last, waits)
 
     def _touch(self, nodes: Iterable[Node], clock: int) -> None:
         """Mark ``nodes`` used now; pass a path leaf first (a parent then follows its children
@@ -200,7 +203,7 @@ class CacheController:
         if len(self._grants) >= _MAX_GRANTS:
             self._grants.clear()
         self._grants.add(pages.tobytes())
-        return pages.copy() if as_array else pages.tolist()
+        return pages if as_array else pages.tolist()  # a fresh array the controller keeps not
 
     def free_device(self, pages) -> None:
         """Return pages from ``alloc_device`` that were not inserted (e.g. a partial tail)."""
