@@ -14,7 +14,7 @@ from hicache.config import HiCacheConfig, PolicySection
 from hicache.controller import (EVICTION_POLICIES, WRITE_POLICIES, CacheController,
                                 PageOwnershipError, PolicyError)
 from hicache.controller import controller as controller_module
-from hicache.l1.allocator import PageError
+from hicache.pages import PageError
 
 PT = 4
 
@@ -46,7 +46,7 @@ def test_policy_is_the_policy_file_section():
 def test_one_coercion_of_each_kind_everywhere():
     from hicache import service
     from hicache.controller import tree
-    from hicache.l1 import allocator
+    from hicache import pages as allocator
     from hicache.l2 import transfer
     from hicache.l3 import keys
     assert tree.as_tokens is service.as_tokens is keys.as_tokens is ids.as_tokens

@@ -4,7 +4,7 @@ modules it pulled in are compared with what it may depend on.
 - the tiers (l1, l2, l3) never import the controller, the service or the engine;
 - the controller imports no tier (page ids come from the neutral ``hicache.pages``);
 - the service never imports the engine (the engine reaches the cache through ``hicache.kvport``);
-- the neutral modules (pages, layout, kvport) import no tier, no controller, no service.
+- the neutral modules (ids, pages, layout, kvport) import no tier, no controller, no service.
 """
 
 import json
@@ -16,8 +16,8 @@ import pytest
 PROBE = ("import importlib, json, sys; importlib.import_module(sys.argv[1]); "
          "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'hicache')))")
 
-ROOTS = ("hicache.pages", "hicache.layout", "hicache.kvport", "hicache.l1", "hicache.l2",
-         "hicache.l3", "hicache.controller", "hicache.service")
+ROOTS = ("hicache.ids", "hicache.pages", "hicache.layout", "hicache.kvport", "hicache.l1",
+         "hicache.l2", "hicache.l3", "hicache.controller", "hicache.service")
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,8 @@ def test_the_service_never_imports_the_engine(loaded):
                  "hicache.pcp") == []
 
 
-@pytest.mark.parametrize("neutral", ["hicache.pages", "hicache.layout", "hicache.kvport"])
+@pytest.mark.parametrize("neutral", ["hicache.ids", "hicache.pages", "hicache.layout",
+                                     "hicache.kvport"])
 def test_neutral_modules_import_no_tier_controller_or_service(loaded, neutral):
     assert under(loaded[neutral], "hicache.l1", "hicache.l2", "hicache.l3",
                  "hicache.controller", "hicache.service", "hicache.engine") == []
