@@ -16,6 +16,7 @@ import platform
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ import numpy as np
 from . import preflight
 from .cli import UsageError, number, run_guarded
 from .config import HiCacheConfig, load_config
+from .controller.policy import WRITE_POLICIES
 from .report import table
 from .service import MODES, RESTORE_RETRIES, HiCache
 from .workloads import (MAX_REQUEST_TOKENS, SCALE_MAX, SEED_MAX, agentic_trace, chat_trace,
@@ -52,7 +54,8 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
             _serve_metrics(cache, rank, opts):
         model.to(cache.kv.device)  # the engine computes where its KV port lives
         server = Server(model, cache, group=group, backend=opts["backend"],
-                        chunk_tokens=opts["chunk"], max_running=opts["max_running"])
+                        chunk_tokens=opts["chunk"], max_running=opts["max_running"],
+                        max_overtakes=opts.get("max_overtakes", 4))
         bar = None
         if rank == 0 and opts["progress"]:
             from tqdm import tqdm
@@ -65,7 +68,11 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
         first = cache.stats()  # the figures of the first pass; the soak only watches for leaks
         first["serving"] = {"preemptions": server.preemptions,
                             "blocked_steps": server.blocked_steps,
-                            "longest_stall": server.longest_stall}
+                            "longest_stall": server.longest_stall,
+                            "overtakes": server.overtakes,
+                            "cache_s": dict(server.cache_s), "prefill_s": server.prefill_s}
+        # copy jobs issued (the controller's ops; bytes and copy seconds are in stats)
+        first["copies"] = {"backups": cache.ctrl.stats.backups, "loads": cache.ctrl.stats.loads}
         prefill = (server.prefill_tokens, server.prefill_s)
         passes, soak = 1, []
         while _agree_continue(opts["duration"] > time.perf_counter() - t0, group):
@@ -143,6 +150,54 @@ def run_mode(cfg: HiCacheConfig, mode: str, jobs: list, opts: dict) -> dict:
     return summarize(mode, ranks, opts)
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One row of the table: a mode, under a write policy and an admission rule."""
+
+    name: str
+    mode: str
+    write: str
+    max_overtakes: int
+
+
+def variants(cfg: HiCacheConfig, modes: list[str], writes: list[str] | None,
+             overtakes: list[int]) -> list[Variant]:
+    """Modes x write policies (modes with L2 only) x ``max_overtakes``; a name says what
+    differs from the other rows (``l1+l2 write_back``, ``l1 overtake=0``)."""
+    out = []
+    for m in modes:
+        for w in (writes if writes and "l2" in MODES[m] else [cfg.policy.write]):
+            for k in overtakes:
+                name = m + (f" {w}" if writes and len(writes) > 1 and "l2" in MODES[m] else "")
+                name += f" overtake={k}" if len(overtakes) > 1 else ""
+                out.append(Variant(name, m, w, k))
+    return out
+
+
+def run_variants(cfg: HiCacheConfig, vs: list[Variant], jobs: list, opts: dict,
+                 reps: int = 1) -> list[dict]:
+    """Every variant ``reps`` times, interleaved (rep 1 of each, then rep 2 of each, ...), so a
+    machine whose load drifts slows every variant alike; each row reports the median of its
+    reps for the timings (TTFT percentiles, tok/s, wall) and keeps every rep's figures."""
+    runs: list[list[dict]] = [[] for _ in vs]
+    for _ in range(reps):
+        for i, v in enumerate(vs):
+            c = cfg if v.write == cfg.policy.write else cfg.replace(policy={"write": v.write})
+            runs[i].append(run_mode(c, v.mode, jobs, {**opts, "max_overtakes": v.max_overtakes}))
+    rows = []
+    for v, rs in zip(vs, runs):
+        row = dict(rs[0], name=v.name, mode=v.mode, write=v.write, max_overtakes=v.max_overtakes)
+        if reps > 1:
+            row["ttft_s"] = {q: float(np.median([r["ttft_s"][q] for r in rs]))
+                             for q in rs[0]["ttft_s"]}
+            for k in ("throughput_tok_s", "wall_s"):
+                row[k] = float(np.median([r[k] for r in rs]))
+            row["reps"] = [{"ttft_s": r["ttft_s"], "throughput_tok_s": r["throughput_tok_s"],
+                            "wall_s": r["wall_s"], "hit_ratio": r["hit_ratio"]} for r in rs]
+        rows.append(row)
+    return rows
+
+
 def summarize(mode: str, ranks: list[dict], opts: dict) -> dict:
     r0 = ranks[0]
     res = r0["results"]
@@ -167,6 +222,11 @@ def summarize(mode: str, ranks: list[dict], opts: dict) -> dict:
         "agreement_us_per_step": 1e6 * st["agreement_s"] / max(st["steps"], 1),
         "evictions": st["evictions"],
         "stall": stall_summary(st),
+        # rank 0's scheduler thread: seconds in each cache call, prefill compute, copy jobs
+        "serving_s": {**st.get("serving", {}).get("cache_s", {}),
+                      "prefill": st.get("serving", {}).get("prefill_s", 0.0)},
+        "copies": {**st.get("copies", {}), "d2h_s": st["transfer_s"]["d2h"],
+                   "h2d_s": st["transfer_s"]["h2d"]},
         "corrupt_l3_values": sum(r["stats"]["corrupt"] for r in ranks),
         "wall_s": r0["wall_s"],
         "passes": r0["passes"],
@@ -187,7 +247,7 @@ def stall_summary(stats: dict) -> dict:
     (the speed-up of such a run is not reported: it measured a stall, not the cache)."""
     sv = stats.get("serving", {})
     out = {"preemptions": sv.get("preemptions", 0), "blocked_steps": sv.get("blocked_steps", 0),
-           "longest_stall": sv.get("longest_stall", 0),
+           "longest_stall": sv.get("longest_stall", 0), "overtakes": sv.get("overtakes", 0),
            "restore_wait_steps": stats.get("restore_wait_steps", 0),
            "restore_fallbacks": stats.get("restore_fallbacks", 0)}
     out["stalled"] = bool(out["restore_fallbacks"] or out["longest_stall"] > RESTORE_RETRIES)
@@ -265,6 +325,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-output", type=int, default=24,
                    help="cap generated tokens per request (0 = as the trace says)")
     p.add_argument("--max-running", type=int, default=4, help="requests in flight")
+    p.add_argument("--write", help="compare L2 write policies: comma-separated, any of "
+                   + ", ".join(WRITE_POLICIES) + " (one row per policy for each mode with L2; "
+                   "default: the policy file's)")
+    p.add_argument("--max-overtakes", default="4", metavar="N[,N...]",
+                   help="requests that may start before one waiting for L1 room (0 = hold "
+                        "admission until it got room); several values compare them (default 4)")
+    p.add_argument("--reps", type=int, default=1,
+                   help="run every row this many times, interleaved, and report the median "
+                        "timings (use on a busy machine; l1+l2+l3 reps after the first start "
+                        "warm)")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk tokens")
     p.add_argument("--backend", default="a2a", choices=("a2a", "ag_rs"))
     p.add_argument("--verify", action="store_true",
@@ -341,7 +411,7 @@ def check_destination(flag: str, path: str, suffixes: tuple[str, ...] = ()) -> P
     return p
 
 
-def _resolve(args) -> tuple[HiCacheConfig, list[str], list[str]]:
+def _resolve(args) -> tuple[HiCacheConfig, list[Variant], list[str]]:
     cfg = load_config(args.config)
     if args.model:  # the checkpoint sets the KV shape: the file's model keys give way
         d = cfg.to_dict()
@@ -357,6 +427,15 @@ def _resolve(args) -> tuple[HiCacheConfig, list[str], list[str]]:
             raise UsageError(f"--dcp must be in [1, 4096], got {args.dcp}")
         cfg = cfg.replace(parallel={"dcp": args.dcp})
     modes = _names("--modes", args.modes, MODES)
+    writes = _names("--write", args.write, WRITE_POLICIES) if args.write is not None else None
+    overtakes = []
+    for x in str(args.max_overtakes).split(","):
+        try:
+            overtakes.append(int(x))
+        except ValueError:
+            raise UsageError(f"--max-overtakes: {x.strip()!r} is not an integer") from None
+        number("--max-overtakes", overtakes[-1], 0, 1 << 16)
+    number("--reps", args.reps, 1, 1000)
     if cfg.model.path:  # every tensor's name and shape checked here, before any rank starts
         heads = engine_model(cfg).cfg.num_heads
         if heads % cfg.parallel.dcp:
@@ -394,7 +473,7 @@ def _resolve(args) -> tuple[HiCacheConfig, list[str], list[str]]:
     tiers = tuple(sorted({t for m in modes for t in MODES[m]}))
     for w in preflight.validate(cfg, tiers=tiers):  # before any rank is spawned
         print(f"warning: {w}", file=sys.stderr)
-    return cfg, modes, workloads
+    return cfg, variants(cfg, modes, writes, overtakes), workloads
 
 
 def check_fit(jobs: list, cfg: HiCacheConfig, source: str) -> None:
@@ -433,7 +512,7 @@ def machine() -> dict:
 
 
 def _main(args) -> int:
-    cfg, modes, workloads = _resolve(args)
+    cfg, vs, workloads = _resolve(args)
     if args.faults is not None:
         return _faults_main(args, cfg, workloads[0])
     report = {"config": cfg.to_dict(), "machine": machine(), "workloads": []}
@@ -444,7 +523,7 @@ def _main(args) -> int:
         opts = {"seed": args.seed, "backend": args.backend, "chunk": args.chunk,
                 "max_running": args.max_running, "progress": not args.no_progress,
                 "duration": args.duration, "workload": w, "metrics_port": args.metrics_port}
-        rows = [run_mode(cfg, m, jobs, opts) for m in modes]
+        rows = run_variants(cfg, vs, jobs, opts, args.reps)
         entry = {"workload": w, "trace": trace_summary(jobs), "modes": rows,
                  "ideal_hit_ratio": ideal_hit_ratio(jobs, rows[0]["outputs"],
                                                     cfg.effective_page_size)}
@@ -521,10 +600,16 @@ def _print(workload: str, entry: dict, cfg: HiCacheConfig) -> None:
                      r["throughput_tok_s"], r["bytes"]["d2h"] / 1e6, r["bytes"]["h2d"] / 1e6,
                      r["bytes"]["l3_read"] / 1e6, r["bytes"]["l3_write"] / 1e6,
                      r["gbps"]["h2d"], r["controller_us_per_request"],
-                     sum(r["evictions"].values()), stall.get("preemptions", 0)])
+                     sum(r["evictions"].values()), stall.get("preemptions", 0),
+                     stall.get("overtakes", 0), r.get("copies", {}).get("backups", 0),
+                     1e3 * (r.get("copies", {}).get("d2h_s", 0.0)
+                            + r.get("copies", {}).get("h2d_s", 0.0))])
     print(table(rows, ["mode", "hit", "l1", "l2", "l3", "ttft p50 ms", "p90 ms", "p99 ms",
                        "tok/s", "d2h MB", "h2d MB", "l3 rd MB", "l3 wr MB", "h2d GB/s",
-                       "ctrl us/req", "evict", "preempt"]))
+                       "ctrl us/req", "evict", "preempt", "overtake", "backups", "copy ms"]))
+    reps = entry["modes"][0].get("reps") if entry["modes"] else None
+    if reps:
+        print(f"  timings are medians of {len(reps)} interleaved runs per row")
     print(f"  unlimited memory would hit {entry['ideal_hit_ratio']:.3f} of prompt tokens")
     base = next((r for r in entry["modes"] if r["name"] == "recompute"), None)
     for r in entry["modes"]:

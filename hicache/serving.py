@@ -16,8 +16,15 @@ on every rank first, so no token computed from failed KV ever reaches a caller.
 Progress: a request waiting for L1 room (an agreed L3 restore, or its suffix pages) holds up
 admission, and when nothing else progresses the youngest request that has not started is
 preempted (re-queued), never the oldest: locked hits of active requests cannot starve every
-restore. Preemptions and steps without progress are counted (``preemptions``,
-``blocked_steps``, ``longest_stall``).
+restore. One exception keeps what finished requests left in L1 from being evicted by the
+waiting request when the next queued request would hit it: after a request finished, the head
+of the queue is matched, and it stays admitted ("overtakes") only when its hit is ready and its
+new pages fit in L1's free pages (no eviction). It then returns all it takes when it finishes,
+so the waiter loses no room, only time, and a waiting request is overtaken at most
+``max_overtakes`` times (0: strict hold). Preemptions, overtakes and steps without progress are
+counted (``preemptions``, ``overtakes``, ``blocked_steps``, ``longest_stall``), and so is the
+time spent in each cache call (``cache_s``: admit, step, finish, wait_layer), which is where
+issuing, running inline and waiting on copies shows up on the scheduler thread.
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ class Result:
     hit: dict  # tokens per tier: {"l1", "l2", "l3"}
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `in` and remove() never compare token arrays
 class _Active:
     job: object  # request_id, tokens (int array), output_len (>= 1)
     prefix: object
@@ -70,6 +77,7 @@ class _Active:
     ttft: float = 0.0
     room_seen: int = 0  # prefix.room_wait when last looked at
     stale_at: int | None = None  # Server.inserted when its suffix last found no L1 room
+    overtaken: int = 0  # requests admitted past it while it waited for L1 room
 
 
 class Server:
@@ -77,10 +85,15 @@ class Server:
 
     def __init__(self, model: MLAModel, cache: HiCache, *, backend: str = "a2a",
                  replicate_q: bool = True, group=None, chunk_tokens: int = 512,
-                 max_running: int = 4, stall_steps: int = 200_000) -> None:
+                 max_running: int = 4, stall_steps: int = 200_000,
+                 max_overtakes: int = 4) -> None:
         if chunk_tokens < 1 or max_running < 1:
             raise ServingError(f"chunk_tokens and max_running must be >= 1, got {chunk_tokens} "
                                f"and {max_running}")
+        if isinstance(max_overtakes, bool) or not isinstance(max_overtakes, int) \
+                or max_overtakes < 0:
+            raise ServingError(f"max_overtakes must be an int >= 0, got {max_overtakes!r}")
+        self.max_overtakes = max_overtakes
         self.stall_steps = stall_steps
         self.cache = cache
         self._waiting_on: list = []
@@ -94,10 +107,23 @@ class Server:
         self.blocked_steps = 0  # steps in which a request waited for room and nothing ran
         self.longest_stall = 0  # the longest run of such steps
         self.inserted = 0       # requests finished into the cache so far (the tree grew)
+        self.overtakes = 0      # requests admitted past one waiting for L1 room
+        # seconds in each cache call on the scheduler thread (copies issued, run inline or
+        # waited for land in admit / finish / step / wait_layer)
+        self.cache_s = {"admit": 0.0, "step": 0.0, "finish": 0.0, "wait_layer": 0.0}
 
     def _wait_layer(self, layer: int) -> None:
+        t0 = time.perf_counter()
         for rid in self._waiting_on:
             self.cache.wait_layer(rid, layer)
+        self.cache_s["wait_layer"] += time.perf_counter() - t0
+
+    def _timed(self, call: str, *args):
+        t0 = time.perf_counter()
+        try:
+            return getattr(self.cache, call)(*args)
+        finally:
+            self.cache_s[call] += time.perf_counter() - t0
 
     def run(self, jobs: Sequence, on_done: Callable[[Result], None] | None = None
             ) -> list[Result]:
@@ -119,20 +145,31 @@ class Server:
         finished: list[Result] = []  # returned once the next step's agreement is healthy
         admitted_at: dict = {}  # first admission: a preempted request's wait counts in its TTFT
         stalled = run = 0
-        blocked = False  # a request waits for L1 room: admit nobody until it got it
+        room: list[_Active] = []  # requests that found no L1 room at the last step
+        probed = -1  # self.inserted when the queue head was last tried past a waiting request
         while waiting or active or finished:
-            if waiting and len(active) < self.max_running and not blocked:
-                job = waiting.popleft()
-                need = len(job.tokens) + job.output_len
-                if need > capacity:
-                    raise ServingError(f"request {job.request_id!r} needs {need} tokens of KV but "
-                                       f"L1 holds {capacity} (l1.num_pages)")
-                t_admit = admitted_at.setdefault(job.request_id, time.perf_counter())
-                active.append(_Active(job, cache.admit(job.request_id, job.tokens), t_admit))
+            if waiting and len(active) < self.max_running:
+                # A request waits for L1 room: admit nobody until it got it, except a request
+                # that overtakes it (see the module docstring). Every input is replicated.
+                waiters = [a for a in room if a in active]
+                if not waiters:
+                    self._admit(waiting, active, admitted_at, capacity)
+                elif self.inserted > probed and all(a.overtaken < self.max_overtakes
+                                                    for a in waiters):
+                    probed = self.inserted
+                    new = self._admit(waiting, active, admitted_at, capacity)
+                    if self._overtakes(new):
+                        self.overtakes += 1
+                        for a in waiters:
+                            a.overtaken += 1
+                    else:  # it would take room by eviction: back to the head of the queue
+                        cache.abort(new.job.request_id)
+                        active.remove(new)
+                        waiting.appendleft(new.job)
             # The step's one collective right after admission: a request whose L3 lookup found
             # nothing on any rank is ready in this same iteration. It raises on every rank if
             # any rank failed, before the tokens finished in the last iteration are returned.
-            cache.step()
+            self._timed("step")
             emitted = len(finished)
             for r in finished:
                 results.append(r)
@@ -152,7 +189,6 @@ class Server:
                     room.append(a)  # its agreed L3 restore found no L1 room this step
                 a.room_seen = a.prefix.room_wait
             decoding = [a for a in active if a.state is not None and len(a.output) < a.job.output_len]
-            blocked = bool(room)
             if room and not started and not decoding:
                 self._preempt(active, waiting)
             if decoding:
@@ -164,7 +200,7 @@ class Server:
                       and len(a.output) >= a.job.output_len]:
                 active.remove(a)
                 fed = np.concatenate([a.job.tokens, np.asarray(a.output[:-1], dtype=np.int64)])
-                cache.finish(a.job.request_id, fed)
+                self._timed("finish", a.job.request_id, fed)
                 self.inserted += 1
                 p = a.prefix
                 finished.append(Result(a.job.request_id, len(a.job.tokens), a.output, a.ttft,
@@ -187,6 +223,28 @@ class Server:
                 raise ServingError("no request can get L1 pages: l1.num_pages is too small "
                                    f"for {len(active)} concurrent requests")
         return results
+
+    def _admit(self, waiting: deque, active: list, admitted_at: dict, capacity: int) -> _Active:
+        job = waiting.popleft()
+        need = len(job.tokens) + job.output_len
+        if need > capacity:
+            raise ServingError(f"request {job.request_id!r} needs {need} tokens of KV but "
+                               f"L1 holds {capacity} (l1.num_pages)")
+        t_admit = admitted_at.setdefault(job.request_id, time.perf_counter())
+        a = _Active(job, self._timed("admit", job.request_id, job.tokens), t_admit)
+        active.append(a)
+        return a
+
+    def _overtakes(self, a: _Active) -> bool:
+        """May ``a`` run before a request waiting for L1 room? Only if its hit is ready and its
+        new pages fit in L1's free pages: it evicts nothing the waiter could use, and once it
+        finished its pages (hit and new) are evictable again, so the waiter lost no room."""
+        cache = self.cache
+        if not a.prefix.ready:
+            return False
+        need = -(-(len(a.job.tokens) + a.job.output_len) // cache.page_tokens)
+        free = cache.config.l1.num_pages - cache.stats()["pages"]["l1"]
+        return need - len(a.prefix.page_table) <= free
 
     def _preempt(self, active: list, waiting: deque) -> None:
         """Nothing runs and a request waits for L1 room held by the locked hits of others:

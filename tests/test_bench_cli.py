@@ -177,6 +177,10 @@ def test_trace_replay_soak_and_plot(cfg_file, tmp_path):
     (["--max-running", "0"], "--max-running"),
     (["--chunk", "0"], "--chunk"),
     (["--l3-url", "http://localhost:1"], "l3.url"),
+    (["--write", "write_around"], "unknown write 'write_around'"),
+    (["--max-overtakes", "x"], "--max-overtakes: 'x' is not an integer"),
+    (["--max-overtakes", "-1"], "--max-overtakes must be in [0,"),
+    (["--reps", "0"], "--reps must be in [1, 1000]"),
 ])
 def test_bad_input_is_one_line_and_exit_2(cfg_file, args, words, capsys):
     argv = ["--config", str(cfg_file), "--no-progress", *args]
@@ -205,3 +209,31 @@ def test_soak_verdict_flags_leaks():
     assert "resident memory grew" in bench_cli._soak_verdict([growing])["leak"]
     locked = flat[:2] + [sample(4, 505 << 20, locks=2)]
     assert "2 open locks" in bench_cli._soak_verdict([flat, locked])["leak"]
+
+
+def test_write_policies_and_admission_rules_side_by_side(cfg_file, tmp_path, capsys):
+    """--write and --max-overtakes give one row per combination (write policies only for modes
+    with L2), every rep interleaved, timings as medians, tokens verified in every row."""
+    rc, report = bench(cfg_file, tmp_path, "--modes", "l1,l1+l2", "--write",
+                       "write_through,write_back", "--max-overtakes", "0,4", "--reps", "2",
+                       "--verify")
+    assert rc == 0
+    rows = {m["name"]: m for m in report["modes"]}
+    assert list(rows) == ["l1 overtake=0", "l1 overtake=4",
+                          "l1+l2 write_through overtake=0", "l1+l2 write_through overtake=4",
+                          "l1+l2 write_back overtake=0", "l1+l2 write_back overtake=4"]
+    assert report["workloads"][0]["verify"]["equal"] is True
+    for m in rows.values():
+        assert len(m["reps"]) == 2
+        for q in ("p50", "p90", "p99"):
+            lo, hi = sorted(r["ttft_s"][q] for r in m["reps"])
+            assert lo <= m["ttft_s"][q] <= hi
+        assert set(m["serving_s"]) == {"admit", "step", "finish", "wait_layer", "prefill"}
+    wt, wb = rows["l1+l2 write_through overtake=4"], rows["l1+l2 write_back overtake=4"]
+    assert wt["write"] == "write_through" and wb["write"] == "write_back"
+    assert rows["l1 overtake=4"]["copies"]["backups"] == 0
+    # write_through backs up every inserted page; write_back only what is evicted
+    assert wt["copies"]["backups"] > 0 and wt["bytes"]["d2h"] > wb["bytes"]["d2h"]
+    assert wt["copies"]["d2h_s"] > 0
+    text = capsys.readouterr().out
+    assert "l1+l2 write_back overtake=0" in text and "medians of 2 interleaved runs" in text

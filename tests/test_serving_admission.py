@@ -1,0 +1,109 @@
+"""The serving loop's admission while a request waits for L1 room (hicache.serving).
+
+A request that finds no L1 room holds up admission (the progress guarantee), except that the
+head of the queue may overtake it when its hit is ready and its new pages fit in the free
+pages: then what a finished request left in L1 becomes the overtaker's hit instead of being
+evicted by the waiter. Each waiter is overtaken at most ``max_overtakes`` times.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.config import HiCacheConfig
+from hicache.engine.model import MLAModel
+from hicache.serving import Server, ServingError, model_config
+from hicache.service import HiCache
+from hicache.workloads import Request
+
+P = 4  # tokens per page (dcp 1)
+
+
+def make_cfg(tmp_path, l1_pages=20) -> HiCacheConfig:
+    return HiCacheConfig.from_dict({
+        "model": {"num_layers": 2, "kv_lora_rank": 32, "rope_dim": 8, "hidden_size": 64,
+                  "num_heads": 4, "vocab_size": 128, "signature": "test-weights"},
+        "cache": {"page_size": P},
+        "l1": {"num_pages": l1_pages},
+        "l2": {"ratio": 2.0},
+        "l3": {"enabled": False, "path": str(tmp_path / "l3")},
+        "policy": {"l3_cost_model": False},
+    })
+
+
+def req(i, tokens, out):
+    return Request(i, 0, np.asarray(tokens, dtype=np.int64), out, i)
+
+
+def chain_trace(links: int):
+    """A (40 tokens, 11 pages with its output) runs; W (11 pages, nothing shared) then finds
+    only 9 of 20 pages free and waits; B1 extends A's prompt, B2 extends B1's, ...: each hits
+    its predecessor's pages once that finished and needs 2 new pages."""
+    rng = np.random.default_rng(3)
+    a = rng.integers(0, 128, 40)
+    jobs = [req("A", a, out=4), req("W", rng.integers(0, 128, 40), out=2)]
+    prev = a
+    for i in range(links):
+        prev = np.concatenate([prev, rng.integers(0, 128, 5)])
+        jobs.append(req(f"B{i + 1}", prev, out=1))
+    return jobs
+
+
+def serve(cfg, jobs, mode="l1", **kw):
+    torch.manual_seed(0)
+    model = MLAModel(model_config(cfg))
+    with HiCache(cfg, mode=mode) as cache:
+        server = Server(model, cache, chunk_tokens=16, max_running=2, **kw)
+        order = []
+        results = server.run(jobs, on_done=lambda r: order.append(r.request_id))
+        assert cache.stats()["locks"] == 0 and not cache.ctrl.request_pages
+        cache.ctrl.check()
+    return server, {r.request_id: r for r in results}, order
+
+
+@pytest.mark.parametrize("mode", ["l1", "l1+l2"])
+def test_a_request_hitting_what_just_finished_overtakes_the_waiter(tmp_path, mode):
+    cfg = make_cfg(tmp_path)
+    jobs = chain_trace(1)
+    held, h, _ = serve(cfg, jobs, mode, max_overtakes=0)
+    over, o, _ = serve(cfg, jobs, mode, max_overtakes=4)
+    ref = serve(cfg, jobs, "recompute")[1]
+    # strict hold: W evicts A's pages to get its room, so B1 recomputes A's prompt
+    assert held.overtakes == 0 and h["B1"].hit["l1"] == 0
+    # overtaking: B1 locks A's 10 cached pages before W evicts them and needs 2 free pages
+    assert over.overtakes == 1 and o["B1"].hit["l1"] == 40
+    assert o["W"].hit == {"l1": 0, "l2": 0, "l3": 0}
+    for res in (h, o):
+        assert {k: r.output for k, r in res.items()} == {k: r.output for k, r in ref.items()}
+
+
+def test_a_waiter_is_overtaken_at_most_max_overtakes_times(tmp_path):
+    cfg = make_cfg(tmp_path)
+    jobs = chain_trace(3)  # B1, B2, B3 could each overtake W
+    one, _, order1 = serve(cfg, jobs, max_overtakes=1)
+    two, _, order2 = serve(cfg, jobs, max_overtakes=2)
+    many, r, order = serve(cfg, jobs, max_overtakes=8)
+    assert one.overtakes == 1 and order1.index("W") < order1.index("B2")
+    assert two.overtakes == 2 and order2.index("B2") < order2.index("W") < order2.index("B3")
+    assert many.overtakes == 3 and order.index("W") == len(jobs) - 1
+    assert [r[f"B{i}"].hit["l1"] for i in (1, 2, 3)] == [40, 44, 48]  # each its predecessor's
+
+
+def test_a_request_that_would_evict_does_not_overtake(tmp_path):
+    """The queue head shares nothing with what finished: it would take the waiter's room by
+    eviction, so it goes back to the head of the queue and W runs first."""
+    cfg = make_cfg(tmp_path)
+    rng = np.random.default_rng(4)
+    jobs = chain_trace(0) + [req("C", rng.integers(0, 128, 40), out=1)]
+    server, res, order = serve(cfg, jobs, max_overtakes=4)
+    assert server.overtakes == 0 and order.index("W") < order.index("C")
+    assert res["C"].prompt_len == 40
+
+
+def test_max_overtakes_is_checked(tmp_path):
+    cfg = make_cfg(tmp_path)
+    model = MLAModel(model_config(cfg))
+    with HiCache(cfg, mode="l1") as cache:
+        for bad in (-1, 1.5, True):
+            with pytest.raises(ServingError, match="max_overtakes"):
+                Server(model, cache, max_overtakes=bad)
