@@ -69,7 +69,7 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
         first["serving"] = {"preemptions": server.preemptions,
                             "blocked_steps": server.blocked_steps,
                             "longest_stall": server.longest_stall,
-                            "overtakes": server.overtakes,
+                            "overtakes": server.overtakes, "rematches": server.rematches,
                             "cache_s": dict(server.cache_s), "prefill_s": server.prefill_s}
         # copy jobs issued (the controller's ops; bytes and copy seconds are in stats)
         first["copies"] = {"backups": cache.ctrl.stats.backups, "loads": cache.ctrl.stats.loads}
@@ -192,8 +192,8 @@ def run_variants(cfg: HiCacheConfig, vs: list[Variant], jobs: list, opts: dict,
                              for q in rs[0]["ttft_s"]}
             for k in ("throughput_tok_s", "wall_s"):
                 row[k] = float(np.median([r[k] for r in rs]))
-            row["reps"] = [{"ttft_s": r["ttft_s"], "throughput_tok_s": r["throughput_tok_s"],
-                            "wall_s": r["wall_s"], "hit_ratio": r["hit_ratio"]} for r in rs]
+            row["reps"] = [{k: r[k] for k in ("ttft_s", "throughput_tok_s", "wall_s", "hit_ratio",
+                                              "serving_s", "copies")} for r in rs]
         rows.append(row)
     return rows
 
@@ -248,6 +248,7 @@ def stall_summary(stats: dict) -> dict:
     sv = stats.get("serving", {})
     out = {"preemptions": sv.get("preemptions", 0), "blocked_steps": sv.get("blocked_steps", 0),
            "longest_stall": sv.get("longest_stall", 0), "overtakes": sv.get("overtakes", 0),
+           "rematches": sv.get("rematches", 0),
            "restore_wait_steps": stats.get("restore_wait_steps", 0),
            "restore_fallbacks": stats.get("restore_fallbacks", 0)}
     out["stalled"] = bool(out["restore_fallbacks"] or out["longest_stall"] > RESTORE_RETRIES)

@@ -110,7 +110,9 @@ class Server:
         self.overtakes = 0      # requests admitted past one waiting for L1 room
         # seconds in each cache call on the scheduler thread (copies issued, run inline or
         # waited for land in admit / finish / step / wait_layer)
-        self.cache_s = {"admit": 0.0, "step": 0.0, "finish": 0.0, "wait_layer": 0.0}
+        self.cache_s = {"admit": 0.0, "step": 0.0, "finish": 0.0, "wait_layer": 0.0,
+                        "rematch": 0.0}
+        self.rematches = 0      # requests matched again after waiting for room (_rematch)
 
     def _wait_layer(self, layer: int) -> None:
         t0 = time.perf_counter()
@@ -271,8 +273,11 @@ class Server:
         inserted may now be its hit (else its old match would make it evict that and prefill
         it a second time). The same decision on every rank. True when it is ready to prefill."""
         rid = a.job.request_id
+        t0 = time.perf_counter()
         self.cache.abort(rid)
         a.prefix = self.cache.admit(rid, a.job.tokens)
+        self.cache_s["rematch"] += time.perf_counter() - t0
+        self.rematches += 1
         a.stale_at = None
         a.room_seen = a.prefix.room_wait
         return a.prefix.ready

@@ -228,7 +228,8 @@ def test_write_policies_and_admission_rules_side_by_side(cfg_file, tmp_path, cap
         for q in ("p50", "p90", "p99"):
             lo, hi = sorted(r["ttft_s"][q] for r in m["reps"])
             assert lo <= m["ttft_s"][q] <= hi
-        assert set(m["serving_s"]) == {"admit", "step", "finish", "wait_layer", "prefill"}
+        assert set(m["serving_s"]) == {"admit", "step", "finish", "wait_layer", "rematch",
+                                    "prefill"}
     wt, wb = rows["l1+l2 write_through overtake=4"], rows["l1+l2 write_back overtake=4"]
     assert wt["write"] == "write_through" and wb["write"] == "write_back"
     assert rows["l1 overtake=4"]["copies"]["backups"] == 0
