@@ -71,8 +71,6 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
                             "longest_stall": server.longest_stall,
                             "overtakes": server.overtakes, "rematches": server.rematches,
                             "cache_s": dict(server.cache_s), "prefill_s": server.prefill_s}
-        # copy jobs issued (the controller's ops; bytes and copy seconds are in stats)
-        first["copies"] = {"backups": cache.ctrl.stats.backups, "loads": cache.ctrl.stats.loads}
         prefill = (server.prefill_tokens, server.prefill_s)
         passes, soak = 1, []
         while _agree_continue(opts["duration"] > time.perf_counter() - t0, group):
@@ -225,8 +223,8 @@ def summarize(mode: str, ranks: list[dict], opts: dict) -> dict:
         # rank 0's scheduler thread: seconds in each cache call, prefill compute, copy jobs
         "serving_s": {**st.get("serving", {}).get("cache_s", {}),
                       "prefill": st.get("serving", {}).get("prefill_s", 0.0)},
-        "copies": {**st.get("copies", {}), "d2h_s": st["transfer_s"]["d2h"],
-                   "h2d_s": st["transfer_s"]["h2d"]},
+        "copies": {"backups": st["copy_ops"]["d2h"], "loads": st["copy_ops"]["h2d"],
+                   "d2h_s": st["transfer_s"]["d2h"], "h2d_s": st["transfer_s"]["h2d"]},
         "corrupt_l3_values": sum(r["stats"]["corrupt"] for r in ranks),
         "wall_s": r0["wall_s"],
         "passes": r0["passes"],

@@ -433,6 +433,8 @@ class HiCache:
             "locks": sum(1 for r in list(self._reqs.values()) if r.lock is not None),
             "failed_copies": dict(io.failed_copies), "prefetch": dict(io.prefetch),
             "transfer_s": dict(io.transfer_s),
+            # copy ops the controller issued: backups (d2h) and L2 load-backs (h2d)
+            "copy_ops": {"d2h": ctrl.backups, "h2d": ctrl.loads},
         }
         if self.l3 is not None:
             l3 = self.l3.stats
