@@ -23,8 +23,8 @@ new pages fit in L1's free pages (no eviction). It then returns all it takes whe
 so the waiter loses no room, only time, and a waiting request is overtaken at most
 ``max_overtakes`` times (0: strict hold). Preemptions, overtakes and steps without progress are
 counted (``preemptions``, ``overtakes``, ``blocked_steps``, ``longest_stall``), and so is the
-time spent in each cache call (``cache_s``: admit, step, finish, wait_layer), which is where
-issuing, running inline and waiting on copies shows up on the scheduler thread.
+time spent in each cache call (``cache_s``: admit, step, finish, wait_layer, and re-matches),
+which is where issuing, running inline and waiting on copies shows up on the scheduler thread.
 """
 
 from __future__ import annotations
