@@ -97,6 +97,7 @@ def test_l3_restore_is_a_transfer_job_that_overlaps_and_is_counted(tmp_path):
         for layer in range(cache.l1.num_layers):
             cache.wait_layer("warm", layer)
         assert torch.equal(_kv_of(cache, p.page_table, 32), reference)
+        rec.job.wait(30)  # the last layer has arrived; the job is marked done right after
         assert rec.job.status() == DONE
         h2d = cache.stats()["bytes"]["h2d"]
         cache.step()
