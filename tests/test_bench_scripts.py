@@ -29,6 +29,19 @@ def test_transfer_benchmark_json():
         assert abs(r["ratio"] - r["gbps"] / r["memcpy_gbps"]) < 0.01
 
 
+def test_copy_overhead_benchmark_json():
+    out = run("copy_overhead.py", "--shapes", "chat", "--pages", "1", "3")
+    rows = out["rows"]
+    assert {(r["layout"], r["direction"], r["pages"]) for r in rows} == {
+        (l, d, n) for l in ("page_first", "layer_first") for d in ("d2h", "h2d") for n in (1, 3)}
+    for r in rows:
+        assert r["job_us"] > 0 and r["raw_us"] > 0 and r["bytes"] == r["pages"] * 4 * 16 * 80 * 4
+        assert abs(r["ratio"] - r["job_us"] / r["raw_us"]) < 0.01
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "copy_overhead.py"), "--pages", "0"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 2 and "--pages: 0 is outside" in r.stderr
+
+
 def test_controller_benchmark_json():
     out = run("controller.py")
     assert out["ample_hits_identical"] is True  # same hit tokens as both reference trees

@@ -366,6 +366,7 @@ def test_a_failed_copy_is_never_agreed(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("simulated copy failure")
     monkeypatch.setattr(copy_cpu, "run_block_plan", broken)
+    monkeypatch.setattr(copy_cpu, "run_page_runs", broken)
     cache.finish("a", tokens)  # the write-through backup's D2H copy fails
     for rec in cache.io.inflight.values():
         with pytest.raises(TransferError):
@@ -393,6 +394,7 @@ def _one_rank_copy_fails(rank, world, cfg_dict, tokens):
         def broken(*args, **kwargs):
             raise OSError("simulated copy failure")
         copy_cpu.run_block_plan = broken
+        copy_cpu.run_page_runs = broken
     cache.finish("a", tokens)  # the backup's copy fails on rank 1 only
     try:
         cache.drain()

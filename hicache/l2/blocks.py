@@ -176,6 +176,27 @@ def split_block_plan(plan: BlockPlan, parts: int) -> list[BlockPlan]:
     return res
 
 
+def page_view(t: torch.Tensor, num_layers: int, num_pages: int, page_major: bool
+              ) -> np.ndarray:
+    """A contiguous CPU tensor of whole pages as uint8 ``[L, pages, page-layer bytes]`` (a view;
+    ``page_major``: the tensor holds a page's layers together, ``[pages, L, ...]``)."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise TransferError("page views need a contiguous CPU tensor")
+    raw = t.reshape(-1).view(torch.uint8).numpy()
+    block = raw.size // max(1, num_layers * num_pages)
+    if page_major:
+        return raw.reshape(num_pages, num_layers, block).transpose(1, 0, 2)
+    return raw.reshape(num_layers, num_pages, block)
+
+
+def run_page_runs(runs, src: np.ndarray, dst: np.ndarray) -> None:
+    """Copy runs ``(src page, dst page, pages)`` between two ``page_view``s, every layer of a
+    run in one strided numpy copy: a call per run, nothing planned (the way for a job of a few
+    pages, where a block plan costs more to make than its copies)."""
+    for s0, d0, n in runs:
+        dst[:, d0:d0 + n] = src[:, s0:s0 + n]
+
+
 def block_view(t: torch.Tensor, block_elems: int) -> np.ndarray:
     """A contiguous CPU tensor as a 1-D numpy array of ``block_elems``-element blocks."""
     if not t.is_contiguous() or t.device.type != "cpu":

@@ -6,10 +6,14 @@ thread: either costs less than the hand-off (a thread wake-up each way, ~150 us 
 box). Jobs of one direction therefore need not run in submit order; the controller never has
 two in flight on the same page.
 
-``direct`` (the default ``io_backend``) views both sides as flat arrays of page-layer blocks
-and runs the block plan made at submit (``hicache/l2/blocks.py``). A backup plans all layers at
-once (a page_first host page is then one destination run); a load (or restore) plans layer 0
-and replays it per layer, so layer i is usable while layer i+1 copies. ``copy_threads > 1``
+``direct`` (the default ``io_backend``): a job of at most ``PAGE_RUNS_MAX`` runs of consecutive
+pages (a few pages, or a contiguous range) is planned by nothing more than its runs: each run is
+one strided numpy copy of a group of layers (``run_page_runs``), all layers for a backup, and
+for a load (or restore) groups of about ``LAYER_GROUP_BYTES`` that arrive in order (one layer
+per group once a layer is that big), so layer i is usable while later ones copy. Any other job
+views both sides as flat arrays of page-layer blocks and runs the block plan made at submit
+(``hicache/l2/blocks.py``). A backup plans all layers at once (a page_first host page is then
+one destination run); a load (or restore) plans layer 0 and replays it per layer. ``copy_threads > 1``
 splits a job across that many threads (layers round-robin for a load). ``kernel`` uses the
 page-copy kernel's torch reference (or the Triton kernel itself when it was imported under
 ``TRITON_INTERPRET=1``).
@@ -24,8 +28,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from hicache.l2.blocks import BlockPlan, block_view, plan_blocks, run_block_plan, split_block_plan
+from hicache.l2.blocks import (BlockPlan, block_view, page_view, plan_blocks, run_block_plan,
+                               run_page_runs, split_block_plan)
 from hicache.l2.transfer import CopyBackend, PageSide, TransferJob, register_backend
+
+# A job of at most this many runs of consecutive (src, dst) pages is copied run by run
+# (``run_page_runs``): cheaper than making a block plan, in as many calls as it would take.
+PAGE_RUNS_MAX = 16
+# A page-run load completes in groups of layers of about this many bytes: per-layer calls and
+# wake-ups cost more than they save for a few small pages.
+LAYER_GROUP_BYTES = 256 << 10
 
 
 class CpuBackend(CopyBackend):
@@ -37,8 +49,10 @@ class CpuBackend(CopyBackend):
 
             self._kernel = page_copy
         # flat block arrays of the engine's pools (a staging side gets its own per job)
-        self._blocks = {id(s): block_view(s.base, s.block_elems)
-                        for s in (engine.device_side, engine.host_side)}
+        sides = (engine.device_side, engine.host_side)
+        self._blocks = {id(s): block_view(s.base, s.block_elems) for s in sides}
+        self._pages = {id(s): page_view(s.base, s.num_layers, s.num_pages, s.page_major)
+                       for s in sides}
         # threads that each copy a share of a job (the worker itself is one of them)
         T = engine.copy_threads
         self._helpers = ThreadPoolExecutor(2 * (T - 1), "hicache-copy") if T > 1 else None
@@ -52,7 +66,7 @@ class CpuBackend(CopyBackend):
 
     def submit(self, job: TransferJob) -> None:
         if self._kernel is None:
-            job.prepared = self.plan_blocks(job)
+            job.prepared = self.plan(job)
         job._runner = self._execute
         if job.nbytes <= self.engine.inline_bytes and job._claim.acquire(False):
             self._execute(job)  # cheaper than the hand-off; layers all arrive at once
@@ -94,6 +108,13 @@ class CpuBackend(CopyBackend):
             blocks = block_view(side.base, side.block_elems)
         return blocks, side.block_strides
 
+    def _page_side(self, side: PageSide):
+        """``[L, pages, bytes]`` view of one side."""
+        pages = self._pages.get(id(side))
+        if pages is None:
+            pages = page_view(side.base, side.num_layers, side.num_pages, side.page_major)
+        return pages
+
     def copy(self, job: TransferJob) -> None:
         L = self.engine.num_layers
         src_side, dst_side = self.engine.sides(job)
@@ -106,8 +127,15 @@ class CpuBackend(CopyBackend):
                 copy(src[layer:layer + 1], si, dst[layer:layer + 1], di)
                 job._layer_done(layer)
             return
+        bp = job.prepared if job.prepared is not None else self.plan(job)
+        if type(bp) is list:  # page runs: a group of layers per call
+            src, dst = self._page_side(src_side), self._page_side(dst_side)
+            k = L if job.direction == "d2h" else layer_group(L, job.nbytes)
+            for l0 in range(0, L, k):
+                run_page_runs(bp, src[l0:l0 + k], dst[l0:l0 + k])
+                job._layer_done(min(L, l0 + k) - 1)
+            return
         (src, (s_l, _)), (dst, (d_l, _)) = self._side(src_side), self._side(dst_side)
-        bp = job.prepared if job.prepared is not None else self.plan_blocks(job)
         T = self.engine.copy_threads
         if job.direction == "d2h":  # all layers in one plan (split across the copy threads)
             parts = split_block_plan(bp, T)
@@ -130,12 +158,20 @@ class CpuBackend(CopyBackend):
         for f in futs:
             f.result()
 
+    def plan(self, job: TransferJob) -> BlockPlan | list[tuple[int, int, int]]:
+        """What a direct job runs: its page runs when they are few (one thread, no forced copy
+        kind), else a block plan."""
+        e = self.engine
+        if e.cpu_copy is None and e.copy_threads == 1 and job.plan.num_runs <= PAGE_RUNS_MAX:
+            return job.plan.runs
+        return self.plan_blocks(job)
+
     def plan_blocks(self, job: TransferJob) -> BlockPlan:
         """Block plan of a direct job, made at submit time (off the worker's clock)."""
         src_side, dst_side = self.engine.sides(job)
         s_l, s_p = src_side.block_strides
         d_l, d_p = dst_side.block_strides
-        ps, pd = job.plan.src_pages.numpy(), job.plan.dst_pages.numpy()
+        ps, pd = job.plan.src, job.plan.dst
         kind = self.engine.cpu_copy
         if job.direction == "h2d":  # completes layer by layer: plan layer 0 only
             return plan_blocks(ps * s_p, pd * d_p, s_p, kind)
@@ -148,6 +184,13 @@ class CpuBackend(CopyBackend):
             layers = layers[:, None]
         return plan_blocks((layers * s_l + ps * s_p).reshape(-1),
                            (layers * d_l + pd * d_p).reshape(-1), s_p, kind)
+
+
+def layer_group(num_layers: int, nbytes: int) -> int:
+    """Layers per group of a page-run load of ``nbytes`` in all: about ``LAYER_GROUP_BYTES``
+    a group (every layer at once for a small job, one layer per group for a big one)."""
+    per_layer = max(1, nbytes // max(1, num_layers))
+    return max(1, min(num_layers, LAYER_GROUP_BYTES // per_layer))
 
 
 register_backend("cpu", CpuBackend)

@@ -92,7 +92,7 @@ class CudaJob(TransferJob):
         torch.cuda.current_stream().wait_event(self._events[layer])
 
     def done(self) -> bool:
-        return self._finished.is_set() and all(e.query() for e in self._events)
+        return self._state is not PENDING and all(e.query() for e in self._events)
 
     def wait(self, timeout: float | None = None) -> None:
         super().wait(timeout)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import time
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -48,49 +49,117 @@ class TransferError(RuntimeError):
 # A job's state, read in ONE attribute read (``TransferJob.status``): it only ever moves from
 # PENDING to DONE or to FAILED, so a caller deciding "failed or done" never sees a mix.
 PENDING, DONE, FAILED = "pending", "done", "failed"
+_ENDED = 1 << 30   # TransferJob._block: wait for the job's end, not for a number of layers
+_NOBODY = 1 << 31  # TransferJob._want when no thread sleeps on the job
 
 
 @dataclass(frozen=True)
 class TransferPlan:
-    """Pages to move, validated, plus the coalesced runs of consecutive (src, dst) pages."""
+    """Pages to move, validated: source page ``src[i]`` -> destination page ``dst[i]``. The
+    coalesced runs of consecutive (src, dst) pages are worked out when first asked for."""
 
-    src_pages: torch.Tensor  # int64 [n]
-    dst_pages: torch.Tensor  # int64 [n]
-    run_src: np.ndarray  # int64 [runs] first src page of each run
-    run_dst: np.ndarray  # int64 [runs] first dst page of each run
-    run_len: np.ndarray  # int64 [runs] pages in each run
+    src: np.ndarray  # int64 [n], owned (never a caller's array)
+    dst: np.ndarray  # int64 [n], owned
 
     @property
     def num_pages(self) -> int:
-        return int(self.src_pages.numel())
+        return int(self.src.size)
+
+    @property
+    def src_pages(self) -> torch.Tensor:
+        """``src`` as an int64 tensor (shares its memory)."""
+        return torch.from_numpy(self.src)
+
+    @property
+    def dst_pages(self) -> torch.Tensor:
+        return torch.from_numpy(self.dst)
+
+    @property
+    def num_runs(self) -> int:
+        """Runs of consecutive (src, dst) pages."""
+        return len(self.runs) if self.src.size <= SMALL_PLAN else int(self._bounds.size) - 1
+
+    @property
+    def runs(self) -> list[tuple[int, int, int]]:
+        """(first src page, first dst page, pages) of each run, as Python ints (found once)."""
+        runs = self.__dict__.get("_runs")  # frozen: cached in the instance dict directly
+        if runs is None:
+            runs = self.__dict__["_runs"] = self._find_runs()
+        return runs
+
+    def _find_runs(self) -> list[tuple[int, int, int]]:
+        if self.src.size > SMALL_PLAN:
+            return list(zip(self.run_src.tolist(), self.run_dst.tolist(),
+                            self.run_len.tolist()))
+        out: list[tuple[int, int, int]] = []
+        for a, b in zip(self.src.tolist(), self.dst.tolist()):
+            if out and a == out[-1][0] + out[-1][2] and b == out[-1][1] + out[-1][2]:
+                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+            else:
+                out.append((a, b, 1))
+        return out
+
+    @property
+    def _bounds(self) -> np.ndarray:
+        """Index of each run's first page, then the page count (int64 [runs + 1])."""
+        b = self.__dict__.get("_bounds_")
+        if b is None:
+            s, d = self.src, self.dst
+            if s.size == 0:
+                b = np.zeros(1, dtype=np.int64)
+            else:
+                starts = np.flatnonzero((s[1:] - s[:-1] != 1) | (d[1:] - d[:-1] != 1)) + 1
+                b = np.concatenate(([0], starts, [s.size]))
+            self.__dict__["_bounds_"] = b
+        return b
+
+    @property
+    def run_src(self) -> np.ndarray:  # int64 [runs] first src page of each run
+        return self.src[self._bounds[:-1]]
+
+    @property
+    def run_dst(self) -> np.ndarray:  # int64 [runs] first dst page of each run
+        return self.dst[self._bounds[:-1]]
+
+    @property
+    def run_len(self) -> np.ndarray:  # int64 [runs] pages in each run
+        return np.diff(self._bounds)
+
+
+# Up to this many pages, a plan's checks run on Python lists (min, max, set): a few hundred
+# nanoseconds, where each numpy call costs about a microsecond.
+SMALL_PLAN = 64
+
+
+def _check_range(lo: int, hi: int, limit: int, name: str) -> None:
+    if lo < 0 or hi >= limit:
+        bad = lo if lo < 0 else hi
+        raise PageError(f"{name} page id {bad} is outside the {name} pool [0, {limit})")
 
 
 def plan_transfer(src_pages: PageList, dst_pages: PageList, src_limit: int, dst_limit: int,
                   src_name: str = "source", dst_name: str = "destination") -> TransferPlan:
-    """Validate page lists (equal length, in range, no repeated destination) and find runs."""
+    """Validate page lists (equal length, in range, no repeated destination)."""
     s = page_ids(src_pages, f"{src_name} pages")
     d = page_ids(dst_pages, f"{dst_name} pages")
-    if s.size != d.size:
+    n = int(s.size)
+    if n != d.size:
         raise PageError(f"{src_name} and {dst_name} page lists differ in length: "
-                        f"{s.size} vs {d.size}")
-    for a, limit, name in ((s, src_limit, src_name), (d, dst_limit, dst_name)):
-        if a.size:
-            lo, hi = int(a.min()), int(a.max())
-            if lo < 0 or hi >= limit:
-                bad = lo if lo < 0 else hi
-                raise PageError(f"{name} page id {bad} is outside the {name} pool [0, {limit})")
-    step_d = d[1:] - d[:-1]
-    if d.size > 1 and not (step_d > 0).all() and np.unique(d).size != d.size:
-        raise PageError(f"{dst_name} page list repeats a page id: {d.tolist()}")
-    src, dst = torch.from_numpy(s.copy()), torch.from_numpy(d.copy())  # caller may reuse lists
-    if s.size == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return TransferPlan(src, dst, empty, empty, empty)
-    starts = np.flatnonzero((s[1:] - s[:-1] != 1) | (step_d != 1)) + 1
-    bounds = np.concatenate(([0], starts, [s.size]))
-    return TransferPlan(src, dst, s[bounds[:-1]], d[bounds[:-1]], bounds[1:] - bounds[:-1])
-
-
+                        f"{n} vs {d.size}")
+    if n == 0:
+        pass
+    elif n <= SMALL_PLAN:
+        sl, dl = s.tolist(), d.tolist()
+        _check_range(min(sl), max(sl), src_limit, src_name)
+        _check_range(min(dl), max(dl), dst_limit, dst_name)
+        if len(set(dl)) != n:
+            raise PageError(f"{dst_name} page list repeats a page id: {dl}")
+    else:
+        _check_range(int(s.min()), int(s.max()), src_limit, src_name)
+        _check_range(int(d.min()), int(d.max()), dst_limit, dst_name)
+        if not (d[1:] > d[:-1]).all() and np.unique(d).size != n:
+            raise PageError(f"{dst_name} page list repeats a page id: {d.tolist()}")
+    return TransferPlan(s.copy(), d.copy())  # the caller may reuse its lists
 
 
 @dataclass(frozen=True)
@@ -133,11 +202,13 @@ class TransferStats:
 
 class TransferJob:
     """One asynchronous transfer; layers complete in order 0..L-1. Completion is tracked on the
-    host (a condition and a count of arrived layers); a backend whose copies complete elsewhere
-    (CUDA events) subclasses it."""
+    host (a count of arrived layers and the state, under a condition the engine's jobs share:
+    a job is cheap to make, and a waiter re-checks its own job when woken); a backend whose
+    copies complete elsewhere (CUDA events) subclasses it."""
 
     def __init__(self, direction: str, plan: TransferPlan, num_layers: int, nbytes: int,
-                 src: PageSide | None = None, dst: PageSide | None = None) -> None:
+                 src: PageSide | None = None, dst: PageSide | None = None,
+                 cond: threading.Condition | None = None) -> None:
         self.direction = direction  # "d2h" (backup) or "h2d" (load, restore)
         self.plan = plan
         self.num_layers = num_layers
@@ -153,8 +224,9 @@ class TransferJob:
         self._runner = None
         self._arrived = 0
         self._landed = bytearray(num_layers)  # layers copied, possibly out of order
-        self._cond = threading.Condition(threading.Lock())
-        self._finished = threading.Event()
+        # guards _arrived, _landed, _want and _state changes; the engine's, or the job's own
+        self._cond = cond if cond is not None else threading.Condition(threading.Lock())
+        self._want = _NOBODY  # the fewest layers a sleeping waiter wants
 
     @property
     def device_pages(self) -> torch.Tensor:
@@ -187,36 +259,53 @@ class TransferJob:
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
         """Block until ``layer`` has arrived."""
         self._check_layer(layer)
-        if self._arrived <= layer and self._error is None:
-            with self._cond:
-                arrived = self._cond.wait_for(
-                    lambda: self._arrived > layer or self._error is not None, timeout)
-        else:
-            arrived = True
-        if not arrived:
+        if self._arrived <= layer and self._state is PENDING \
+                and not self._block(layer + 1, timeout):
             raise TransferError(f"layer {layer} of a {self.direction} transfer did not arrive "
                                 f"within {timeout} s")
         self._raise_if_failed()
 
     def done(self) -> bool:
-        return self._finished.is_set()
+        return self._state is not PENDING
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every layer has arrived (raises if the transfer failed). A job no copy
         thread has started yet is run by the waiting thread itself."""
-        runner = self._runner
-        if runner is not None and not self._finished.is_set() and self._claim.acquire(False):
-            runner(self)
-        if not self._finished.wait(timeout):
-            raise TransferError(f"{self.direction} transfer did not finish within {timeout} s")
+        if self._state is PENDING:
+            runner = self._runner
+            if runner is not None and self._claim.acquire(False):
+                runner(self)
+            if self._state is PENDING and not self._block(_ENDED, timeout):
+                raise TransferError(f"{self.direction} transfer did not finish within "
+                                    f"{timeout} s")
         self._raise_if_failed()
+
+    def _block(self, need: int, timeout: float | None) -> bool:
+        """Sleep until ``need`` layers have arrived or the job ended (``_ENDED``: only the end
+        will do); False on timeout. A sleeper marks the layer count it wants (``_want``, the
+        least any sleeper on this job wants), so a copy thread wakes the job's sleepers only
+        when that is reached, and never where nobody sleeps."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._arrived < need and self._state is PENDING:
+                self._want = min(self._want, need)
+                left = None if deadline is None else deadline - time.monotonic()
+                if (left is not None and left <= 0) or not self._cond.wait(left):
+                    return self._arrived >= need or self._state is not PENDING
+        return True
+
+    def _wake(self) -> None:
+        """Under ``_cond``: wake the sleepers once the layers they want arrived (or it ended)."""
+        if self._want != _NOBODY and (self._arrived >= self._want or self._state is not PENDING):
+            self._want = _NOBODY
+            self._cond.notify_all()
 
     # called by the backend
     def _layer_done(self, layer: int) -> None:
         """Layers 0..layer have arrived."""
         with self._cond:
             self._arrived = max(self._arrived, layer + 1)
-            self._cond.notify_all()
+            self._wake()
 
     def _layer_landed(self, layer: int) -> None:
         """``layer`` was copied (copy threads may finish layers out of order); layers arrive in
@@ -228,18 +317,19 @@ class TransferJob:
                 a += 1
             if a != self._arrived:
                 self._arrived = a
-                self._cond.notify_all()
+                self._wake()
 
     def _succeed(self) -> None:
-        self._state = DONE
-        self._finished.set()
+        with self._cond:
+            self._arrived = self.num_layers  # a finished job has every layer
+            self._state = DONE
+            self._wake()
 
     def _fail(self, err: BaseException) -> None:
         self._error = err
-        self._state = FAILED
         with self._cond:
-            self._cond.notify_all()
-        self._finished.set()
+            self._state = FAILED
+            self._wake()
 
 
 # ---- copy backends ----------------------------------------------------------------------------
@@ -324,6 +414,7 @@ class TransferEngine:
         self.cuda = d.device.type == "cuda"
         self.stats = TransferStats()
         self._lock = threading.Lock()
+        self._cond = threading.Condition(threading.Lock())  # shared by this engine's jobs
         self._closed = False
         W = d.rows_per_page * d.kv_dim  # elements of one page-layer
         self.block_elems = W
@@ -404,6 +495,7 @@ class TransferEngine:
         if self._closed:
             raise TransferError("transfer engine is closed")
         nbytes = plan.num_pages * self.device_pool.bytes_per_page
-        job = self.backend.job_class(direction, plan, self.num_layers, nbytes, src, dst)
+        job = self.backend.job_class(direction, plan, self.num_layers, nbytes, src, dst,
+                                     self._cond)
         self.backend.submit(job)
         return job
