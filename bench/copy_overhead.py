@@ -59,28 +59,20 @@ def measure(shape: str, layout: str, n: int, jobs: int, reps: int) -> list[dict]
     lists = _page_lists(n, jobs, POOL_PAGES)
     rows = []
     for direction in ("d2h", "h2d"):
-        if direction == "d2h":
-            def engine_jobs() -> None:
-                for d, h in lists:
-                    job = eng.backup(d, h)
-                    job.wait()
-                    assert job.status() == DONE
+        back = direction == "d2h"
+        src3, dst3 = (d3, h3) if back else (h3, d3)
 
-            def raw() -> None:
-                for ds, hs in lists:
-                    for d, h in zip(ds, hs):
-                        h3[:, h].copy_(d3[:, d])
-        else:
-            def engine_jobs() -> None:
-                for d, h in lists:
-                    job = eng.load(h, d)
-                    job.wait()
-                    assert job.status() == DONE
+        def engine_jobs() -> None:
+            for d, h in lists:
+                job = eng.backup(d, h) if back else eng.load(h, d)
+                job.wait()
+                assert job.status() == DONE
 
-            def raw() -> None:
-                for ds, hs in lists:
-                    for d, h in zip(ds, hs):
-                        d3[:, d].copy_(h3[:, h])
+        def raw() -> None:
+            for ds, hs in lists:
+                for s, t in (zip(ds, hs) if back else zip(hs, ds)):
+                    dst3[:, t].copy_(src3[:, s])
+
         engine_jobs(), raw()  # warm up
         t_job = t_raw = float("inf")
         for i in range(reps):  # interleaved, alternating which goes first
