@@ -5,6 +5,8 @@
   rank fails (an exception, a signal, an exit) the others are stopped and ``RankError`` names
   the rank and how. Always bounded by a timeout; ranks exit without interpreter teardown.
 - Collective wrappers that feature-detect names that moved between torch 2.11 and 2.13.
+- ``min_across_ranks(values, group)``: the control plane's one MIN all-reduce (per-step
+  agreement, L3 restore lengths, prefetch agreement), on CPU tensors over ``control_group``.
 - ``CollectiveCounter`` counts collectives issued, so tests can assert "exactly one per step".
 - ``control_group(group)``: the group the CPU control plane (per-step agreement, L3 MIN,
   benchmark flags) talks over: ``group`` itself when its backend takes CPU tensors (gloo), else a
@@ -23,7 +25,7 @@ import sys
 import time
 import traceback
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -252,6 +254,18 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
 def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
     CollectiveCounter.bump()
     dist.all_reduce(t, op=op, group=group)
+
+
+def min_across_ranks(values: Sequence[int], group=None) -> list[int]:
+    """Element-wise MIN of the ints ``values`` over ``group`` in ONE all-reduce of a CPU int64
+    tensor over :func:`control_group` (no GPU sync; a MAX rides along as ``-MIN(-x)``). Alone
+    (no process group, or a group of one) nothing is communicated."""
+    vals = [int(v) for v in values]
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return vals
+    t = torch.tensor(vals, dtype=torch.int64)
+    all_reduce(t, op=dist.ReduceOp.MIN, group=control_group(group))
+    return [int(v) for v in t.tolist()]
 
 
 def all_gather_object(obj: Any, world_size: int, group=None) -> list:

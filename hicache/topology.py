@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .checks import check_int
+
 
 class TopologyError(ValueError):
     """A parallel layout that breaks a rule; the message names the rule."""
@@ -34,8 +36,7 @@ class KVShape:
         if self.attention == "mla" and self.num_kv_heads != 1:
             raise TopologyError("an MLA model has exactly one latent KV head")
         for name in ("num_layers", "num_kv_heads", "dtype_bytes"):
-            if getattr(self, name) < 1:
-                raise TopologyError(f"{name} must be >= 1, got {getattr(self, name)}")
+            check_int(getattr(self, name), name, error=TopologyError)
         if self.row_elems_per_head < 1:
             raise TopologyError(f"model {self.name!r} has an empty KV row")
 
@@ -71,8 +72,7 @@ def get_model(name: str) -> KVShape:
 
 
 def _positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise TopologyError(f"{name} must be a positive integer, got {value!r}")
+    check_int(value, name, error=TopologyError)
 
 
 def max_dcp(tp_size: int, num_kv_heads: int, attn_dp_size: int = 1) -> int:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .checks import check_int
+
 
 class TraceError(ValueError):
     """A trace file or generator argument that cannot be used."""
@@ -44,13 +46,11 @@ def _check(seed: int, scale: float, vocab_size: int) -> None:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
             or not (0 < scale <= SCALE_MAX):
         raise TraceError(f"scale must be a number in (0, {SCALE_MAX:g}], got {scale!r}")
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
-        raise TraceError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
+    check_int(vocab_size, "vocab_size", 2, error=TraceError)
 
 
 def _check_seed(seed: int) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
-        raise TraceError(f"seed must be an int in [0, 2**63 - 1], got {seed!r}")
+    check_int(seed, "seed", 0, SEED_MAX, TraceError)
 
 
 def _n(base: float, scale: float, lo: int = 1) -> int:
@@ -139,8 +139,7 @@ def load_trace(path: str | Path, vocab_size: int = 32000, seed: int = 0) -> list
     """Requests from JSONL: ``{"tokens": [...], "output_len"?, "session"?}`` lines, or
     ``{"length": n, "prefix_id": s, "prefix_len": k, "output_len": m}`` lines (the first k
     tokens are shared by every line with the same prefix_id; the rest are unique)."""
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
-        raise TraceError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
+    check_int(vocab_size, "vocab_size", 2, error=TraceError)
     _check_seed(seed)
     from .config import read_regular_file
     p = Path(path)
@@ -219,10 +218,7 @@ def _int_field(obj: dict, name: str, where: str, default: int | None = None, lo:
         if default is None:
             raise TraceError(f"{where}: missing '{name}'")
         return default
-    v = obj[name]
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise TraceError(f"{where}: '{name}' must be an int in [{lo}, {hi}], got {v!r:.40}")
-    return v
+    return check_int(obj[name], f"{where}: '{name}'", lo, hi, TraceError)
 
 
 def trace_summary(reqs: list[Request]) -> dict:

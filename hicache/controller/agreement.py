@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Collection, Sequence
 
-import torch
 import torch.distributed as dist
 
 from hicache import distributed as hd
@@ -82,9 +81,7 @@ class StepAgreement:
             self.steps += 1
             return out
         n, m, sig = len(op_ids), len(extras), _signature(op_ids)
-        t = torch.tensor([n, -n, sig, -sig, m, -m] + flags + extras, dtype=torch.int64)
-        hd.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        v = t.tolist()
+        v = hd.min_across_ranks([n, -n, sig, -sig, m, -m] + flags + extras, self.group)
         if v[0] != -v[1] or v[2] != -v[3] or v[4] != -v[5]:
             raise AgreementError(
                 f"step {self.steps}: ranks disagree on the in-flight ops or extras (this rank: "

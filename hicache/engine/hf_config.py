@@ -28,6 +28,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from hicache.checks import check_int
+
 ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
           "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -131,9 +133,7 @@ def _int(cfg: dict, name: str, src: str, lo: int = 1, optional: bool = False) ->
     v = cfg.get(name)
     if v is None and optional:
         return None
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-        raise CheckpointError(f"{src}: {name} must be an int >= {lo}, got {v!r}")
-    return v
+    return check_int(v, f"{src}: {name}", lo, error=CheckpointError)
 
 
 def parse_config(raw: dict, src: str = "config.json", weight_dtype: str | None = None) -> dict:

@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from hicache.checks import check_int
 from hicache.engine.attention import attend_latent
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -125,9 +126,7 @@ class MoEConfig:
     def __post_init__(self) -> None:
         for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
                      "n_group", "topk_group"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ModelConfigError(f"MoEConfig.{name} must be a positive int, got {v!r}")
+            check_int(getattr(self, name), f"MoEConfig.{name}", error=ModelConfigError)
         if self.scoring_func not in ("softmax", "sigmoid"):
             raise ModelConfigError(f"MoEConfig.scoring_func must be softmax or sigmoid, got "
                                    f"{self.scoring_func!r}")
@@ -165,18 +164,15 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "kv_lora_rank",
                      "qk_nope_head_dim", "v_head_dim", "intermediate_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ModelConfigError(f"ModelConfig.{name} must be a positive int, got {v!r}")
+            check_int(getattr(self, name), f"ModelConfig.{name}", error=ModelConfigError)
         if (not isinstance(self.qk_rope_head_dim, int) or self.qk_rope_head_dim < 2
                 or self.qk_rope_head_dim % 2):
             raise ModelConfigError(
                 f"ModelConfig.qk_rope_head_dim must be an even int >= 2, got "
                 f"{self.qk_rope_head_dim!r}")
-        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int)
-                                             or self.q_lora_rank < 1):
-            raise ModelConfigError(
-                f"ModelConfig.q_lora_rank must be None or a positive int, got {self.q_lora_rank!r}")
+        if self.q_lora_rank is not None:
+            check_int(self.q_lora_rank, "ModelConfig.q_lora_rank (None or an int)",
+                      error=ModelConfigError)
         if self.dtype not in _DTYPES:
             raise ModelConfigError(
                 f"ModelConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")

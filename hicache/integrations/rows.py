@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..checks import check_int
 from ..l3 import L3Error
 
 
@@ -45,8 +46,7 @@ def row_layout(*, world_size: int, tp: int, pp: int, pcp: int, dcp: int, mla: bo
     """The distinct shards of a row for these parallel sizes (see the module docstring)."""
     for name, v in (("world_size", world_size), ("tp", tp), ("pp", pp), ("pcp", pcp),
                     ("dcp", dcp), ("worker_bytes", worker_bytes)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise L3Error(f"{name} must be a positive int, got {v!r}")
+        check_int(v, name, error=L3Error)
     if world_size != tp * pp * pcp:
         raise L3Error(f"world_size {world_size} != tp*pp*pcp = {tp}*{pp}*{pcp}: the offload row "
                       "of one engine holds exactly its TP x PP x PCP workers")

@@ -39,6 +39,7 @@ from vllm.v1.kv_offload.base import (Locality, LookupResult, Medium, OffloadKey,
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from ..checks import check_int
 from ..l3 import L3Error, Namespace
 from .common import open_stores, signature, store_keys, weights_signature
 from .rows import RowLayout, row_layout
@@ -106,8 +107,7 @@ class HiCacheTier(SecondaryTierManager):
         if store is None:
             raise L3Error("the hicache tier needs 'store': an LMDB directory, a Redis URL or a "
                           "list of Redis Cluster node URLs")
-        if not isinstance(io_threads, int) or io_threads < 1:
-            raise L3Error(f"io_threads must be a positive int, got {io_threads!r}")
+        check_int(io_threads, "io_threads", error=L3Error)
         self.locality = Locality(locality) if locality is not None else None
         config = offloading_spec.config
         par = config.parallel

@@ -2,36 +2,19 @@
 
 Every value here is a MIN across the DCP group, in ONE all-reduce. A caller that already carries
 these ints in its own per-step collective passes the agreed result as ``agreed=`` and no
-collective is issued. (A MAX rides in the same MIN all-reduce as ``-MIN(-x)``.)
+collective is issued. The MIN is :func:`hicache.distributed.min_across_ranks`.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-import torch
-import torch.distributed as dist
-
-from hicache import distributed as hd
+from hicache.checks import check_int
+from hicache.distributed import min_across_ranks
 
 from .keys import L3Error
 
-
-def min_across_ranks(values: Sequence[int], group=None) -> list[int]:
-    """Element-wise MIN of ``values`` over the group with one all-reduce (no-op alone). A CPU
-    tensor over the group's control group (a gloo twin of an NCCL group): no GPU sync."""
-    vals = [int(v) for v in values]
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return vals
-    t = torch.tensor(vals, dtype=torch.int64)
-    hd.all_reduce(t, op=dist.ReduceOp.MIN, group=hd.control_group(group))
-    return [int(v) for v in t.tolist()]
-
-
-def _check_len(x, what: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-        raise L3Error(f"{what} must be a non-negative int, got {x!r}")
-    return x
+__all__ = ["min_across_ranks", "restore_length", "restore_lengths"]
 
 
 def restore_lengths(local_tokens: Sequence[int], page_tokens: int, group=None,
@@ -42,13 +25,12 @@ def restore_lengths(local_tokens: Sequence[int], page_tokens: int, group=None,
     ``floor(min_r local_tokens_r[j] / page_tokens) * page_tokens``. With ``agreed`` (already
     MIN-reduced elsewhere) nothing is communicated.
     """
-    if isinstance(page_tokens, bool) or not isinstance(page_tokens, int) or page_tokens < 1:
-        raise L3Error(f"page_tokens must be a positive int, got {page_tokens!r}")
-    local = [_check_len(v, "a local storage-hit length") for v in local_tokens]
+    check_int(page_tokens, "page_tokens", error=L3Error)
+    local = [check_int(v, "a local storage-hit length", 0, error=L3Error) for v in local_tokens]
     if agreed is None:
         agreed = min_across_ranks(local, group)
     else:
-        agreed = [_check_len(v, "an agreed storage-hit length") for v in agreed]
+        agreed = [check_int(v, "an agreed storage-hit length", 0, error=L3Error) for v in agreed]
         if len(agreed) != len(local):
             raise L3Error(f"{len(agreed)} agreed lengths for {len(local)} requests")
         for a, lv in zip(agreed, local):

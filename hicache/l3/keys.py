@@ -20,6 +20,7 @@ import msgpack
 import numpy as np
 import torch
 
+from hicache.checks import check_int
 from hicache.ids import TokenTypeError, as_tokens
 
 FORMAT_VERSION = 2  # 2: XXH3-64 value checksum (1: CRC-32)
@@ -68,9 +69,7 @@ class Namespace:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         for name in ("num_layers", "kv_dim", "page_size", "dcp_size", "interleave",
                      "format_version"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise L3Error(f"Namespace.{name} must be a positive int, got {value!r}")
+            check_int(getattr(self, name), f"Namespace.{name}", error=L3Error)
         fields = [self.model, self.num_layers, self.kv_dim, self.dtype, self.page_size,
                   self.dcp_size, self.interleave, self.format_version]
         digest = hashlib.blake2b(msgpack.packb(fields), digest_size=DIGEST_BYTES,
@@ -125,8 +124,7 @@ def _tokens_array(tokens: Any) -> np.ndarray:
 
 def chain_hashes(tokens: Any, page_tokens: int) -> list[bytes]:
     """Rank-independent chain hash of every WHOLE page of ``tokens`` (the tail is dropped)."""
-    if not isinstance(page_tokens, int) or isinstance(page_tokens, bool) or page_tokens < 1:
-        raise L3Error(f"page_tokens must be a positive int, got {page_tokens!r}")
+    check_int(page_tokens, "page_tokens", error=L3Error)
     arr = _tokens_array(tokens)
     n_pages = arr.size // page_tokens
     pages = arr[: n_pages * page_tokens].reshape(n_pages, page_tokens)  # [n, page_tokens] int64
