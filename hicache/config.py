@@ -24,6 +24,9 @@ from . import topology
 from .topology import TopologyError
 
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# the L3 prefetch policies (hicache.l3.prefetch.PrefetchPolicy takes these and the defaults of
+# PolicySection's prefetch keys from here)
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
 class ConfigError(ValueError):
@@ -173,7 +176,7 @@ class PolicySection:
                                    "the timeout passes (timeout), until it finishes "
                                    "(wait_complete), or use what arrived by the next step "
                                    "(best_effort)",
-                        choices=("best_effort", "wait_complete", "timeout"))
+                        choices=PREFETCH_POLICIES)
     prefetch_timeout_s: float = opt(1.0, "timeout policy: base seconds", min=0.0, max=3600.0,
                                     type=(int, float))
     prefetch_timeout_per_1k_s: float = opt(0.05, "timeout policy: extra seconds per 1K tokens",

@@ -24,19 +24,22 @@ from typing import Sequence
 
 import torch
 
+from ..config import PREFETCH_POLICIES, PolicySection
 from .agree import min_across_ranks
 from .keys import L3Error
 from .base import L3Store, Out
 
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+_POLICY = PolicySection()  # the policy file's defaults: the only ones
 
 
 @dataclass(frozen=True)
 class PrefetchPolicy:
-    mode: str = "best_effort"
-    timeout_s: float = 1.0
-    timeout_per_1k_s: float = 0.25
-    min_tokens: int = 0
+    """The ``[policy]`` prefetch keys (``prefetch``, ``prefetch_timeout_s``, ...), same defaults."""
+
+    mode: str = _POLICY.prefetch
+    timeout_s: float = _POLICY.prefetch_timeout_s
+    timeout_per_1k_s: float = _POLICY.prefetch_timeout_per_1k_s
+    min_tokens: int = _POLICY.prefetch_min_tokens
 
     def __post_init__(self) -> None:
         if self.mode not in PREFETCH_POLICIES:
