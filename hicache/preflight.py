@@ -3,8 +3,10 @@
 ``hicache check-config``, ``hicache-bench`` (in the parent, before spawning), the example loop
 and ``HiCache`` itself call :func:`validate`; whatever it rejects, every one of them rejects, with
 the same one line naming the key. The memory arithmetic is :func:`memory_need`, a pure function of
-the config, the tiers used and the number of ranks sharing the node; :func:`check_memory` compares
-it with the memory a :class:`Machine` reports.
+the config, the tiers used and the number of ranks sharing the node; :func:`check_node_memory` is
+the one comparison of a node's pools with its host memory: the parent's :func:`check_memory`
+(before any rank starts: against what is available) and every rank (before allocating: against
+the node's total, since its siblings may have allocated already) call it.
 
 What a ``HiCacheConfig`` cannot know by itself lives here: whether CUDA exists (``l2.pin = "on"``),
 how much memory the node has (L1 on CPU plus L2 of every rank on the node), whether the L3 path is
@@ -17,9 +19,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .checks import check_int
 from .config import ConfigError, HiCacheConfig
 
 MEMORY_FRACTION = 0.9  # of available memory a node's pools may take
+
+
+class HostMemoryError(ConfigError, MemoryError):
+    """The pools of the ranks on this node do not fit in its host memory (a config problem:
+    the message names the keys to lower)."""
 SYSTEM_DIRS = ("/proc", "/sys", "/dev")
 
 
@@ -49,6 +57,11 @@ class MemoryNeed:
     l2_per_rank: int          # as allocated (pinned L2 is registered in place: no rounding)
     l1_on_host: bool          # L1 lives in host memory (no CUDA)
 
+    def __post_init__(self) -> None:
+        check_int(self.ranks, "ranks on the node", error=ConfigError)
+        check_int(self.l1_per_rank, "L1 bytes per rank", 0, error=ConfigError)
+        check_int(self.l2_per_rank, "L2 bytes per rank", 0, error=ConfigError)
+
     @property
     def host_total(self) -> int:
         return self.ranks * (self.l2_per_rank + (self.l1_per_rank if self.l1_on_host else 0))
@@ -63,16 +76,30 @@ def memory_need(cfg: HiCacheConfig, ranks: int, *, l2: bool = True,
     return MemoryNeed(ranks, l1, l2_bytes, l1_on_host=not cuda)
 
 
+def _size(n: int) -> str:
+    if n < 1 << 20:
+        return f"{n} bytes"
+    return f"{n / (1 << 20):.1f} MiB" if n < 1 << 30 else f"{n / (1 << 30):.2f} GiB"
+
+
+def check_node_memory(need: MemoryNeed, host_bytes: int, of: str = "are available",
+                      fraction: float = MEMORY_FRACTION) -> int:
+    """Raise ``HostMemoryError`` when the host pools of ``need.ranks`` ranks exceed ``fraction``
+    of ``host_bytes`` (``of`` says which figure that is); else their bytes."""
+    if need.host_total > host_bytes * fraction:
+        parts = (f"L1 {_size(need.l1_per_rank)} + " if need.l1_on_host else "") \
+            + f"L2 {_size(need.l2_per_rank)}"
+        raise HostMemoryError(
+            f"memory: {need.ranks} rank(s) on this node need {_size(need.host_total)} of host "
+            f"memory ({parts} per rank) but {_size(host_bytes)} {of} (limit {fraction:.0%}); "
+            "lower l1.num_pages, l2.ratio or l2.size_bytes, or run fewer ranks per node")
+    return need.host_total
+
+
 def check_memory(need: MemoryNeed, machine: Machine, fraction: float = MEMORY_FRACTION) -> None:
     """Raise ``ConfigError`` when the node's pools cannot fit, naming the keys to lower."""
     gib = 1 << 30
-    if need.host_total > machine.host_available * fraction:
-        parts = (f"L1 {need.l1_per_rank / gib:.2f} GiB + " if need.l1_on_host else "") \
-            + f"L2 {need.l2_per_rank / gib:.2f} GiB"
-        raise ConfigError(
-            f"memory: {need.ranks} rank(s) on this node need {need.host_total / gib:.2f} GiB of "
-            f"host memory ({parts} per rank) but {machine.host_available / gib:.2f} GiB are "
-            f"available (limit {fraction:.0%}); lower l1.num_pages, l2.ratio or l2.size_bytes")
+    check_node_memory(need, machine.host_available, "are available", fraction)
     if not need.l1_on_host and machine.device_free is not None \
             and need.l1_per_rank > machine.device_free * fraction:
         raise ConfigError(

@@ -97,16 +97,19 @@ def test_pool_larger_than_host_memory_fails_before_allocating():
 
 
 def test_node_memory_counts_every_local_rank():
-    from hicache.l2.pool import check_node_memory, node_host_bytes, pinned_host_tensor
-    assert node_host_bytes(100, 0, 8) == 800
-    assert node_host_bytes(100, 30, 4) == 520  # L1 on the host counts too
+    from hicache.config import ConfigError
+    from hicache.l2.pool import check_node_memory, pinned_host_tensor
+    from hicache.preflight import MemoryNeed
+    assert MemoryNeed(8, 0, 100, l1_on_host=False).host_total == 800
+    assert MemoryNeed(4, 30, 100, l1_on_host=True).host_total == 520  # L1 on the host counts
     assert check_node_memory(100, 0, 8, total_bytes=1000) == 800
-    with pytest.raises(HostMemoryError, match=r"8 ranks on this node x \(L2 150 bytes\) = 1200"):
+    with pytest.raises(HostMemoryError, match=r"8 rank\(s\) on this node need 1200 bytes .*"
+                                              r"\(L2 150 bytes per rank\)"):
         check_node_memory(150, 0, 8, total_bytes=1000)  # one rank alone (150) would fit
-    with pytest.raises(HostMemoryError, match="L1 50 on the host"):
+    with pytest.raises(HostMemoryError, match=r"L1 50 bytes \+ L2 100 bytes per rank"):
         check_node_memory(100, 50, 8, total_bytes=1000)
-    with pytest.raises(PoolError, match="local_ranks"):
-        node_host_bytes(1, 0, 0)
+    with pytest.raises(ConfigError, match="ranks on the node"):
+        MemoryNeed(0, 0, 1, l1_on_host=False)
     # exactly the bytes asked for: no power-of-two rounding (plain memory without CUDA)
     t = pinned_host_tensor((3, 5, 7), torch.bfloat16, pin=torch.cuda.is_available())
     assert t.untyped_storage().nbytes() == 3 * 5 * 7 * 2 and not t.any()
@@ -121,7 +124,7 @@ def test_hicache_checks_host_memory_for_the_whole_node(tmp_path, monkeypatch):
     cfg = HiCacheConfig.from_dict({"l2": {"size_bytes": total // 4}, "l1": {"num_pages": 4}})
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 8 ranks x a quarter of the node
     rss = psutil.Process().memory_info().rss
-    with pytest.raises(HostMemoryError, match="8 ranks on this node"):
+    with pytest.raises(HostMemoryError, match=r"8 rank\(s\) on this node"):
         HiCache(cfg, mode="l1+l2")
     assert psutil.Process().memory_info().rss < rss + 2**28  # refused before allocating
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")

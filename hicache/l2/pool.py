@@ -26,13 +26,10 @@ import torch
 from hicache.pages import PageError
 from hicache.l1.pool import PoolError, advise_hugepages, check_shape_args
 from hicache.layout import DCPLayout
+from hicache.preflight import HostMemoryError, MemoryNeed, check_node_memory as node_fits
 
 LAYOUTS = ("layer_first", "page_first")
 PIN_MODES = ("auto", "on", "off")
-
-
-class HostMemoryError(MemoryError):
-    """The host pool would not fit in available host memory."""
 
 
 def host_pages_for(l1_pages: int, bytes_per_page: int, size_bytes: int = 0,
@@ -64,31 +61,14 @@ def check_host_memory(nbytes: int, max_fraction: float = 0.9) -> None:
             "lower l2.size_bytes or l2.ratio")
 
 
-def node_host_bytes(l2_bytes: int, l1_host_bytes: int, local_ranks: int) -> int:
-    """Host bytes every rank of one node pins together: each holds its L2 pool, plus its L1
-    pool when L1 lives on the host (no GPU)."""
-    for name, v in (("l2_bytes", l2_bytes), ("l1_host_bytes", l1_host_bytes)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise PoolError(f"{name} must be an int >= 0, got {v!r}")
-    if isinstance(local_ranks, bool) or not isinstance(local_ranks, int) or local_ranks < 1:
-        raise PoolError(f"local_ranks must be a positive int, got {local_ranks!r}")
-    return local_ranks * (l2_bytes + l1_host_bytes)
-
-
 def check_node_memory(l2_bytes: int, l1_host_bytes: int, local_ranks: int,
-                      total_bytes: int | None = None, max_fraction: float = 0.9) -> int:
-    """Raise ``HostMemoryError`` when the node's ranks together would pin more than
-    ``max_fraction`` of the node's memory (``total_bytes``, default: this host's); the bytes."""
-    need = node_host_bytes(l2_bytes, l1_host_bytes, local_ranks)
+                      total_bytes: int | None = None) -> int:
+    """This rank's side of :func:`hicache.preflight.check_node_memory`: the ``local_ranks`` ranks
+    of this node (each L2, plus L1 when on the host) against the node's ``total_bytes``
+    (default: this host's), since siblings may have allocated already; the bytes."""
+    need = MemoryNeed(local_ranks, l1_host_bytes, l2_bytes, l1_on_host=l1_host_bytes > 0)
     total = psutil.virtual_memory().total if total_bytes is None else total_bytes
-    if need > total * max_fraction:
-        l1 = f" + L1 {l1_host_bytes} on the host" if l1_host_bytes else ""
-        raise HostMemoryError(
-            f"host memory: {local_ranks} ranks on this node x (L2 {l2_bytes}{l1} bytes) = "
-            f"{need} bytes ({need / 2**30:.2f} GiB) exceed {max_fraction:.0%} of the node's "
-            f"{total} bytes ({total / 2**30:.2f} GiB); lower l2.size_bytes or l2.ratio (or run "
-            "fewer ranks per node: LOCAL_WORLD_SIZE)")
-    return need
+    return node_fits(need, total, "is the node's total")
 
 
 _CUDA_SUCCESS = 0
