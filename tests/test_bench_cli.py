@@ -6,27 +6,7 @@ import pytest
 
 from hicache import bench_cli
 
-CONFIG = """
-[model]
-num_layers = 2
-kv_lora_rank = 32
-rope_dim = 8
-hidden_size = 64
-num_heads = 4
-vocab_size = 128
-[cache]
-page_size = 8
-[l1]
-num_pages = 24
-[l2]
-ratio = 1.0
-[l3]
-enabled = true
-path = "{l3}"
-[policy]
-prefetch = "wait_complete"
-l3_cost_model = false
-"""
+from helpers import policy_toml
 
 MODE_KEYS = {"name", "hit_ratio", "hit_tokens", "prompt_tokens", "ttft_s", "throughput_tok_s",
              "bytes", "controller_us_per_request", "evictions"}
@@ -35,7 +15,8 @@ MODE_KEYS = {"name", "hit_ratio", "hit_tokens", "prompt_tokens", "ttft_s", "thro
 @pytest.fixture
 def cfg_file(tmp_path):
     f = tmp_path / "policy.toml"
-    f.write_text(CONFIG.format(l3=tmp_path / "l3"))
+    f.write_text(policy_toml(tmp_path / "l3", page_size=8, l2_ratio=1.0,
+                             policy={"prefetch": "wait_complete", "l3_cost_model": False}))
     return f
 
 

@@ -10,22 +10,7 @@ import pytest
 
 from hicache import bench_cli, cli
 
-POLICY = """
-[model]
-num_layers = 2
-kv_lora_rank = 32
-rope_dim = 8
-hidden_size = 64
-num_heads = 4
-vocab_size = 128
-[cache]
-page_size = 8
-[l1]
-num_pages = 24
-[l3]
-enabled = true
-path = "{tmp}/l3"
-"""
+from helpers import policy_toml
 
 
 @pytest.fixture
@@ -38,8 +23,8 @@ def files(tmp_path):
         (p.write_text if text else p.write_bytes)(data)
         f[name.replace(".", "_")] = str(p)
 
-    put("policy.toml", POLICY.format(tmp=tmp_path))
-    base = POLICY.format(tmp=tmp_path)
+    base = policy_toml(tmp_path / "l3", page_size=8)
+    put("policy.toml", base)
     put("a_file", "x")
     for name, extra in [
         ("rope0.toml", "[model]\nrope_dim = 0\n"),
@@ -59,7 +44,7 @@ def files(tmp_path):
     ]:
         put(name, extra)
     put("latin1.toml", "[l3]\npath = 'caf\u00e9'\n".encode("latin-1"), text=False)
-    put("nol2.toml", base.replace("[l3]", "[l2]\nratio = 0.0\n[l3]"))
+    put("nol2.toml", policy_toml(tmp_path / "l3", page_size=8, l2_ratio=0.0))
     put("latin1.jsonl", '{"tokens": [1]}\n{"session": "caf\u00e9"}\n'.encode("latin-1"),
         text=False)
     put("len11.jsonl", '{"length": 1e11}\n')

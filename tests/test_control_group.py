@@ -12,7 +12,8 @@ import torch
 
 from hicache.config import HiCacheConfig
 from hicache.distributed import launch
-from test_service import make_cfg, req
+from helpers import make_cfg
+from test_service import req
 
 
 def _cuda_only_engine_group(rank, world, cfg_dict, prompts):
@@ -57,7 +58,7 @@ def _cuda_only_engine_group(rank, world, cfg_dict, prompts):
 
 
 def test_control_plane_runs_beside_a_cuda_only_group(tmp_path):
-    cfg = make_cfg(tmp_path, dcp=2, l1_pages=16, l2_ratio=1.0, prefetch="wait_complete")
+    cfg = make_cfg(tmp_path / "l3", dcp=2, l1_pages=16, l2_ratio=1.0, prefetch="wait_complete")
     rng = np.random.default_rng(5)
     shared = rng.integers(0, 128, 24)
     prompts = [np.concatenate([shared, rng.integers(0, 128, 9)]) for _ in range(3)]

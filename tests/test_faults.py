@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.config import HiCacheConfig
 from hicache.distributed import launch
 from hicache.engine.model import MLAModel
 from hicache.l2.transfer import DONE, FAILED, PENDING, TransferError, TransferJob
@@ -20,19 +19,11 @@ from hicache.serving import Server, model_config
 from hicache.service import HiCache, HiCacheError
 from hicache.workloads import Request
 
+from helpers import make_cfg
 
-def make_cfg(path, dcp=1, l1_pages=16, l2_ratio=2.0, **policy) -> HiCacheConfig:
-    return HiCacheConfig.from_dict({
-        "model": {"num_layers": 2, "kv_lora_rank": 32, "rope_dim": 8, "hidden_size": 64,
-                  "num_heads": 4, "vocab_size": 128, "signature": "test-weights"},
-        "parallel": {"tp": dcp, "dcp": dcp},
-        "cache": {"page_size": 4},
-        "l1": {"num_pages": l1_pages},
-        "l2": {"ratio": l2_ratio},
-        "l3": {"enabled": True, "path": str(path), "size_bytes": 64 << 20},
-        # what these tests count must not depend on this machine's measured speeds
-        "policy": {"prefetch": "wait_complete", "l3_cost_model": False, **policy},
-    })
+
+# what these tests count must not depend on how fast this machine reads L3
+WAIT = {"prefetch": "wait_complete"}
 
 
 def req(i, tokens, out=2):
@@ -96,7 +87,7 @@ class _FailsAfterFirstRead:
 
 def test_a_copy_failing_between_two_state_reads_is_never_agreed(tmp_path):
     from hicache.l3 import PageStore, chain_hashes
-    cfg = make_cfg(tmp_path / "l3", l1_pages=8)
+    cfg = make_cfg(tmp_path / "l3", l1_pages=8, **WAIT)
     tokens = np.random.default_rng(0).integers(0, 128, 8)
     cache = HiCache(cfg, mode="l1+l2+l3")
     p = cache.admit("a", np.concatenate([tokens, [1]]))
@@ -129,7 +120,7 @@ def test_a_copy_failing_between_two_state_reads_is_never_agreed(tmp_path):
 
 
 def test_job_status_moves_once(tmp_path):
-    cfg = make_cfg(tmp_path / "l3")
+    cfg = make_cfg(tmp_path / "l3", l1_pages=16, **WAIT)
     with HiCache(cfg, mode="l1+l2") as cache:
         job = cache.transfer.backup([0, 1], [2, 3])
         job.wait()
@@ -140,7 +131,7 @@ def test_job_status_moves_once(tmp_path):
 
 
 def test_caller_mistakes_that_would_change_later_outputs_are_refused(tmp_path):
-    cfg = make_cfg(tmp_path / "l3", l1_pages=16)
+    cfg = make_cfg(tmp_path / "l3", l1_pages=16, **WAIT)
     rng = np.random.default_rng(2)
     prompt = rng.integers(0, 128, 17)
     model = MLAModel(model_config(cfg))
@@ -185,7 +176,7 @@ def test_locked_hits_never_starve_every_l3_restore(tmp_path):
     restore finds no room. The loop must make progress without abort/re-admit cycles (no
     restore falling back to recompute, L3 read a bounded number of times) and give the tokens
     recompute gives."""
-    cfg = make_cfg(tmp_path / "l3", l1_pages=22, l2_ratio=0.5)  # 4-token pages
+    cfg = make_cfg(tmp_path / "l3", l1_pages=22, l2_ratio=0.5, **WAIT)  # 4-token pages
     rng = np.random.default_rng(5)
     heads = [rng.integers(0, 128, 20) for _ in range(4)]  # 5 pages each: the locked L1 hits
     tails = [rng.integers(0, 128, 16) for _ in range(4)]  # 4 pages each: the L3 restores
@@ -398,7 +389,7 @@ def _fault_group(rank, world, base):
     group = dist.group.WORLD
     out = {}
     for name, check in CHECKS.items():
-        cfg = make_cfg(f"{base}/{name}", dcp=2, l1_pages=16)
+        cfg = make_cfg(f"{base}/{name}", dcp=2, l1_pages=16, **WAIT)
         torch.manual_seed(0)
         model = MLAModel(model_config(cfg))
         out[name] = check(rank, group, cfg, model)

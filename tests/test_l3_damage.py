@@ -27,19 +27,14 @@ from hicache.serving import Server, model_config
 from hicache.service import HiCache
 from hicache.workloads import Request
 
+from helpers import make_cfg
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def make_cfg(path, check_on_open=False) -> HiCacheConfig:
-    return HiCacheConfig.from_dict({
-        "model": {"num_layers": 2, "kv_lora_rank": 32, "rope_dim": 8, "hidden_size": 64,
-                  "num_heads": 4, "vocab_size": 128, "signature": "damage-test"},
-        "cache": {"page_size": 4},
-        "l1": {"num_pages": 24},
-        "l3": {"enabled": True, "path": str(path), "size_bytes": 64 << 20,
-               "check_on_open": check_on_open},
-        "policy": {"prefetch": "wait_complete"},
-    })
+def damage_cfg(path, check_on_open=False) -> HiCacheConfig:
+    return make_cfg(path, signature="damage-test", l3={"check_on_open": check_on_open},
+                    prefetch="wait_complete", l3_cost_model=True)
 
 
 def jobs(n=6, length=40):
@@ -61,7 +56,7 @@ def serve(cfg, trace):
 def store(tmp_path_factory):
     """A real store written by a run (many values, several leaf pages), and that run's tokens."""
     path = tmp_path_factory.mktemp("l3") / "store"
-    outputs, stats = serve(make_cfg(path), jobs())
+    outputs, stats = serve(damage_cfg(path), jobs())
     assert stats["bytes"]["l3_write"] > 0
     return path, outputs
 
@@ -113,10 +108,10 @@ def test_truncated_data_file_is_found_before_mapping(store, copy, caplog, cut):
     with pytest.raises(lmdb_check.StoreDamaged, match="truncated: .* ends at byte"):
         lmdb_check.precheck(str(copy))
     with pytest.raises(L3Damaged, match="is damaged"):
-        PageStore(copy, Namespace.from_config(make_cfg(copy)), 0, 64 << 20)
-    run_ends_without_l3(make_cfg(copy), caplog, store[1])
+        PageStore(copy, Namespace.from_config(damage_cfg(copy)), 0, 64 << 20)
+    run_ends_without_l3(damage_cfg(copy), caplog, store[1])
     # the parent's check says so too, as a warning: the run goes on without L3
-    (w,) = validate(make_cfg(copy), engine=False, memory=False)
+    (w,) = validate(damage_cfg(copy), engine=False, memory=False)
     assert "the store is damaged" in w and "--quarantine" in w
 
 
@@ -125,7 +120,7 @@ def test_damaged_meta_page(store, copy, caplog):
     flip(copy, range(ps + 16, ps + 24))  # meta page 1: magic and version
     with pytest.raises(lmdb_check.StoreDamaged, match="meta page 1 is damaged"):
         lmdb_check.precheck(str(copy))
-    run_ends_without_l3(make_cfg(copy), caplog, store[1])
+    run_ends_without_l3(damage_cfg(copy), caplog, store[1])
 
 
 def test_flipped_leaf_bytes_are_caught_in_a_child(store, copy, caplog):
@@ -137,7 +132,7 @@ def test_flipped_leaf_bytes_are_caught_in_a_child(store, copy, caplog):
     report = lmdb_check.check_in_child(str(copy), timeout_s=120)
     assert not report["ok"], report
     # the whole walk runs in a child: whatever the damage does there, this process goes on
-    run_ends_without_l3(make_cfg(copy, check_on_open=True), caplog, store[1])
+    run_ends_without_l3(damage_cfg(copy, check_on_open=True), caplog, store[1])
 
 
 def test_damaged_values_are_reported(store, copy):
@@ -167,7 +162,7 @@ def test_l3_check_command_reports_and_quarantines(store, copy, capsys):
 
 
 def test_a_store_error_at_run_time_ends_l3_once(store, copy, caplog):
-    cfg = make_cfg(copy)
+    cfg = damage_cfg(copy)
     ns = Namespace.from_config(cfg)
     with caplog.at_level(logging.WARNING, logger="hicache"):
         g = GuardedStore(lambda: PageStore(copy, ns, 0, 64 << 20), str(copy), 0, ns)
@@ -194,8 +189,8 @@ def test_full_disk_drops_writes_and_the_run_completes(tmp_path):
     code = textwrap.dedent(f"""
         import resource, signal, sys
         sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
-        from test_l3_damage import make_cfg, jobs, serve
-        cfg = make_cfg({str(tmp_path / "l3")!r})
+        from test_l3_damage import damage_cfg, jobs, serve
+        cfg = damage_cfg({str(tmp_path / "l3")!r})
         first, _ = serve(cfg, jobs(n=2))          # some pages stored while there is room
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         size = __import__("os").path.getsize({str(tmp_path / "l3" / "data.mdb")!r})
@@ -219,7 +214,7 @@ def test_another_applications_environment_is_refused(tmp_path, capsys):
     with env.begin(write=True) as txn:
         txn.put(b"alice", b"1", db=users)
     env.close()
-    cfg = make_cfg(path)
+    cfg = damage_cfg(path)
     with pytest.raises(L3Foreign, match="not a hicache store .*users"):
         PageStore(path, Namespace.from_config(cfg), 0, 64 << 20)
     with pytest.raises(ConfigError, match="l3.path: .* is not a hicache store"):

@@ -20,7 +20,8 @@ from hicache.distributed import launch
 from hicache.l3 import Namespace, RedisStore, open_store, page_keys
 from hicache.l3.localserver import LocalServer
 from test_l3_store import NS, PT, empty, shard, tokens
-from test_service import make_cfg, revisit_trace, serve
+from helpers import make_cfg
+from test_service import revisit_trace, serve
 
 
 def test_a_new_process_hits_what_another_stored(redis_url):
@@ -213,7 +214,7 @@ def _group(rank, world, cfg_dicts, jobs, with_recompute):
 
 
 def _redis_cfg(tmp_path, url):
-    cfg = make_cfg(tmp_path, dcp=2, l1_pages=16, l2_ratio=1.0, prefetch="wait_complete")
+    cfg = make_cfg(tmp_path / "l3", dcp=2, l1_pages=16, l2_ratio=1.0, prefetch="wait_complete")
     return cfg.replace(l3={"backend": "redis", "url": url, "path": "unused"}).to_dict()
 
 
@@ -295,7 +296,7 @@ def _survive_kill(rank, world, cfg_dict, srv_args, pid_file):
 
 def test_server_killed_mid_run_keeps_serving_and_ranks_agree(tmp_path, redis_factory):
     srv = redis_factory(maxmemory=64 << 20)
-    cfg = make_cfg(tmp_path, dcp=2, l1_pages=16, l2_ratio=1.0).replace(
+    cfg = make_cfg(tmp_path / "l3", dcp=2, l1_pages=16, l2_ratio=1.0).replace(
         l3={"backend": "redis", "url": srv.url, "timeout_s": 0.5})
     pid_file = tmp_path / "restarted.pid"
     args = {"pid": srv.pid, "dir": srv.dir, "port": srv.port, "maxmemory": srv.maxmemory}

@@ -13,7 +13,8 @@ from hicache.metrics import HISTOGRAMS, SERIES, HiCacheMetrics, describe
 from hicache.serving import Server, model_config
 from hicache.service import HiCache
 
-from test_service import make_cfg, revisit_trace
+from helpers import make_cfg, policy_toml
+from test_service import revisit_trace
 
 
 def scrape(port: int) -> dict:
@@ -52,7 +53,7 @@ def expected_from_stats(s: dict, rank: str = "0") -> dict:
 
 
 def test_scrape_equals_stats_and_moves_with_the_run(tmp_path):
-    cfg = make_cfg(tmp_path, l1_pages=24, l2_ratio=1.0, prefetch="wait_complete")
+    cfg = make_cfg(tmp_path / "l3", l1_pages=24, l2_ratio=1.0, prefetch="wait_complete")
     jobs = revisit_trace()
     torch.manual_seed(0)
     model = MLAModel(model_config(cfg))
@@ -104,7 +105,7 @@ def test_scrape_equals_stats_and_moves_with_the_run(tmp_path):
 
 
 def test_counters_continue_across_a_restart_and_merge_into_an_engine_registry(tmp_path):
-    cfg = make_cfg(tmp_path, l1_pages=24)
+    cfg = make_cfg(tmp_path / "l3", l1_pages=24)
     engine = CollectorRegistry()
     from prometheus_client import Counter
     Counter("engine_requests", "the engine's own", registry=engine).inc(3)
@@ -137,27 +138,9 @@ def test_names_follow_prometheus_conventions():
     assert np.all([" " not in n for n, _l, _h in describe()])
 
 
-BENCH_CONFIG = """
-[model]
-num_layers = 2
-kv_lora_rank = 32
-rope_dim = 8
-hidden_size = 64
-num_heads = 4
-vocab_size = 128
-[parallel]
-tp = 2
-dcp = 2
-[cache]
-page_size = 4
-[l1]
-num_pages = 48
-[l2]
-ratio = 1.0
-[l3]
-enabled = true
-path = "{l3}"
-"""
+def bench_config(l3, l1_pages: int = 48) -> str:
+    """Two DCP ranks of the tiny model, L2 as large as L1, L3 at ``l3``."""
+    return policy_toml(l3, dcp=2, l1_pages=l1_pages, l2_ratio=1.0)
 
 
 def _free_pair() -> int:
@@ -184,7 +167,7 @@ def test_bench_serves_metrics_per_rank_during_a_two_rank_run(tmp_path):
     import sys
     import time
     cfg = tmp_path / "policy.toml"
-    cfg.write_text(BENCH_CONFIG.format(l3=tmp_path / "l3"))
+    cfg.write_text(bench_config(tmp_path / "l3"))
     port = _free_pair()
     out = tmp_path / "run.json"
     proc = subprocess.Popen(
@@ -229,7 +212,7 @@ def test_bench_metrics_port_must_be_usable(tmp_path, capsys):
     import socket
     from hicache import bench_cli
     cfg = tmp_path / "policy.toml"
-    cfg.write_text(BENCH_CONFIG.format(l3=tmp_path / "l3"))
+    cfg.write_text(bench_config(tmp_path / "l3"))
     assert bench_cli.main(["--config", str(cfg), "--metrics-port", "80"]) == 2
     assert "--metrics-port" in capsys.readouterr().err
     with socket.socket() as busy:

@@ -12,19 +12,7 @@ from hicache.serving import Server, ServingError, model_config
 from hicache.service import HiCache, HiCacheError, MODES
 from hicache.workloads import Request
 
-
-def make_cfg(tmp_path, dcp=1, l1_pages=24, l2_ratio=2.0, **policy) -> HiCacheConfig:
-    return HiCacheConfig.from_dict({
-        "model": {"num_layers": 2, "kv_lora_rank": 32, "rope_dim": 8, "hidden_size": 64,
-                  "num_heads": 4, "vocab_size": 128, "signature": "test-weights"},
-        "parallel": {"tp": dcp, "dcp": dcp},
-        "cache": {"page_size": 4},
-        "l1": {"num_pages": l1_pages},
-        "l2": {"ratio": l2_ratio},
-        "l3": {"enabled": True, "path": str(tmp_path / "l3"), "size_bytes": 64 << 20},
-        # hit counts asserted below must not depend on this machine's measured speeds
-        "policy": {"l3_cost_model": False, **policy},
-    })
+from helpers import make_cfg
 
 
 def req(i, tokens, out=4):
@@ -43,7 +31,7 @@ def serve(cfg, mode, jobs, rank=0, group=None, max_running=2):
 
 
 def test_second_request_sharing_a_prefix_hits(tmp_path):
-    cfg = make_cfg(tmp_path)
+    cfg = make_cfg(tmp_path / "l3")
     rng = np.random.default_rng(0)
     shared = rng.integers(0, 128, 40)
     a = req(0, np.concatenate([shared, rng.integers(0, 128, 5)]))
@@ -72,7 +60,7 @@ def test_every_mode_gives_the_same_tokens_and_each_tier_serves(tmp_path):
     jobs = revisit_trace()
     outs = {}
     for mode in MODES:
-        cfg = make_cfg(tmp_path / mode, l1_pages=24, l2_ratio=1.0 if "l3" in mode else 3.0,
+        cfg = make_cfg(tmp_path / mode / "l3", l1_pages=24, l2_ratio=1.0 if "l3" in mode else 3.0,
                        prefetch="wait_complete")
         results, stats = serve(cfg, mode, jobs)
         outs[mode] = {r.request_id: r.output for r in results}  # completion order may differ
@@ -101,7 +89,7 @@ def _kv_of(cache, table, n_tokens):
 
 
 def test_l2_and_l3_restored_kv_is_bit_identical_to_prefill(tmp_path):
-    cfg = make_cfg(tmp_path, l1_pages=16, l2_ratio=2.0, prefetch="wait_complete")
+    cfg = make_cfg(tmp_path / "l3", l1_pages=16, l2_ratio=2.0, prefetch="wait_complete")
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, 128, 33)
     model = MLAModel(model_config(cfg))
@@ -154,7 +142,7 @@ def _serve_signed(cfg, model, mode, jobs):
 
 
 def test_other_weights_of_the_same_shapes_never_hit_l3(tmp_path):
-    cfg = make_cfg(tmp_path, prefetch="wait_complete")
+    cfg = make_cfg(tmp_path / "l3", prefetch="wait_complete")
     prompts = [np.random.default_rng(20 + i).integers(0, 128, 33) for i in range(3)]
     jobs = [req(i, p, out=6) for i, p in enumerate(prompts)]
     old = MLAModel(model_config(cfg, seed=0))
@@ -174,7 +162,7 @@ def test_other_weights_of_the_same_shapes_never_hit_l3(tmp_path):
 def test_l3_needs_a_weights_signature(tmp_path):
     from hicache.config import ConfigError
     from hicache.l3 import Namespace
-    cfg = make_cfg(tmp_path).replace(model={"signature": ""})
+    cfg = make_cfg(tmp_path / "l3").replace(model={"signature": ""})
     with pytest.raises(ConfigError, match=r"model\.signature"):
         HiCache(cfg, mode="l1+l2+l3")
     with pytest.raises(ConfigError, match=r"model\.signature"):
@@ -192,11 +180,11 @@ def test_l3_needs_a_weights_signature(tmp_path):
 
 
 def test_api_misuse_is_a_clear_error(tmp_path):
-    cfg = make_cfg(tmp_path)
+    cfg = make_cfg(tmp_path / "l3")
     with pytest.raises(HiCacheError, match="unknown mode"):
         HiCache(cfg, mode="l2-only")
     with pytest.raises(HiCacheError, match="parallel.dcp is 2"):
-        HiCache(make_cfg(tmp_path, dcp=2))
+        HiCache(make_cfg(tmp_path / "l3", dcp=2))
     with HiCache(cfg, mode="l1+l2") as cache:
         cache.admit(1, [1, 2, 3])
         with pytest.raises(HiCacheError, match="already admitted"):
@@ -207,7 +195,7 @@ def test_api_misuse_is_a_clear_error(tmp_path):
             cache.admit(3, [])
         cache.finish(1, [1, 2, 3])
         assert cache.stats()["locks"] == 0
-    big = make_cfg(tmp_path, l1_pages=2)
+    big = make_cfg(tmp_path / "l3", l1_pages=2)
     with pytest.raises(ServingError, match="l1.num_pages"):
         serve(big, "l1", [req(0, list(range(20)))])
 
@@ -225,10 +213,10 @@ def _two_rank(rank, world, cfg_dict, jobs):
 
 def test_two_ranks_agree_and_match_one_rank(tmp_path):
     jobs = revisit_trace(sessions=5, seed=2)
-    cfg2 = make_cfg(tmp_path / "two", dcp=2, l1_pages=16, l2_ratio=1.0,
+    cfg2 = make_cfg(tmp_path / "two" / "l3", dcp=2, l1_pages=16, l2_ratio=1.0,
                     prefetch="wait_complete")
     per_rank = launch(2, _two_rank, cfg2.to_dict(), jobs, timeout_s=300)
-    one, _ = serve(make_cfg(tmp_path / "one", l1_pages=24), "recompute", jobs)
+    one, _ = serve(make_cfg(tmp_path / "one" / "l3", l1_pages=24), "recompute", jobs)
     for rank_out in per_rank:
         assert rank_out["recompute"][0] == {r.request_id: r.output for r in one}
         assert rank_out["l1+l2+l3"][0] == {r.request_id: r.output for r in one}
@@ -267,7 +255,7 @@ def _one_rank_lacks_a_page(rank, world, cfg_dict, prompt):
 
 
 def test_a_page_one_rank_lacks_is_used_by_neither(tmp_path):
-    cfg = make_cfg(tmp_path, dcp=2, prefetch="wait_complete")
+    cfg = make_cfg(tmp_path / "l3", dcp=2, prefetch="wait_complete")
     prompt = np.random.default_rng(7).integers(0, 128, 33)
     out = launch(2, _one_rank_lacks_a_page, cfg.to_dict(), prompt, timeout_s=300)
     assert [o[0] for o in out] == [16, 16]  # rank 0 has 4 pages, rank 1 only 2: MIN = 2 pages
@@ -278,7 +266,7 @@ def test_a_page_one_rank_lacks_is_used_by_neither(tmp_path):
 def test_one_l3_writer_per_page_among_replicas(tmp_path):
     from hicache.l3 import PageStore, chain_hashes, keys_for_rank
     prompt = np.random.default_rng(3).integers(0, 128, 41)  # 10 whole pages of 4
-    cfg = make_cfg(tmp_path)
+    cfg = make_cfg(tmp_path / "l3")
     model = MLAModel(model_config(cfg))
     with HiCache(cfg, mode="l1+l2+l3", replica=(1, 2)) as cache:
         Server(model, cache).run([req("a", prompt, out=1)])
@@ -300,7 +288,7 @@ def test_reused_device_pages_never_carry_an_old_l3_key(tmp_path):
     request that is then preempted must not be written to L3 under M's keys."""
     from hicache.controller import DeviceFullError
     from hicache.l3 import chain_hashes
-    cfg = make_cfg(tmp_path, l1_pages=5, l2_ratio=0.4, write="write_back",
+    cfg = make_cfg(tmp_path / "l3", l1_pages=5, l2_ratio=0.4, write="write_back",
                    prefetch="wait_complete")
     rng = np.random.default_rng(1)
     tn, tm, tx = rng.integers(0, 128, 8), rng.integers(0, 128, 16), rng.integers(0, 128, 8)
@@ -354,7 +342,7 @@ def test_a_failed_copy_is_never_agreed(tmp_path, monkeypatch):
     import hicache.l2.copy_cpu as copy_cpu
     from hicache.l2.transfer import TransferError
     from hicache.l3 import chain_hashes
-    cfg = make_cfg(tmp_path, l1_pages=8)
+    cfg = make_cfg(tmp_path / "l3", l1_pages=8)
     tokens = np.random.default_rng(0).integers(0, 128, 8)
     cache = HiCache(cfg, mode="l1+l2+l3")
     p = cache.admit("a", np.concatenate([tokens, [1]]))
@@ -406,7 +394,7 @@ def _one_rank_copy_fails(rank, world, cfg_dict, tokens):
 
 
 def test_a_copy_failing_on_one_rank_stops_both_at_the_same_step(tmp_path):
-    cfg = make_cfg(tmp_path, dcp=2)
+    cfg = make_cfg(tmp_path / "l3", dcp=2)
     tokens = np.random.default_rng(4).integers(0, 128, 16)
     out = launch(2, _one_rank_copy_fails, cfg.to_dict(), tokens, timeout_s=120)
     assert "another rank" in out[0]
@@ -418,7 +406,7 @@ def test_l3_cost_model_switch(tmp_path, monkeypatch):
     ``l3_cost_model = false`` always loads it."""
     from hicache.l3.base import L3Stats
     for on in (True, False):
-        with HiCache(make_cfg(tmp_path / str(on), l3_cost_model=on), mode="l1+l2+l3") as cache:
+        with HiCache(make_cfg(tmp_path / str(on) / "l3", l3_cost_model=on), mode="l1+l2+l3") as cache:
             slow = L3Stats(bytes_read=1, read_s=10.0)  # 0.1 B/s from the store
             monkeypatch.setattr(type(cache.l3), "stats", property(lambda self: slow))
             cache.observe_prefill(1 << 20, 1e-3)     # ~1e9 tokens/s of prefill

@@ -13,12 +13,12 @@ from hicache.l3 import chain_hashes
 from hicache.faults import FaultConfig, FaultInjector, InjectedFault, corrupt_values
 from hicache.service import HiCache
 
-from test_metrics import BENCH_CONFIG
+from helpers import make_cfg
+from test_metrics import bench_config
 
 # L1 and L2 smaller than the trace: every pass evicts, backs up (D2H), loads back (H2D) and
 # restores from L3, so every fault kind has something to hit.
-SOAK_CONFIG = BENCH_CONFIG.replace("num_pages = 48", "num_pages = 28")
-from test_service import make_cfg
+SOAK_L1_PAGES = 28
 
 
 def test_every_rank_draws_the_same_plan_and_only_the_target_acts():
@@ -64,7 +64,7 @@ def _stored_prompt(cache, tokens):
 
 @pytest.mark.parametrize("kind", ["l3_corrupt", "l3_delete", "l3_error"])
 def test_each_l3_fault_is_a_counted_miss(tmp_path, kind):
-    cfg = make_cfg(tmp_path, l1_pages=24, prefetch="wait_complete")
+    cfg = make_cfg(tmp_path / "l3", l1_pages=24, prefetch="wait_complete")
     tokens = np.random.default_rng(1).integers(0, 128, 33)
     with HiCache(cfg, mode="l1+l2+l3") as cache:
         _stored_prompt(cache, tokens)
@@ -100,7 +100,7 @@ def test_each_l3_fault_is_a_counted_miss(tmp_path, kind):
 def test_an_injected_copy_failure_stops_the_step_and_a_cache_without_faults_is_untouched(
         tmp_path):
     from hicache.l2.transfer import TransferError
-    cfg = make_cfg(tmp_path, l1_pages=24)
+    cfg = make_cfg(tmp_path / "l3", l1_pages=24)
     plain = HiCache(cfg, mode="l1+l2")
     assert "step" not in vars(plain) and "copy" not in vars(plain.transfer.backend)  # zero cost
     plain.close()
@@ -121,7 +121,7 @@ def test_an_injected_copy_failure_stops_the_step_and_a_cache_without_faults_is_u
 
 def test_short_fault_soak_on_two_ranks(tmp_path, capsys):
     cfg = tmp_path / "policy.toml"
-    cfg.write_text(SOAK_CONFIG.format(l3=tmp_path / "unused"))
+    cfg.write_text(bench_config(tmp_path / "unused", SOAK_L1_PAGES))
     out = tmp_path / "soak.json"
     rc = bench_cli.main(["--config", str(cfg), "--workload", "chat", "--scale", "0.01",
                          "--max-output", "3", "--max-running", "2", "--duration", "8", "--faults", "3",
@@ -152,7 +152,7 @@ def test_short_fault_soak_on_two_ranks(tmp_path, capsys):
 
 def test_fault_soak_arguments(tmp_path, capsys):
     cfg = tmp_path / "policy.toml"
-    cfg.write_text(BENCH_CONFIG.format(l3=tmp_path / "l3"))
+    cfg.write_text(bench_config(tmp_path / "l3"))
     assert bench_cli.main(["--config", str(cfg), "--faults", "1"]) == 2
     assert "--duration" in capsys.readouterr().err
     assert bench_cli.main(["--config", str(cfg), "--faults", "1", "--duration", "5",
@@ -166,7 +166,7 @@ def test_short_fault_soak_on_redis_kills_and_restarts_its_own_server(tmp_path, c
     # its own, so the user's server keeps its data and keeps running
     user = redis_factory()
     cfg = tmp_path / "policy.toml"
-    cfg.write_text(SOAK_CONFIG.format(l3=tmp_path / "unused"))
+    cfg.write_text(bench_config(tmp_path / "unused", SOAK_L1_PAGES))
     out = tmp_path / "soak.json"
     rc = bench_cli.main(["--config", str(cfg), "--l3-url", user.url, "--workload", "chat",
                          "--scale", "0.01", "--max-output", "3", "--max-running", "2",

@@ -1,0 +1,60 @@
+"""Configs the tests share: one tiny model (2 layers, latent 32 + rope 8), as a ``HiCacheConfig``
+(:func:`make_cfg`) or as policy-file text (:func:`policy_toml`), so a key that changes changes
+in one place."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hicache.config import HiCacheConfig
+
+TINY_MODEL = {"num_layers": 2, "kv_lora_rank": 32, "rope_dim": 8, "hidden_size": 64,
+              "num_heads": 4, "vocab_size": 128}
+
+
+def tiny_sections(l3_path=None, *, dcp: int | None = None, page_size: int = 4, l1_pages: int = 24,
+                  l2_ratio: float | None = None, model: dict | None = None,
+                  l3: dict | None = None, policy: dict | None = None) -> dict:
+    """The policy file of the tiny model as a dict: L3 on at ``l3_path`` (when given); sections
+    left at their defaults are left out."""
+    d: dict = {"model": {**TINY_MODEL, **(model or {})}}
+    if dcp is not None:
+        d["parallel"] = {"tp": dcp, "dcp": dcp}
+    d["cache"] = {"page_size": page_size}
+    d["l1"] = {"num_pages": l1_pages}
+    if l2_ratio is not None:
+        d["l2"] = {"ratio": l2_ratio}
+    if l3_path is not None:
+        d["l3"] = {"enabled": True, "path": str(l3_path), **(l3 or {})}
+    if policy:
+        d["policy"] = dict(policy)
+    return d
+
+
+def make_cfg(l3_path, dcp: int = 1, l1_pages: int = 24, l2_ratio: float = 2.0,
+             signature: str = "test-weights", l3: dict | None = None, **policy) -> HiCacheConfig:
+    """The service tests' config: 4-token pages, L3 (64 MiB) at ``l3_path``; what the tests
+    count must not depend on this machine's measured speeds, so ``l3_cost_model`` is off unless
+    given."""
+    return HiCacheConfig.from_dict(tiny_sections(
+        Path(l3_path), dcp=dcp, l1_pages=l1_pages, l2_ratio=l2_ratio,
+        model={"signature": signature}, l3={"size_bytes": 64 << 20, **(l3 or {})},
+        policy={"l3_cost_model": False, **policy}))
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(str(v))  # a TOML basic string
+
+
+def policy_toml(l3_path=None, **kw) -> str:
+    """:func:`tiny_sections` as policy-file (TOML) text."""
+    lines = []
+    for section, values in tiny_sections(l3_path, **kw).items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"
