@@ -99,16 +99,18 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def timed(fn):
+    """(fn's result, seconds it took with the device synchronised before and after)."""
+    sync()
+    t = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - t
+
+
 def best(fn, reps: int) -> float:
     fn()  # warm-up (compiles a kernel the first time)
-    out = float("inf")
-    for _ in range(reps):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        out = min(out, time.perf_counter() - t)
-    return out
+    return min(timed(fn)[1] for _ in range(max(reps, 1)))
 
 
 # ---- checks -------------------------------------------------------------------------------------
@@ -193,21 +195,32 @@ def _close(o, lse, o_ref, lse_ref, tol: float) -> tuple[float, float]:
     return eo, el
 
 
+def _latent_inputs(sz: Sizes, dev, T: int, N: int, seed: int):
+    """Random decode-kernel inputs in the kernel's dtype (bf16 on CUDA): queries q_lat
+    [T, H, R], q_pe [T, H, Dr] and latent rows kv [N, R + Dr]; skips without Triton."""
+    import torch
+
+    from hicache.kernels.decode_attention import available
+    if not available():
+        raise Skip("triton is not usable here")
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    g = torch.Generator(device=dev).manual_seed(seed)
+    H, R, Dr = sz.dec_h, sz.dec_r, sz.dec_dr
+    return (torch.randn(T, H, R, device=dev, generator=g, dtype=dt),
+            torch.randn(T, H, Dr, device=dev, generator=g, dtype=dt),
+            torch.randn(N, R + Dr, device=dev, generator=g, dtype=dt))
+
+
 def check_decode(sz: Sizes, dev) -> str:
     import torch
 
     from hicache.engine.attention import attend_latent_torch
-    from hicache.kernels.decode_attention import available, decode_attention_latent
-    if not available():
-        raise Skip("triton is not usable here")
-    cuda = dev.type == "cuda"
-    dt = torch.bfloat16 if cuda else torch.float32
-    g = torch.Generator(device=dev).manual_seed(2)
-    T, H, R, Dr, N = sz.dec_t, sz.dec_h, sz.dec_r, sz.dec_dr, sz.dec_n
+    from hicache.kernels.decode_attention import decode_attention_latent
+    T, H, R, N = sz.dec_t, sz.dec_h, sz.dec_r, sz.dec_n
+    q_lat, q_pe, kv = _latent_inputs(sz, dev, T, N, seed=2)
+    q_lat, q_pe = q_lat.float(), q_pe.float()  # fp32 queries the kernel's dtype holds exactly
+    cuda, dt = dev.type == "cuda", kv.dtype
     scale = 1.0 / math.sqrt(192)
-    q_lat = torch.randn(T, H, R, device=dev, generator=g).to(dt).float()  # kernel-exact queries
-    q_pe = torch.randn(T, H, Dr, device=dev, generator=g).to(dt).float()
-    kv = torch.randn(N, R + Dr, device=dev, generator=g).to(dt)
     kv_pos = torch.arange(N, device=dev) * 2            # rank 0 of a DCP-2 shard
     q_pos = torch.arange(2 * N - T, 2 * N, device=dev)
     o, lse = decode_attention_latent(q_lat, q_pe, kv, q_pos, kv_pos, scale, R)
@@ -226,24 +239,15 @@ def check_long_extend(sz: Sizes, dev) -> str:
     import torch
 
     from hicache.engine.attention import attend_latent_torch
-    from hicache.kernels.decode_attention import available, decode_attention_latent
-    if not available():
-        raise Skip("triton is not usable here")
+    from hicache.kernels.decode_attention import decode_attention_latent
+    T, H, R, N = sz.ext_t, sz.dec_h, sz.dec_r, sz.ext_n
+    q_lat, q_pe, kv = _latent_inputs(sz, dev, T, N, seed=3)
     cuda = dev.type == "cuda"
-    dt = torch.bfloat16 if cuda else torch.float32
-    g = torch.Generator(device=dev).manual_seed(3)
-    T, H, R, Dr, N = sz.ext_t, sz.dec_h, sz.dec_r, sz.dec_dr, sz.ext_n
     scale = 1.0 / math.sqrt(192)
-    q_lat = torch.randn(T, H, R, device=dev, generator=g, dtype=dt)
-    q_pe = torch.randn(T, H, Dr, device=dev, generator=g, dtype=dt)
-    kv = torch.randn(N, R + Dr, device=dev, generator=g).to(dt)
     kv_pos = torch.arange(N, device=dev) * (T // N + 1)  # keys spread over the extend
     q_pos = torch.arange(T, device=dev)
-    sync()
-    t0 = time.perf_counter()
-    o, lse = decode_attention_latent(q_lat, q_pe, kv, q_pos, kv_pos, scale, R, num_splits=2)
-    sync()
-    took = time.perf_counter() - t0
+    (o, lse), took = timed(lambda: decode_attention_latent(q_lat, q_pe, kv, q_pos, kv_pos, scale,
+                                                           R, num_splits=2))
     edge = 2**31 // (H * R)  # first token whose row starts past 2**31 elements
     rows = sorted({0, 1, T // 2, edge - 1, edge, edge + 1, T - 2, T - 1} & set(range(T)))
     idx = torch.tensor(rows, device=dev)
@@ -315,7 +319,7 @@ def check_nccl(sz: Sizes, dev) -> str:
         ctl = hd.control_group(world)
         assert hd.control_group(world) is ctl and (ctl is not world) == cuda
         t = torch.tensor([3, 1], dtype=torch.int64)
-        hd.all_reduce(t, op=dist.ReduceOp.MIN, group=ctl)  # the agreement's collective
+        hd.all_reduce(t, op=dist.ReduceOp.MIN, group=ctl)  # the gloo twin takes CPU tensors
         assert t.tolist() == [3, 1]
         notes.append("gloo twin agrees" if cuda else "gloo world reused")
         try:

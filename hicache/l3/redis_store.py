@@ -122,6 +122,16 @@ def _split(url: str):
     return parts
 
 
+def _close_quietly(client) -> None:
+    """Close a client that is being dropped (the server may already be gone)."""
+    if client is None:
+        return
+    try:
+        client.close()
+    except Exception:
+        pass
+
+
 class RedisStore(L3Store):
     """Page store of this rank's shards on a Redis / Valkey server or cluster. Thread-safe."""
 
@@ -225,11 +235,7 @@ class RedisStore(L3Store):
         self._down_until = time.monotonic() + self.retry_after_s
         self.last_error = err
         client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception:
-                pass
+        _close_quietly(client)
 
     def _pipeline(self, commands: list[tuple]) -> list | None:
         """Run commands in one pipelined round trip (cluster: grouped by node). Per-command
@@ -408,11 +414,7 @@ class RedisStore(L3Store):
         self._closed = True
         with self._client_lock:
             client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception:
-                pass
+        _close_quietly(client)
 
     # ---- introspection --------------------------------------------------------------------------
     def raw_client(self):

@@ -216,7 +216,7 @@ class PageStore(L3Store):
     def __init__(self, path: str | os.PathLike, namespace: Namespace, rank: int,
                  capacity_bytes: int, map_size: int | None = None, writer: bool = True,
                  max_map_size: int | None = None, sync: bool = True,
-                 batch_bytes: int = 256 << 20, verify_threads: int | None = None) -> None:
+                 batch_bytes: int = 256 << 20) -> None:
         self._init_common(namespace, rank, writer)
         page_bytes = self.page_bytes
         if not isinstance(capacity_bytes, int) or capacity_bytes < page_bytes:
@@ -239,7 +239,6 @@ class PageStore(L3Store):
         self._pending_touch: list[list[bytes]] = []  # served key batches, oldest batch first
         self._pending_count = 0
         self._soft_cap = capacity_bytes  # lowered when the map fills before the capacity
-        del verify_threads  # accepted for compatibility: checksums now run inline
         self._closed = False
 
     @property
