@@ -16,7 +16,8 @@ from hicache.serving import Server, model_config
 from hicache.service import HiCache
 from hicache.tier_io import InFlight, L3Read, PageChain, Waits
 
-from test_service import _kv_of, make_cfg, req
+from helpers import make_cfg
+from test_service import _kv_of, req
 
 
 def _stored(cfg, prompt):
@@ -39,7 +40,7 @@ def _reference(cfg, tmp_path, prompt, n):
 
 
 def test_in_flight_records_are_typed(tmp_path):
-    cfg = make_cfg(tmp_path, l1_pages=8, prefetch="wait_complete")
+    cfg = make_cfg(tmp_path / "l3", l1_pages=8, prefetch="wait_complete")
     tokens = np.random.default_rng(0).integers(0, 128, 12)
     with HiCache(cfg, mode="l1+l2+l3") as cache:
         p = cache.admit("a", np.concatenate([tokens, [1]]))
@@ -64,7 +65,7 @@ def test_l3_restore_is_a_transfer_job_that_overlaps_and_is_counted(tmp_path):
     """The agreed restore returns at once with the copy still running (held on a gate here):
     ``wait_layer`` blocks until it lands, then the rows are prefill's; the next step counts it
     as H2D bytes."""
-    cfg = make_cfg(tmp_path, l1_pages=16, prefetch="wait_complete")
+    cfg = make_cfg(tmp_path / "l3", l1_pages=16, prefetch="wait_complete")
     prompt = np.random.default_rng(1).integers(0, 128, 33)
     _stored(cfg, prompt)
     reference = _reference(cfg, tmp_path, prompt, 32)
@@ -110,7 +111,7 @@ def test_l3_restore_is_a_transfer_job_that_overlaps_and_is_counted(tmp_path):
 
 
 def test_an_l3_request_with_an_l2_hit_waits_on_both_copies(tmp_path):
-    cfg = make_cfg(tmp_path, l1_pages=16, l2_ratio=2.0, prefetch="wait_complete")
+    cfg = make_cfg(tmp_path / "l3", l1_pages=16, l2_ratio=2.0, prefetch="wait_complete")
     rng = np.random.default_rng(2)
     prompt = rng.integers(0, 128, 33)
     _stored(cfg, prompt)
@@ -135,7 +136,7 @@ def test_an_l3_request_with_an_l2_hit_waits_on_both_copies(tmp_path):
 
 def test_a_restore_that_fails_is_agreed_and_leaks_nothing(tmp_path):
     from test_faults import leaks
-    cfg = make_cfg(tmp_path, l1_pages=16, prefetch="wait_complete")
+    cfg = make_cfg(tmp_path / "l3", l1_pages=16, prefetch="wait_complete")
     prompt = np.random.default_rng(3).integers(0, 128, 33)
     _stored(cfg, prompt)
     cache = HiCache(cfg, mode="l1+l2+l3")
@@ -175,7 +176,7 @@ def test_one_cost_model_decides_load_or_recompute():
 
 
 def test_the_service_feeds_the_cost_model(tmp_path):
-    cfg = make_cfg(tmp_path, l3_cost_model=True)
+    cfg = make_cfg(tmp_path / "l3", l3_cost_model=True)
     with HiCache(cfg, mode="l1+l2+l3") as cache:
         assert cache.io.worth_loading(4)  # nothing measured: try the store
         cache.observe_prefill(4000, 2.0)
