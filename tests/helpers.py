@@ -58,3 +58,14 @@ def policy_toml(l3_path=None, **kw) -> str:
         lines.append(f"[{section}]")
         lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
     return "\n".join(lines) + "\n"
+
+
+def admit_ready(cache, request_id, prompt, alloc: bool = True):
+    """Admit ``prompt``, step until its prefix is ready (the L3 lookup agreed) and, with
+    ``alloc``, allocate room for the whole prompt; the ``Prefix``."""
+    p = cache.admit(request_id, prompt)
+    while not p.ready:
+        cache.step()
+    if alloc:
+        cache.alloc(request_id, len(prompt))
+    return p

@@ -19,7 +19,7 @@ from hicache.serving import Server, model_config
 from hicache.service import HiCache, HiCacheError
 from hicache.workloads import Request
 
-from helpers import make_cfg
+from helpers import admit_ready, make_cfg
 
 
 # what these tests count must not depend on how fast this machine reads L3
@@ -90,10 +90,7 @@ def test_a_copy_failing_between_two_state_reads_is_never_agreed(tmp_path):
     cfg = make_cfg(tmp_path / "l3", l1_pages=8, **WAIT)
     tokens = np.random.default_rng(0).integers(0, 128, 8)
     cache = HiCache(cfg, mode="l1+l2+l3")
-    p = cache.admit("a", np.concatenate([tokens, [1]]))
-    while not p.ready:
-        cache.step()
-    cache.alloc("a", 9)
+    admit_ready(cache, "a", np.concatenate([tokens, [1]]))
     cache.finish("a", tokens)  # write_through: one backup
     (op_id, rec), = cache.io.inflight.items()
     job = rec.job

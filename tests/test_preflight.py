@@ -12,6 +12,8 @@ from hicache import preflight
 from hicache.config import SECTIONS, ConfigError, HiCacheConfig, loads
 from hicache.preflight import Machine, memory_need, validate
 
+from helpers import admit_ready
+
 GiB = 1 << 30
 NO_CUDA = Machine(cuda=False, host_available=64 * GiB)
 
@@ -111,10 +113,7 @@ def test_a_preset_runs_in_the_service(tmp_path):
                  f'[l1]\nnum_pages = 8\n[l3]\nenabled = true\npath = "{tmp_path}/l3"')
     tokens = np.arange(30)
     with HiCache(cfg.replace()) as cache:
-        p = cache.admit(0, tokens)
-        while not p.ready:  # alloc only once the (empty) L3 lookup is agreed
-            cache.step()
-        cache.alloc(0, 30)
+        admit_ready(cache, 0, tokens)  # alloc only once the (empty) L3 lookup is agreed
         cache.finish(0, tokens)
         cache.step()
         again = cache.admit(1, tokens)

@@ -12,7 +12,7 @@ from hicache.serving import Server, ServingError, model_config
 from hicache.service import HiCache, HiCacheError, MODES
 from hicache.workloads import Request
 
-from helpers import make_cfg
+from helpers import admit_ready, make_cfg
 
 
 def req(i, tokens, out=4):
@@ -294,18 +294,13 @@ def test_reused_device_pages_never_carry_an_old_l3_key(tmp_path):
     tn, tm, tx = rng.integers(0, 128, 8), rng.integers(0, 128, 16), rng.integers(0, 128, 8)
 
     def run(cache, rid, prompt, value):  # a request whose computed KV is all `value`
-        p = cache.admit(rid, np.concatenate([prompt, [1]]))
-        while not p.ready:
-            cache.step()
-        cache.alloc(rid, len(prompt) + 1)
+        p = admit_ready(cache, rid, np.concatenate([prompt, [1]]))
         _fill(cache, p.page_table[p.hit_len // 4:], value)
         cache.finish(rid, prompt)
         cache.step()
 
     def pressure(cache, rid, tokens):  # forces evictions, then is preempted
-        p = cache.admit(rid, tokens)
-        while not p.ready:
-            cache.step()
+        p = admit_ready(cache, rid, tokens, alloc=False)
         try:
             cache.alloc(rid, len(tokens))
         except DeviceFullError:
@@ -345,10 +340,7 @@ def test_a_failed_copy_is_never_agreed(tmp_path, monkeypatch):
     cfg = make_cfg(tmp_path / "l3", l1_pages=8)
     tokens = np.random.default_rng(0).integers(0, 128, 8)
     cache = HiCache(cfg, mode="l1+l2+l3")
-    p = cache.admit("a", np.concatenate([tokens, [1]]))
-    while not p.ready:
-        cache.step()
-    cache.alloc("a", 9)
+    p = admit_ready(cache, "a", np.concatenate([tokens, [1]]))
     _fill(cache, p.page_table, 1.0)
 
     def broken(*args, **kwargs):

@@ -13,7 +13,7 @@ from hicache.l3 import chain_hashes
 from hicache.faults import FaultConfig, FaultInjector, InjectedFault, corrupt_values
 from hicache.service import HiCache
 
-from helpers import make_cfg
+from helpers import admit_ready, make_cfg
 from test_metrics import bench_config
 
 # L1 and L2 smaller than the trace: every pass evicts, backs up (D2H), loads back (H2D) and
@@ -49,10 +49,7 @@ def test_every_rank_draws_the_same_plan_and_only_the_target_acts():
 
 def _stored_prompt(cache, tokens):
     """Serve ``tokens`` once and push its pages to L3."""
-    p = cache.admit("w", tokens)
-    while not p.ready:
-        cache.step()
-    cache.alloc("w", len(tokens))
+    p = admit_ready(cache, "w", tokens)
     rows = torch.arange(len(tokens), dtype=torch.int64)
     for layer in range(cache.l1.kv.shape[0]):
         table = torch.tensor(p.page_table)
@@ -80,9 +77,7 @@ def test_each_l3_fault_is_a_counted_miss(tmp_path, kind):
             inj._armed.delete_reads = 1
         else:
             inj._armed.error_reads = 1
-        p = cache.admit("r", tokens)
-        while not p.ready:
-            cache.step()
+        p = admit_ready(cache, "r", tokens, alloc=False)
         assert p.storage_len == 0  # nothing restored: every page was a miss
         s = cache.stats()
         assert s["hit_tokens"]["l3"] == 0 and s["miss_tokens"] == len(tokens)

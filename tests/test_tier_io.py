@@ -16,7 +16,7 @@ from hicache.serving import Server, model_config
 from hicache.service import HiCache
 from hicache.tier_io import InFlight, L3Read, PageChain, Waits
 
-from helpers import make_cfg
+from helpers import admit_ready, make_cfg
 from test_service import _kv_of, req
 
 
@@ -43,10 +43,7 @@ def test_in_flight_records_are_typed(tmp_path):
     cfg = make_cfg(tmp_path / "l3", l1_pages=8, prefetch="wait_complete")
     tokens = np.random.default_rng(0).integers(0, 128, 12)
     with HiCache(cfg, mode="l1+l2+l3") as cache:
-        p = cache.admit("a", np.concatenate([tokens, [1]]))
-        while not p.ready:
-            cache.step()
-        cache.alloc("a", 13)
+        admit_ready(cache, "a", np.concatenate([tokens, [1]]))
         cache.finish("a", tokens)  # write_through: one backup of 3 pages
         (op_id, rec), = cache.io.inflight.items()
         assert isinstance(rec, InFlight) and isinstance(rec.op, BackupOp)
