@@ -356,7 +356,7 @@ def check_engine_step(sz: Sizes, dev) -> str:
         pool = DeviceKVPool(lay, cfg.num_layers, cfg.kv_dim, cfg.torch_dtype, sz.pages, device=dev)
         runner = DCPRunner(model, pool, attn_backend=backend)
         st = RequestState()
-        reserve(st, PageAllocator(sz.pages), len(prompt) + steps, lay.virtual_page_size)
+        reserve(st, PageAllocator(sz.pages), len(prompt) + steps, lay.page_tokens)
         runner.extend(st, prompt)
         logits = []
         if big:

@@ -71,7 +71,7 @@ def _memcpy_pair(nbytes: int, direction: str, dtype: torch.dtype):
 def measure(c: int, kind: str, pattern: str, tokens: int, layers: int, reps: int, io: str,
             dtype: torch.dtype, copy_threads: int = 1) -> list[dict]:
     lay = DCPLayout(c, 0, PAGE)
-    pages = -(-tokens // lay.virtual_page_size)  # widened pages holding the sequence
+    pages = -(-tokens // lay.page_tokens)  # widened pages holding the sequence
     dev = DeviceKVPool(lay, layers, KV_DIM, dtype, pages)
     host = HostKVPool(lay, layers, KV_DIM, dtype, pages, layout_kind=kind)
     dev.kv.normal_()

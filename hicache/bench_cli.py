@@ -484,7 +484,7 @@ def check_fit(jobs: list, cfg: HiCacheConfig, source: str) -> None:
             where = f"{source}: request {i + 1}" if source else f"request {j.request_id}"
             raise UsageError(f"{where}: request needs {need} tokens of KV (prompt "
                              f"{len(j.tokens)} + output {j.output_len}) but L1 holds {capacity} "
-                             f"(l1.num_pages {cfg.l1.num_pages} x {cfg.effective_page_size}); "
+                             f"(l1.num_pages {cfg.l1.num_pages} x {cfg.page_tokens}); "
                              "raise l1.num_pages or lower --max-output / --scale")
 
 
@@ -525,7 +525,7 @@ def _main(args) -> int:
         rows = run_variants(cfg, vs, jobs, opts, args.reps)
         entry = {"workload": w, "trace": trace_summary(jobs), "modes": rows,
                  "ideal_hit_ratio": ideal_hit_ratio(jobs, rows[0]["outputs"],
-                                                    cfg.effective_page_size)}
+                                                    cfg.page_tokens)}
         if args.verify:  # always against recompute, run for the purpose when not a mode
             ref = next((r for r in rows if r["name"] == "recompute"), None) \
                 or run_mode(cfg, "recompute", jobs, opts)
@@ -588,7 +588,7 @@ def _print(workload: str, entry: dict, cfg: HiCacheConfig) -> None:
     t = entry["trace"]
     print(f"\n== {workload}: {t.get('requests')} requests, {t.get('prompt_tokens')} prompt tokens; "
           f"dcp {cfg.parallel.dcp}, P {cfg.cache.page_size} (pages of "
-          f"{cfg.effective_page_size}), L1 {cfg.l1.num_pages} pages, L2 {cfg.l2_num_pages} pages")
+          f"{cfg.page_tokens}), L1 {cfg.l1.num_pages} pages, L2 {cfg.l2_num_pages} pages")
     rows = []
     for r in entry["modes"]:
         h = r["hit_tokens"]

@@ -50,11 +50,11 @@ def _check_config(args) -> int:
         "file": args.file,
         "topology": f"valid: tp {p.tp}, attn_dp {p.attn_dp}, dcp {p.dcp} "
                     f"(max dcp {topology.max_dcp(p.tp, 1, p.attn_dp)})",
-        "effective_page_size": cfg.effective_page_size,
+        "effective_page_size": cfg.page_tokens,  # the output keeps its name: scripts read it
         "l1_tokens_per_rank": per_rank_tokens,
         "l1_tokens_total": cfg.l1_tokens,
         "l2_pages": cfg.l2_num_pages,
-        "l2_tokens_total": cfg.l2_num_pages * cfg.effective_page_size,
+        "l2_tokens_total": cfg.l2_num_pages * cfg.page_tokens,
         "page_bytes_per_rank": cfg.page_bytes_per_rank,
         "host_memory": f"{need.host_total / GiB:.3f} GiB for {ranks} rank(s) on this node "
                        f"({machine.host_available / GiB:.1f} GiB available)",

@@ -225,13 +225,13 @@ class HiCacheConfig:
 
     # ---- derived quantities -------------------------------------------------------------------
     @property
-    def effective_page_size(self) -> int:
+    def page_tokens(self) -> int:
         return self.cache.page_size * self.parallel.dcp
 
     @property
     def l1_tokens(self) -> int:
         """Logical tokens the device pool holds across the DCP group."""
-        return self.l1.num_pages * self.effective_page_size
+        return self.l1.num_pages * self.page_tokens
 
     @property
     def l1_tokens_per_rank(self) -> int:

@@ -53,7 +53,7 @@ class RowWrite:
     def for_slots(layout: DCPLayout, slots: torch.Tensor, device: torch.device) -> "RowWrite":
         """From validated virtual slots int64 [n] on the CPU (ownership decided on the host)."""
         n = int(slots.numel())
-        pages = np.unique((slots // layout.virtual_page_size).numpy())
+        pages = np.unique((slots // layout.page_tokens).numpy())
         if layout.dcp_size == 1:
             src, kept = None, slots
         else:
@@ -71,7 +71,7 @@ class RowWrite:
         (int64 [>= pages needed]); ``pages`` the same ids on the host. Everything on the device
         comes from ``arange`` and arithmetic on host-known bounds: nothing reads device data
         back."""
-        w = layout.virtual_page_size
+        w = layout.page_tokens
         pos = layout.owned_positions(start, end, device=table.device)  # [m]
         dst = layout.physical(layout.slot_of(table, pos))
         src = pos - (start - base)

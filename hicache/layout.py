@@ -10,6 +10,7 @@ A DCP group of ``c`` ranks shares ONE virtual token space. With interleave ``I``
 
 With I = 1 this is the source's ``v mod c`` and ``floor(v / c)``. A widened virtual page of
 ``P*c`` slots maps onto exactly one physical page of ``P`` rows on every rank (P % I == 0).
+Its size ``P*c`` (the spec's "virtual page size") is ``page_tokens`` throughout hicache.
 """
 
 from __future__ import annotations
@@ -48,14 +49,11 @@ class DCPLayout:
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
-    def virtual_page_size(self) -> int:
-        """Slots in one widened page: ``P * c``."""
+    def page_tokens(self) -> int:
+        """Slots (tokens) in one widened page: ``P * c``, the spec's "virtual page size" and the
+        attention block size a serving engine reports to users. hicache calls it
+        ``page_tokens`` everywhere (config, controller, L3 keys, engine)."""
         return self.page_size * self.dcp_size
-
-    @property
-    def effective_page_size(self) -> int:
-        """The attention block size a serving engine should report to users (``P * c``)."""
-        return self.virtual_page_size
 
     def virtual_capacity(self, physical_capacity: int) -> int:
         """Virtual slots addressable when every rank holds ``physical_capacity`` rows."""
@@ -100,7 +98,7 @@ class DCPLayout:
     def slot_of(self, page_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Virtual slots of token ``positions`` of a request whose widened pages are
         ``page_table`` (see ``slot_of``); on the device of the two tensors."""
-        return slot_of(page_table, positions, self.virtual_page_size)
+        return slot_of(page_table, positions, self.page_tokens)
 
     def owned_positions(self, start: int, end: int, device=None) -> torch.Tensor:
         """The token positions in [start, end) this rank holds, ascending: int64 [m] with
@@ -129,15 +127,15 @@ def local_length(length: int, dcp_size: int, rank: int, interleave: int = 1) -> 
 
 
 def slot_of(page_table: torch.Tensor, positions: torch.Tensor,
-            virtual_page_size: int) -> torch.Tensor:
+            page_tokens: int) -> torch.Tensor:
     """The one home of "the slot of token i": ``table[i // W] * W + i % W`` with W the widened
     page size (``P * c``). ``page_table`` int64 [pages], ``positions`` int64 [n] -> [n]; pure
     tensor arithmetic on whatever device both live on (an index past the table raises)."""
-    w = virtual_page_size
+    w = page_tokens
     return page_table[positions // w] * w + positions % w
 
 
-def effective_page_size(page_sizes: Sequence[int], dcp_size: int) -> int | None:
+def common_page_tokens(page_sizes: Sequence[int], dcp_size: int) -> int | None:
     """The one block size to report for several KV groups, or None when they disagree."""
     distinct = set(page_sizes)
     if len(distinct) != 1:

@@ -135,7 +135,7 @@ class HiCache:
         preflight.validate(config, tiers=self.tiers, ranks=1, engine=False)
         m = config.model
         self.layout = config.layout(rank)
-        self.page_tokens = self.layout.virtual_page_size
+        self.page_tokens = self.layout.page_tokens
         host_pages = config.l2_num_pages if "l2" in self.tiers else 0
         # every rank of this node pins its L2 (and holds its L1 when that is on the host)
         l1_host = config.l1.num_pages * config.page_bytes_per_rank \

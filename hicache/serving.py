@@ -140,8 +140,8 @@ class Server:
             raise
 
     def _run(self, jobs: Sequence, on_done, active: list) -> list[Result]:
-        cache, vps = self.cache, self.cache.page_tokens
-        capacity = cache.config.l1.num_pages * vps
+        cache, page_tokens = self.cache, self.cache.page_tokens
+        capacity = cache.config.l1.num_pages * page_tokens
         waiting = deque(jobs)
         results: list[Result] = []
         finished: list[Result] = []  # returned once the next step's agreement is healthy

@@ -12,7 +12,7 @@ EXAMPLE = ROOT / "examples" / "policy.toml"
 
 def test_example_loads_and_documents_every_key():
     cfg = load_config(EXAMPLE)
-    assert cfg.parallel.dcp == 2 and cfg.effective_page_size == 32
+    assert cfg.parallel.dcp == 2 and cfg.page_tokens == 32
     text = EXAMPLE.read_text()
     for key, _default, _help in describe():
         section, name = key.split(".")
@@ -28,7 +28,7 @@ def test_defaults_and_derived():
     assert sized.l2_num_pages == 7
     r1 = loads('[model]\npreset = "deepseek-r1"\n[parallel]\ntp = 8\ndcp = 8')
     assert r1.model.num_layers == 61 and r1.model.kv_dim == 576
-    assert r1.effective_page_size == 128
+    assert r1.page_tokens == 128
 
 
 @pytest.mark.parametrize("text, key, words", [

@@ -65,7 +65,7 @@ def worker(rank, world, cases, verify_prompt, draft, group=None):
     """Run every case on this rank; return per-case tokens, logits, rows and pool contents."""
     model = MLAModel(CFG)
     layout = DCPLayout(world, rank, PAGE)
-    vps = layout.virtual_page_size
+    page_tokens = layout.page_tokens
     pool = DeviceKVPool(layout, CFG.num_layers, CFG.kv_dim, CFG.torch_dtype, 64)
     alloc = PageAllocator(64)
     out = {"cases": []}
@@ -73,13 +73,13 @@ def worker(rank, world, cases, verify_prompt, draft, group=None):
         runner = DCPRunner(model, pool, backend=backend, replicate_q=rq, group=group,
                            attn_backend="torch")
         st = RequestState()
-        reserve(st, alloc, len(prompt) + NEW, vps)
+        reserve(st, alloc, len(prompt) + NEW, page_tokens)
         logits = [runner.extend(st, prompt)[-1]]
         toks = []
         for _ in range(NEW):
             toks.append(int(logits[-1].argmax()))
             logits.append(runner.extend(st, [toks[-1]])[-1])
-        slots = st.slots(0, st.length, vps)
+        slots = st.slots(0, st.length, page_tokens)
         owned, rows = pool.read(0, slots)
         pos_of_slot = {int(s): i for i, s in enumerate(slots)}
         out["cases"].append({
@@ -98,7 +98,7 @@ def worker(rank, world, cases, verify_prompt, draft, group=None):
                        attn_backend="torch")
     a, b = RequestState(), RequestState()
     for s in (a, b):
-        reserve(s, alloc, len(verify_prompt) + len(draft), vps)
+        reserve(s, alloc, len(verify_prompt) + len(draft), page_tokens)
         runner.extend(s, verify_prompt)
     at_once = runner.extend(a, draft)
     one_by_one = torch.cat([runner.extend(b, [t]) for t in draft])
@@ -106,20 +106,20 @@ def worker(rank, world, cases, verify_prompt, draft, group=None):
     # continuous batching: two requests in one extend_batch == separately
     c1, c2, d1, d2 = (RequestState() for _ in range(4))
     for s, p in ((c1, verify_prompt), (c2, draft), (d1, verify_prompt), (d2, draft)):
-        reserve(s, alloc, len(p) + 1, vps)
+        reserve(s, alloc, len(p) + 1, page_tokens)
     batched = runner.extend_batch([c1, c2], [verify_prompt, draft])
     out["batch"] = (batched, [runner.extend(d1, verify_prompt), runner.extend(d2, draft)])
 
     # chunked prefill of a suffix over KV already in the pool == one prefill
     whole, chunked = RequestState(), RequestState()
     for s in (whole, chunked):
-        reserve(s, alloc, len(verify_prompt) + 1, vps)
+        reserve(s, alloc, len(verify_prompt) + 1, page_tokens)
     full_logits = runner.extend(whole, verify_prompt)
     runner.extend(chunked, verify_prompt[:2])
     out["chunked"] = (full_logits[2:], runner.extend(chunked, verify_prompt[2:]))
     # KV restored into other pages (as from a cache tier): bit-identical next step
     restored = RequestState(length=whole.length)
-    reserve(restored, alloc, whole.length + 1, vps)
+    reserve(restored, alloc, whole.length + 1, page_tokens)
     src = layout.page_rows(torch.tensor(whole.page_table))
     dst = layout.page_rows(torch.tensor(restored.page_table))
     pool.kv[:, dst] = pool.kv[:, src]

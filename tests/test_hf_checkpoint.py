@@ -146,7 +146,7 @@ def engine_decode(model, prompt, backend, replicate_q, group=None, rank=0, world
     runner = DCPRunner(model, pool, backend=backend, replicate_q=replicate_q, group=group,
                        attn_backend="torch")
     st = RequestState()
-    reserve(st, PageAllocator(32), len(prompt) + NEW, layout.virtual_page_size)
+    reserve(st, PageAllocator(32), len(prompt) + NEW, layout.page_tokens)
     rows = [runner.extend(st, prompt)]
     tokens = []
     for _ in range(NEW):

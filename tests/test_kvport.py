@@ -97,21 +97,21 @@ def test_write_path_reads_nothing_back_and_stores_what_the_slot_path_stores(rank
         stored = port.write(1, w, rows)
     assert rec.syncing() == {}
     assert stored == layout.local_length(11)
-    assert ref.write(1, st.slots(0, 11, layout.virtual_page_size), rows) == stored
+    assert ref.write(1, st.slots(0, 11, layout.page_tokens), rows) == stored
     assert torch.equal(fast.kv, ref.kv)
     assert sorted(w.pages.tolist()) == [3, 7]  # 11 tokens touch the first two pages
 
 
 def reference(st: RequestState, layout: DCPLayout):
     """Owned pool rows and positions of [0, st.length), by the host formula."""
-    slots = st.slots(0, st.length, layout.virtual_page_size)
+    slots = st.slots(0, st.length, layout.page_tokens)
     mask = layout.owned_mask(slots)
     return layout.physical(slots[mask]), torch.arange(st.length)[mask]
 
 
 def test_device_index_follows_the_request_state():
     layout = DCPLayout(2, 1, PAGE)
-    vps = layout.virtual_page_size
+    page_tokens = layout.page_tokens
     st = RequestState(page_table=[4, 1], length=11)  # KV placed by a cache tier
     idx = st.device_index(layout, torch.device("cpu"))
     rows, pos = reference(st, layout)
@@ -130,7 +130,7 @@ def test_device_index_follows_the_request_state():
     assert idx2 is not idx
     rows, pos = reference(st, layout)
     assert torch.equal(idx2.rows.view(), rows) and torch.equal(idx2.kv_pos.view(), pos)
-    assert st.capacity(vps) == 24
+    assert st.capacity(page_tokens) == 24
 
 
 def test_pool_refuses_a_row_write_outside_it():

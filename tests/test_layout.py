@@ -2,7 +2,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from hicache.layout import (DCPLayout, LayoutError, effective_page_size, local_length,
+from hicache.layout import (DCPLayout, LayoutError, common_page_tokens, local_length,
                             plan_relayout)
 
 
@@ -16,7 +16,7 @@ def test_source_examples():
     assert owned(4, 3, 8) == [3, 7]
     assert owned(2, 0, 8) == [0, 2, 4, 6]
     assert owned(2, 1, 8) == [1, 3, 5, 7]
-    assert DCPLayout(4, 0, 16).effective_page_size == 64
+    assert DCPLayout(4, 0, 16).page_tokens == 64
     assert DCPLayout(4, 0, 16).virtual_capacity(1000) == 4000
 
 
@@ -43,7 +43,7 @@ def test_widened_page_maps_to_one_physical_page():
         for r in range(c):
             lay = DCPLayout(c, r, 16, i)
             page = 5
-            slots = torch.arange(page * lay.virtual_page_size, (page + 1) * lay.virtual_page_size)
+            slots = torch.arange(page * lay.page_tokens, (page + 1) * lay.page_tokens)
             _, rows = lay.local_rows(slots)
             assert sorted(rows.tolist()) == lay.page_rows(torch.tensor([page])).tolist()
 
@@ -70,9 +70,9 @@ def test_bad_layouts():
 
 
 def test_effective_page_size_absent_when_groups_disagree():
-    assert effective_page_size([16, 16], 4) == 64
-    assert effective_page_size([16, 32], 4) is None
-    assert effective_page_size([], 4) is None
+    assert common_page_tokens([16, 16], 4) == 64
+    assert common_page_tokens([16, 32], 4) is None
+    assert common_page_tokens([], 4) is None
 
 
 @settings(max_examples=150, deadline=None)

@@ -44,11 +44,11 @@ def dense_rows(model, tokens):
 def check_pool_write(rank, world, res, model, length, dcp, interleave=1):
     """Write this prefill's rows into DCP-``dcp`` pools; check every owned row and no leak."""
     cfg = model.cfg
-    vps = PAGE * dcp
-    need = -(-length // vps)
+    page_tokens = PAGE * dcp
+    need = -(-length // page_tokens)
     num_pages = need + 2
     pages = torch.arange(num_pages - 1, num_pages - 1 - need, -1)  # scrambled: high ids first
-    slots = slots_for_pages(pages, length, vps)
+    slots = slots_for_pages(pages, length, page_tokens)
     layout = DCPLayout(dcp, min(rank, dcp - 1), PAGE, interleave)
     pool = DeviceKVPool(layout, cfg.num_layers, cfg.kv_dim, cfg.torch_dtype, num_pages,
                         device="cpu") if rank < dcp else None
@@ -151,9 +151,9 @@ def greedy(runner, state, logits, steps):
 def prompt_rows(pool, pages, length):
     """This rank's rows of the first ``length`` positions, by position: [L, n, D] + positions."""
     layout = pool.layout
-    vps = layout.virtual_page_size
+    page_tokens = layout.page_tokens
     pos = torch.arange(length)
-    slots = torch.as_tensor(pages)[pos // vps] * vps + pos % vps
+    slots = torch.as_tensor(pages)[pos // page_tokens] * page_tokens + pos % page_tokens
     mine = layout.owns(slots)
     return pool.kv[:, layout.physical(slots[mine])], pos[mine], layout.physical(slots[mine])
 
@@ -166,8 +166,8 @@ def relayout_worker(rank, c, lengths):
     for length in lengths:
         prompt = torch.randint(0, cfg.vocab_size, (length,),
                                generator=torch.Generator().manual_seed(100 + length)).tolist()
-        vps = P * c
-        need = -(-(length + NEW) // vps)
+        page_tokens = P * c
+        need = -(-(length + NEW) // page_tokens)
         # reference: DCP-c prefill through the engine
         ref_pool = DeviceKVPool(DCPLayout(c, rank, P), cfg.num_layers, cfg.kv_dim,
                                 cfg.torch_dtype, need, device="cpu")
@@ -248,7 +248,7 @@ def relayout_worker(rank, c, lengths):
         assert greedy(DCPRunner(model, sub_pool), sub_state, last, NEW) == ref_tokens
         # PCP over all c ranks into DCP-c/2 pools: ranks >= c/2 hold no KV; decode on the half
         small = DCPLayout(c // 2, min(rank, c // 2 - 1), P)
-        need_small = -(-(length + NEW) // small.virtual_page_size)
+        need_small = -(-(length + NEW) // small.page_tokens)
         small_pool = DeviceKVPool(small, cfg.num_layers, cfg.kv_dim, cfg.torch_dtype,
                                   need_small, device="cpu") if rank < c // 2 else None
         small_state = RequestState(list(range(need_small)))

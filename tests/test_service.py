@@ -83,8 +83,8 @@ def test_every_mode_gives_the_same_tokens_and_each_tier_serves(tmp_path):
 
 def _kv_of(cache, table, n_tokens):
     slots = torch.arange(n_tokens)
-    vps = cache.page_tokens
-    virt = torch.tensor(table)[slots // vps] * vps + slots % vps
+    page_tokens = cache.page_tokens
+    virt = torch.tensor(table)[slots // page_tokens] * page_tokens + slots % page_tokens
     return torch.stack([cache.l1.read(i, virt)[1] for i in range(cache.l1.num_layers)])
 
 

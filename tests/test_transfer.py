@@ -13,10 +13,11 @@ from hicache.layout import DCPLayout
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
-def slots_of(pages, length, vps):
+def slots_of(pages, length, page_tokens):
     """Virtual slots of token positions [0, length) stored in widened pages ``pages``."""
     pos = torch.arange(length)
-    return torch.tensor(pages, dtype=torch.int64)[pos // vps] * vps + pos % vps
+    table = torch.tensor(pages, dtype=torch.int64)
+    return table[pos // page_tokens] * page_tokens + pos % page_tokens
 
 
 def make(kind, dtype, backend="direct", c=2, rank=1, P=4, L=3, D=8, dev_pages=8, host_pages=6):
@@ -44,11 +45,11 @@ def test_backup_overwrite_load_is_bit_identical(kind, dtype, backend):
     lay, d, h, eng = make(kind, dtype, backend.split("-")[0])
     if backend.startswith("direct-"):  # force one CPU copy kind instead of the cheapest
         eng.cpu_copy = backend.split("-")[1]
-    vps = lay.virtual_page_size  # 8 slots per widened page
-    length = 3 * vps + 5  # partial last page
+    page_tokens = lay.page_tokens  # 8 slots per widened page
+    length = 3 * page_tokens + 5  # partial last page
     src_pages = [6, 0, 1, 3]  # runs [6], [0, 1], [3]
     full = [torch.randn(length, d.kv_dim).to(dtype) for _ in range(d.num_layers)]
-    slots = slots_of(src_pages, length, vps)
+    slots = slots_of(src_pages, length, page_tokens)
     for layer in range(d.num_layers):
         d.write(layer, slots, full[layer])
     with CollectiveCounter.measure() as m:
@@ -56,7 +57,7 @@ def test_backup_overwrite_load_is_bit_identical(kind, dtype, backend):
         d.kv.normal_()  # overwrite L1 with garbage
         dst_pages = [7, 2, 3, 4]
         job = eng.load([2, 3, 4, 0], dst_pages)
-        new_slots = slots_of(dst_pages, length, vps)
+        new_slots = slots_of(dst_pages, length, page_tokens)
         for layer in range(d.num_layers):  # layer by layer, as the engine would consume it
             job.wait_layer(layer)
             owned, rows = d.read(layer, new_slots)

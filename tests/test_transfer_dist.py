@@ -23,7 +23,7 @@ def lengths_for(c):
 def worker(rank, world, kinds, dtype_name):
     dtype = getattr(torch, dtype_name)
     lay = DCPLayout(world, rank, P)
-    vps = lay.virtual_page_size
+    page_tokens = lay.page_tokens
     out = []
     for kind in kinds:
         dev = DeviceKVPool(lay, LAYERS, D, dtype, 16)
@@ -34,10 +34,10 @@ def worker(rank, world, kinds, dtype_name):
         for length in lengths_for(world):
             g = torch.Generator().manual_seed(length)  # same full rows on every rank
             full = torch.randn(LAYERS, length, D, generator=g).to(dtype)
-            npages = -(-length // vps)
+            npages = -(-length // page_tokens)
             dpages, hpages = dalloc.alloc(npages), halloc.alloc(npages)
             pos = torch.arange(length)
-            slots = torch.tensor(dpages)[pos // vps] * vps + pos % vps
+            slots = torch.tensor(dpages)[pos // page_tokens] * page_tokens + pos % page_tokens
             for layer in range(LAYERS):
                 dev.write(layer, slots, full[layer])
             with CollectiveCounter.measure() as m:
@@ -45,7 +45,7 @@ def worker(rank, world, kinds, dtype_name):
                 dev.kv.fill_(-7)  # overwrite L1
                 new = dalloc.alloc(npages)
                 job = eng.load(hpages, new)
-                nslots = torch.tensor(new)[pos // vps] * vps + pos % vps
+                nslots = torch.tensor(new)[pos // page_tokens] * page_tokens + pos % page_tokens
                 ok = True
                 owned_positions = None
                 for layer in range(LAYERS):

@@ -122,14 +122,14 @@ def decode_worker(rank: int, world_size: int, spec: DecodeSpec) -> dict:
     model = build_model(spec).to(device)
     layout = DCPLayout(spec.dcp, rank if in_dcp else 0, spec.page_size)
     prompt = make_prompt(spec, model.cfg.vocab_size)
-    vps = layout.virtual_page_size
+    page_tokens = layout.page_tokens
     total = len(prompt) + spec.new_tokens
-    warm_pages = -(-(spec.warmup_steps + 2) // vps) if spec.warmup_steps else 0
-    alloc = PageAllocator(-(-total // vps) + warm_pages)
+    warm_pages = -(-(spec.warmup_steps + 2) // page_tokens) if spec.warmup_steps else 0
+    alloc = PageAllocator(-(-total // page_tokens) + warm_pages)
     runner = _runner(model, layout, alloc.num_pages, spec, dcp_group) if in_dcp else None
-    _warm_up(runner, alloc, prompt, spec, vps)
+    _warm_up(runner, alloc, prompt, spec, page_tokens)
     state = RequestState()
-    reserve(state, alloc, total, vps)
+    reserve(state, alloc, total, page_tokens)
     _sync(world_size, device)
     run = _prefill_and_decode(runner, model, state, prompt, spec, layout, pcp_group)
     if not in_dcp:
@@ -172,14 +172,14 @@ def _runner(model, layout, pages: int, spec: DecodeSpec, dcp_group):
                      attn_backend=spec.attn_backend, group=dcp_group)
 
 
-def _warm_up(runner, alloc, prompt: list[int], spec: DecodeSpec, vps: int) -> None:
+def _warm_up(runner, alloc, prompt: list[int], spec: DecodeSpec, page_tokens: int) -> None:
     """Decode ``spec.warmup_steps`` steps of a throwaway request (DCP ranks), then forget it:
     every rank allocates and frees the same pages, so later page tables agree."""
     from hicache.engine.runner import RequestState, reserve
     if not spec.warmup_steps:
         return
     warm = RequestState()
-    reserve(warm, alloc, 2 + spec.warmup_steps, vps)
+    reserve(warm, alloc, 2 + spec.warmup_steps, page_tokens)
     if runner is not None:
         runner.generate(warm, prompt[:2], spec.warmup_steps)
         runner.stats = type(runner.stats)()

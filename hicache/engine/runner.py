@@ -28,7 +28,7 @@ requests in one pass with one set of collectives per layer (continuous batching)
     pool = DeviceKVPool(DCPLayout(c, rank, P), cfg.num_layers, cfg.kv_dim, cfg.torch_dtype, pages)
     runner = DCPRunner(model.to(pool.device), pool, backend="a2a", replicate_q=True)
     state = RequestState()
-    reserve(state, PageAllocator(pages), len(prompt) + 1, pool.layout.virtual_page_size)
+    reserve(state, PageAllocator(pages), len(prompt) + 1, pool.layout.page_tokens)
     logits = runner.extend(state, prompt)           # prefill: [len(prompt), vocab]
     logits = runner.extend(state, [int(logits[-1].argmax())])   # one decode step
 """
@@ -126,14 +126,14 @@ class RequestState:
     length: int = 0
     index: Optional[DeviceIndex] = field(default=None, repr=False, compare=False)
 
-    def capacity(self, virtual_page_size: int) -> int:
-        return len(self.page_table) * virtual_page_size
+    def capacity(self, page_tokens: int) -> int:
+        return len(self.page_table) * page_tokens
 
-    def slots(self, start: int, end: int, virtual_page_size: int) -> torch.Tensor:
+    def slots(self, start: int, end: int, page_tokens: int) -> torch.Tensor:
         """Virtual slots (int64 [end - start]) of positions ``start .. end-1``."""
         pos = torch.arange(start, end, dtype=torch.int64)
         return slot_of(torch.as_tensor(self.page_table, dtype=torch.int64), pos,
-                       virtual_page_size)
+                       page_tokens)
 
     def device_index(self, layout: DCPLayout, device: torch.device) -> DeviceIndex:
         """This request's index on ``device``, in step with ``page_table`` and ``length``."""
@@ -143,9 +143,9 @@ class RequestState:
         return self.index
 
 
-def reserve(state: RequestState, allocator, total_tokens: int, virtual_page_size: int) -> list[int]:
+def reserve(state: RequestState, allocator, total_tokens: int, page_tokens: int) -> list[int]:
     """Grow ``state.page_table`` from ``allocator`` until it holds ``total_tokens``; new pages."""
-    need = -(-total_tokens // virtual_page_size) - len(state.page_table)
+    need = -(-total_tokens // page_tokens) - len(state.page_table)
     new = allocator.alloc(need) if need > 0 else []
     state.page_table.extend(new)
     return new
@@ -188,8 +188,8 @@ class DCPRunner:
         self.stats = EngineStats()
 
     @property
-    def virtual_page_size(self) -> int:
-        return self.layout.virtual_page_size
+    def page_tokens(self) -> int:
+        return self.layout.page_tokens
 
     # ---- the one forward path ----------------------------------------------------------------
     def extend(self, state: RequestState, new_tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -202,17 +202,18 @@ class DCPRunner:
             raise EngineError(
                 f"need one token list per request state, got {len(states)} states and "
                 f"{len(token_lists)} token lists")
-        vps = self.virtual_page_size
+        page_tokens = self.page_tokens
         toks = []
         for st, tk in zip(states, token_lists):
             tk = torch.as_tensor(tk, dtype=torch.int64).reshape(-1)
             if tk.numel() == 0:
                 raise EngineError("extend needs at least one new token per request")
             end = st.length + tk.numel()
-            if end > st.capacity(vps):
+            if end > st.capacity(page_tokens):
                 raise EngineError(
-                    f"request needs {end} slots but its page table holds {st.capacity(vps)} "
-                    f"({len(st.page_table)} pages of {vps}); reserve pages first")
+                    f"request needs {end} slots but its page table holds "
+                    f"{st.capacity(page_tokens)} ({len(st.page_table)} pages of {page_tokens}); "
+                    "reserve pages first")
             toks.append(tk)
         return toks
 
@@ -290,7 +291,7 @@ class DCPRunner:
         """
         if allocator is not None:
             reserve(state, allocator, state.length + len(prompt) + new_tokens,
-                    self.virtual_page_size)
+                    self.page_tokens)
         out: list[int] = []
         times: list[float] = []
         logits = self.extend(state, prompt)

@@ -183,7 +183,7 @@ class DeviceKVPool:
                 bad = lo if lo < 0 else hi
                 raise PoolError(f"virtual slot {bad} is outside [0, {self.num_slots}) "
                                 f"({self.num_pages} pages of "
-                                f"{self.layout.virtual_page_size} slots)")
+                                f"{self.layout.page_tokens} slots)")
         return slots
 
     def __repr__(self) -> str:

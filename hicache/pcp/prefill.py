@@ -17,7 +17,7 @@ Exact signatures (for the ``--pcp N`` wiring of ``hicache decode``):
         PCPPrefillResult.last_logits fp32 [V]      logits of the prompt's last token, on EVERY rank
         PCPPrefillResult.kv_rows     tuple of L tensors [n_r, kv_dim] (model dtype), per layer
 
-    slots_for_pages(pages: Sequence[int] | Tensor, length: int, virtual_page_size: int)
+    slots_for_pages(pages: Sequence[int] | Tensor, length: int, page_tokens: int)
         -> int64 [length]: the virtual slot of every prompt position from a widened page table
 
     write_pcp_kv_to_pool(rows_by_layer, positions, slots, kv, group=None, layout=None) -> int
@@ -109,14 +109,14 @@ def pcp_prefill(model, tokens, mode: str = "ring", group=None) -> PCPPrefillResu
     return PCPPrefillResult(positions, logits, last, tuple(rows_by_layer), pairs, part)
 
 
-def slots_for_pages(pages, length: int, virtual_page_size: int) -> torch.Tensor:
+def slots_for_pages(pages, length: int, page_tokens: int) -> torch.Tensor:
     """Virtual slot of positions [0, length) when widened page i of the request is ``pages[i]``."""
     pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1)
-    need = -(-length // virtual_page_size)
+    need = -(-length // page_tokens)
     if pages.numel() < need:
-        raise PCPPrefillError(f"{length} tokens need {need} pages of {virtual_page_size} slots, "
+        raise PCPPrefillError(f"{length} tokens need {need} pages of {page_tokens} slots, "
                               f"got {pages.numel()}")
-    return slot_of(pages, torch.arange(length, dtype=torch.int64), virtual_page_size)
+    return slot_of(pages, torch.arange(length, dtype=torch.int64), page_tokens)
 
 
 def write_pcp_kv_to_pool(rows_by_layer: Sequence[torch.Tensor], positions: torch.Tensor,
@@ -266,7 +266,7 @@ def pcp_prefill_request(model, kv, state, prompt, mode: str = "ring", group=None
         positions = torch.empty(0, dtype=torch.int64)
         last = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)
         lead = False
-    slots = slots_for_pages(state.page_table, length, layout.virtual_page_size)
+    slots = slots_for_pages(state.page_table, length, layout.page_tokens)
     write_pcp_kv_to_pool(rows, positions, slots, kv, group=group, layout=layout)
     if pcp_group is not None and dist.is_initialized():
         # only the PCP group's rank 0 contributes; everyone else adds exact zeros

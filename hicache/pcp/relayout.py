@@ -62,15 +62,15 @@ class PDTransferPlan:
     transfers: tuple[RankTransfer, ...]  # one per decode rank, in rank order
 
 
-def _slots(pages, token_count: int, virtual_page_size: int, side: str) -> torch.Tensor:
+def _slots(pages, token_count: int, page_tokens: int, side: str) -> torch.Tensor:
     pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1)
-    need = -(-token_count // virtual_page_size)
+    need = -(-token_count // page_tokens)
     if pages.numel() < need:
         raise RelayoutError(f"{side} page table has {pages.numel()} pages; {token_count} tokens "
-                            f"need {need} pages of {virtual_page_size} slots")
+                            f"need {need} pages of {page_tokens} slots")
     if pages.numel() and int(pages.min()) < 0:
         raise RelayoutError(f"{side} page table holds a negative page id {int(pages.min())}")
-    return slot_of(pages, torch.arange(token_count, dtype=torch.int64), virtual_page_size)
+    return slot_of(pages, torch.arange(token_count, dtype=torch.int64), page_tokens)
 
 
 def plan_pd_transfer(token_count: int, src_dcp: int, src_page_size: int, src_pages,
