@@ -48,7 +48,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from hicache.controller import CacheController, DeviceFullError, StepAgreement  # noqa: E402
+from hicache.controller import CacheController, StepAgreement
+from hicache.errors import DeviceFullError
 from hicache.pages import PageAllocator  # noqa: E402
 from hicache.workloads import agentic_trace, chat_trace, trace_summary  # noqa: E402
 

@@ -9,8 +9,8 @@ import tempfile
 import numpy as np
 import torch
 
+from hicache.errors import ConfigError
 from hicache import HiCache, load_config
-from hicache.config import ConfigError
 from hicache.engine.model import MLAModel
 from hicache.engine.runner import DCPRunner, RequestState
 from hicache.serving import model_config

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"ConfigError": "config", "HiCacheConfig": "config", "load_config": "config",
-            "MODES": "service", "HiCache": "service", "HiCacheError": "service",
+_EXPORTS = {"ConfigError": "errors", "HiCacheConfig": "config", "load_config": "config",
+            "MODES": "service", "HiCache": "service", "HiCacheError": "errors",
             "Prefix": "service"}
 
 __all__ = sorted(_EXPORTS, key=str.lower)

@@ -22,9 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from . import preflight
-from .cli import UsageError, number, run_guarded
+from .cli import number, run_guarded
 from .config import HiCacheConfig, load_config
 from .controller.policy import WRITE_POLICIES
+from .errors import UsageError
 from .report import table
 from .service import MODES, RESTORE_RETRIES, HiCache
 from .workloads import (MAX_REQUEST_TOKENS, SCALE_MAX, SEED_MAX, agentic_trace, chat_trace,

@@ -8,16 +8,12 @@ import math
 import sys
 
 from . import topology
-from .config import ConfigError, describe, load_config
-from .layout import LayoutError
+from .config import describe, load_config
+from .errors import ConfigError, RankError, UsageError
 from .report import table
-from .topology import KVShape, TopologyError
+from .topology import KVShape
 
 GiB = 1 << 30
-
-
-class UsageError(ValueError):
-    """A bad command-line argument (exit 2, one line)."""
 
 
 def _num(x: float) -> str:
@@ -190,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-USER_ERRORS = (ConfigError, TopologyError, LayoutError, UsageError)
+USER_ERRORS = (ConfigError, UsageError)  # TopologyError is a ConfigError
 
 
 def _user_error(e: BaseException | None) -> bool:
@@ -203,7 +199,6 @@ def run_guarded(func, args) -> int:
     fails or dies is one line naming the rank and how (exit 1; ``HICACHE_DEBUG=1`` adds that
     rank's traceback)."""
     import os
-    from .distributed import RankError
     try:
         return func(args)
     except RankError as e:

@@ -21,16 +21,12 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from . import topology
-from .topology import TopologyError
+from .errors import CheckpointError, ConfigError, L3Error, TopologyError
 
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # the L3 prefetch policies (hicache.l3.prefetch.PrefetchPolicy takes these and the defaults of
 # PolicySection's prefetch keys from here)
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-
-
-class ConfigError(ValueError):
-    """A bad policy file or value; the message names the key."""
 
 
 def opt(default: Any, help: str, *, choices: tuple = (), min: float | None = None,
@@ -75,7 +71,7 @@ class ModelSection:
             return {"num_layers": shape.num_layers, "kv_lora_rank": shape.kv_lora_rank,
                     "rope_dim": shape.rope_dim}
         if self.path:
-            from .engine.hf_config import CheckpointError, kv_shape
+            from .engine.hf_config import kv_shape
             try:
                 return kv_shape(self.path)
             except CheckpointError as e:
@@ -157,7 +153,6 @@ class L3Section:
         if not self.url:
             raise ConfigError("l3.url: l3.backend = \"redis\" needs a url (redis://host:port/db, "
                               "unix:///path.sock, or a list of cluster node URLs)")
-        from .l3.keys import L3Error
         from .l3.redis_store import parse_url
         try:
             parse_url(list(self.url) if isinstance(self.url, tuple) else self.url)

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hicache.errors import RankError
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -62,16 +64,6 @@ def local_world_size() -> int:
     if torch.cuda.is_available() and dist.is_available() and dist.is_initialized():
         return max(1, min(torch.cuda.device_count(), dist.get_world_size()))
     return 1
-
-
-class RankError(RuntimeError):
-    """A launched rank failed. ``rank``, ``how`` (one line: the exception, the signal or the exit
-    code), ``detail`` (that rank's traceback, when it raised) and ``cause`` (the exception itself
-    when it could be sent back, so a user error keeps its type)."""
-
-    def __init__(self, rank: int, how: str, detail: str = "", cause: BaseException | None = None):
-        super().__init__(f"rank {rank} {how}")
-        self.rank, self.how, self.detail, self.cause = rank, how, detail, cause
 
 
 def _exit_now(code: int) -> None:

@@ -15,16 +15,10 @@ import array
 import numpy as np
 import torch
 
+from hicache.errors import UsageError
+
 _INT_FORMATS = frozenset("bBhHiIlLqQnN")  # struct codes of integer buffers
 _BOOLS = frozenset((bool, np.bool_))
-
-
-class TokenTypeError(TypeError, ValueError):
-    """Tokens are not a 1-D sequence of integers."""
-
-
-class PageError(ValueError):
-    """A page id that is not an int, negative, outside the pool, or not currently allocated."""
 
 
 def _from_list(values: list, error: type[Exception], what: str) -> np.ndarray:
@@ -83,31 +77,31 @@ def _int_array(ids, error: type[Exception], what: str) -> np.ndarray:
 
 
 def as_tokens(tokens, int64: bool = True) -> np.ndarray:
-    """Token ids as a 1-D numpy integer array; TokenTypeError for anything else.
+    """Token ids as a 1-D numpy integer array; UsageError for anything else.
 
     ``int64=False`` keeps another integer dtype (the radix tree converts only the pages it
     reads); ``int64=True`` converts to int64 where needed."""
-    arr = _int_array(tokens, TokenTypeError, "tokens")
+    arr = _int_array(tokens, UsageError, "tokens")
     if arr.ndim != 1:
-        raise TokenTypeError(f"tokens must be 1-D, got shape {tuple(arr.shape)}")
+        raise UsageError(f"tokens must be 1-D, got shape {tuple(arr.shape)}")
     if int64 and arr.dtype != np.int64:
         arr = arr.astype(np.int64)
     return arr
 
 
 def page_ids(pages, what: str = "page ids") -> np.ndarray:
-    """Page ids as a flat int64 array [k], viewed when already int64; PageError naming ``what``
+    """Page ids as a flat int64 array [k], viewed when already int64; UsageError naming ``what``
     otherwise (the range check against a pool is the pool's)."""
     if type(pages) is np.ndarray and pages.dtype == np.int64 and pages.ndim == 1:
         return pages  # the hot path: what the controller hands out
     try:
-        arr = _int_array(pages, PageError, what)
-    except PageError as e:
-        raise PageError(f"{e} (integer page ids)") from None
+        arr = _int_array(pages, UsageError, what)
+    except UsageError as e:
+        raise UsageError(f"{e} (integer page ids)") from None
     if arr.ndim != 1:
         arr = arr.reshape(-1)
     if arr.dtype != np.int64:
         if arr.dtype == np.uint64 and arr.size and int(arr.max()) >= 1 << 63:
-            raise PageError(f"{what} include {int(arr.max())}, out of the int64 range")
+            raise UsageError(f"{what} include {int(arr.max())}, out of the int64 range")
         arr = arr.astype(np.int64)
     return arr

@@ -20,11 +20,9 @@ from typing import Sequence, Union
 
 import torch
 
+from hicache.errors import TopologyError
+
 IntOrTensor = Union[int, torch.Tensor]
-
-
-class LayoutError(ValueError):
-    """An impossible striping layout or relayout request."""
 
 
 @dataclass(frozen=True)
@@ -38,11 +36,11 @@ class DCPLayout:
         for name in ("dcp_size", "page_size", "interleave"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise LayoutError(f"{name} must be a positive int, got {value!r}")
+                raise TopologyError(f"{name} must be a positive int, got {value!r}")
         if not isinstance(self.rank, int) or not 0 <= self.rank < self.dcp_size:
-            raise LayoutError(f"rank {self.rank!r} is outside the DCP group [0, {self.dcp_size})")
+            raise TopologyError(f"rank {self.rank!r} is outside the DCP group [0, {self.dcp_size})")
         if self.page_size % self.interleave != 0:
-            raise LayoutError(
+            raise TopologyError(
                 f"page_size {self.page_size} is not a multiple of interleave {self.interleave}: "
                 "a widened page would not map onto one physical page per rank"
             )
@@ -120,7 +118,7 @@ class DCPLayout:
 def local_length(length: int, dcp_size: int, rank: int, interleave: int = 1) -> int:
     """Positions in [0, length) owned by ``rank``; exact at every length (c | L included)."""
     if length < 0:
-        raise LayoutError(f"length must be >= 0, got {length}")
+        raise TopologyError(f"length must be >= 0, got {length}")
     cycle = interleave * dcp_size
     full, rem = divmod(length, cycle)
     return full * interleave + min(max(rem - rank * interleave, 0), interleave)
@@ -171,11 +169,11 @@ def plan_relayout(src_dcp: int, dst_dcp: int, token_count: int, interleave: int 
     positions it owns from the dense source. Never a row at or past ``token_count``.
     """
     if token_count < 0:
-        raise LayoutError(f"token_count must be >= 0, got {token_count}")
+        raise TopologyError(f"token_count must be >= 0, got {token_count}")
     if src_dcp < 1 or dst_dcp < 1:
-        raise LayoutError(f"DCP sizes must be >= 1, got src {src_dcp} and dst {dst_dcp}")
+        raise TopologyError(f"DCP sizes must be >= 1, got src {src_dcp} and dst {dst_dcp}")
     if src_dcp != dst_dcp and src_dcp != 1:
-        raise LayoutError(
+        raise TopologyError(
             f"cannot relayout KV from DCP {src_dcp} to DCP {dst_dcp}: only the same size or "
             "DCP1 -> DCPc is supported"
         )

@@ -1,7 +1,7 @@
 """Widened-page ids: the allocator shared by L1, L2 and the cache controller.
 
 A neutral module: it imports no tier and no controller, so both sides use it without importing
-each other (``tests/test_layering.py``). ``PageError`` (a bad id) and ``OutOfPagesError`` (too few
+each other (``tests/test_layering.py``). ``UsageError`` (a bad id) and ``DeviceFullError`` (too few
 free pages) are the errors every user of page ids sees.
 
 
@@ -23,19 +23,12 @@ from typing import Iterable, Optional, Union
 import numpy as np
 import torch
 
-from hicache.ids import PageError, page_ids
+from hicache.errors import DeviceFullError, UsageError
+from hicache.ids import page_ids
 
-__all__ = ["OutOfPagesError", "PageAllocator", "PageError", "PageIds"]
+__all__ = ["PageAllocator", "PageIds"]
 
 PageIds = Union[Iterable[int], np.ndarray, torch.Tensor]
-
-
-class OutOfPagesError(MemoryError):
-    """The pool has fewer free pages than were asked for."""
-
-    def __init__(self, asked: int, free: int, total: int) -> None:
-        super().__init__(f"asked for {asked} pages but only {free} of {total} are free")
-        self.asked, self.free, self.total = asked, free, total
 
 
 class PageAllocator:
@@ -43,7 +36,7 @@ class PageAllocator:
 
     def __init__(self, num_pages: int) -> None:
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
-            raise PageError(f"num_pages must be an int >= 0, got {num_pages!r}")
+            raise UsageError(f"num_pages must be an int >= 0, got {num_pages!r}")
         self._n = num_pages
         # stack: entries [0, _top) are the free ids, the end is handed out first
         self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
@@ -74,29 +67,29 @@ class PageAllocator:
 
     def _check_id(self, page) -> None:
         if isinstance(page, (bool, np.bool_)):
-            raise PageError(f"page id {page!r} is not an int")
+            raise UsageError(f"page id {page!r} is not an int")
         try:
             page = operator.index(page)
         except TypeError:
-            raise PageError(f"page id {page!r} is not an int") from None
+            raise UsageError(f"page id {page!r} is not an int") from None
         if page < 0:
-            raise PageError(f"page id {page} is negative (outside the pool [0, {self._n}))")
+            raise UsageError(f"page id {page} is negative (outside the pool [0, {self._n}))")
         if page >= self._n:
-            raise PageError(f"page id {page} is outside the pool [0, {self._n})")
+            raise UsageError(f"page id {page} is outside the pool [0, {self._n})")
 
     # ---- alloc -------------------------------------------------------------------------------
     def alloc(self, n: int) -> list[int]:
-        """``n`` free page ids; raises ``OutOfPagesError`` and allocates nothing when fewer
+        """``n`` free page ids; raises ``DeviceFullError`` and allocates nothing when fewer
         than ``n`` are free."""
         return self.alloc_array(n).tolist()
 
     def alloc_array(self, n: int) -> np.ndarray:
         """``n`` free page ids as a fresh int64 array [n] (see ``alloc``)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise PageError(f"number of pages to allocate must be an int >= 0, got {n!r}")
+            raise UsageError(f"number of pages to allocate must be an int >= 0, got {n!r}")
         top = self._top
         if n > top:
-            raise OutOfPagesError(n, top, self._n)
+            raise DeviceFullError(n, top, self._n)
         out = self._stack[top - n:top][::-1].copy()
         self._top = top - n
         self._used[out] = True
@@ -159,9 +152,9 @@ class PageAllocator:
         used = self._used[idx]
         if not used.all():
             bad = int(idx[int(np.argmin(used))])
-            raise PageError(f"page id {bad} is not allocated (double free or foreign id)")
+            raise UsageError(f"page id {bad} is not allocated (double free or foreign id)")
         if self.has_duplicates(idx):
-            raise PageError(f"page id {_first_repeat(idx)} appears twice in one free() call")
+            raise UsageError(f"page id {_first_repeat(idx)} appears twice in one free() call")
 
     def __repr__(self) -> str:
         return f"PageAllocator(num_pages={self._n}, used={self.num_used})"

@@ -20,14 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checks import check_int
-from .config import ConfigError, HiCacheConfig
+from .config import HiCacheConfig
+from .errors import ConfigError, HostMemoryError, L3CorruptError, L3ForeignError
 
 MEMORY_FRACTION = 0.9  # of available memory a node's pools may take
 
 
-class HostMemoryError(ConfigError, MemoryError):
-    """The pools of the ranks on this node do not fit in its host memory (a config problem:
-    the message names the keys to lower)."""
 SYSTEM_DIRS = ("/proc", "/sys", "/dev")
 
 
@@ -142,7 +140,7 @@ def check_l3_store(path: str) -> list[str]:
     try:
         if lmdb_check.precheck(path) is None:
             return []
-    except lmdb_check.StoreDamaged as e:
+    except L3CorruptError as e:
         return [f"l3.path: the store is damaged ({e}); the run continues without L3; "
                 f"`hicache l3 check {path} --quarantine` moves it aside"]
     import lmdb
@@ -152,7 +150,7 @@ def check_l3_store(path: str) -> list[str]:
         return [f"l3.path: the store cannot be opened ({e}); the run continues without L3"]
     try:
         lmdb_check.check_owner(env, path)
-    except lmdb_check.NotHicacheStore as e:
+    except L3ForeignError as e:
         raise ConfigError(f"l3.path: {e}") from None
     finally:
         env.close()

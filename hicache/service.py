@@ -30,25 +30,20 @@ import torch.distributed as dist
 
 from . import distributed as hd
 from . import preflight
-from .config import ConfigError, HiCacheConfig
-from .controller import CacheController, DeviceFullError, LockHandle, StepAgreement
+from .config import HiCacheConfig
+from .controller import CacheController, LockHandle, StepAgreement
+from .errors import ConfigError, DeviceFullError, TransferError, UsageError
 from .ids import as_tokens
 from .kvport import CheckedPort
 from .l1.pool import DeviceKVPool, pick_device
 from .l2.pool import HostKVPool, check_host_memory, check_node_memory
-from .l2.transfer import TransferError
 from .l3 import agree_prefetch, prefetch_signals
 from .tier_io import PREFETCH_OUTCOMES, Job, L3Read, TierIO, Waits, join
 
 TIERS = ("l1", "l2", "l3")
 RESTORE_RETRIES = 64  # steps an agreed L3 restore may wait for L1 room before recomputing
 MODES = {"recompute": (), "l1": ("l1",), "l1+l2": ("l1", "l2"), "l1+l2+l3": ("l1", "l2", "l3")}
-__all__ = ["HiCache", "HiCacheError", "Prefix", "MODES", "TIERS", "RESTORE_RETRIES",
-           "PREFETCH_OUTCOMES"]
-
-
-class HiCacheError(ValueError):
-    """Misuse of the cache API (unknown request, double admit, bad mode)."""
+__all__ = ["HiCache", "Prefix", "MODES", "TIERS", "RESTORE_RETRIES", "PREFETCH_OUTCOMES"]
 
 
 @dataclass
@@ -109,11 +104,11 @@ class HiCache:
         if mode is None:
             mode = "l1+l2+l3" if config.l3.enabled else "l1+l2"
         if mode not in MODES:
-            raise HiCacheError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+            raise UsageError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
         if weights_signature is None:
             weights_signature = config.model.signature
         if not isinstance(weights_signature, str):
-            raise HiCacheError(f"weights_signature must be a str, got {weights_signature!r}")
+            raise UsageError(f"weights_signature must be a str, got {weights_signature!r}")
         if "l3" in MODES[mode] and not weights_signature:
             raise ConfigError(
                 "model.signature: L3 is enabled but no weights signature is set, so another "
@@ -122,11 +117,11 @@ class HiCache:
         self.weights_signature = weights_signature
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         if world != config.parallel.dcp:
-            raise HiCacheError(f"the process group has {world} ranks but parallel.dcp is "
-                               f"{config.parallel.dcp}: one HiCache per DCP rank")
+            raise UsageError(f"the process group has {world} ranks but parallel.dcp is "
+                             f"{config.parallel.dcp}: one HiCache per DCP rank")
         self.config, self.rank, self.group, self.mode = config, rank, group, mode
         if not (len(replica) == 2 and 0 <= replica[0] < replica[1]):
-            raise HiCacheError(f"replica must be (id, count) with 0 <= id < count, got {replica}")
+            raise UsageError(f"replica must be (id, count) with 0 <= id < count, got {replica}")
         # (id, count) among the TP replicas of this shard that share this rank's L3 store (one
         # writer per page per store: l3.store_replica computes it from the ranks' nodes)
         self.replica = replica
@@ -194,10 +189,10 @@ class HiCache:
         usable after the next ``step`` on which every rank has it (``prefix.ready``)."""
         self._check_usable("admit")
         if request_id in self._reqs:
-            raise HiCacheError(f"request {request_id!r} is already admitted")
+            raise UsageError(f"request {request_id!r} is already admitted")
         arr = as_tokens(tokens)
         if arr.size == 0:
-            raise HiCacheError(f"request {request_id!r} has no tokens")
+            raise UsageError(f"request {request_id!r} has no tokens")
         prefix = Prefix(request_id, int(arr.size))
         req = _Request(prefix, arr)
         self._reqs[request_id] = req
@@ -239,8 +234,8 @@ class HiCache:
         self._check_usable("alloc")
         req = self._req(request_id)
         if not req.prefix.ready:
-            raise HiCacheError(f"alloc for request {request_id!r} before prefix.ready: its L3 "
-                               "restore is not agreed yet (call step() until it is ready)")
+            raise UsageError(f"alloc for request {request_id!r} before prefix.ready: its L3 "
+                             "restore is not agreed yet (call step() until it is ready)")
         need = -(-n_tokens // self.page_tokens) - len(req.prefix.page_table)
         if need <= 0:
             return []
@@ -263,9 +258,9 @@ class HiCache:
         self._check_usable("write_kv")
         bad = pages[~self._owned[pages]]
         if bad.size:
-            raise HiCacheError(f"write_kv into device page {int(bad[0])}, which no admitted "
-                               "request owns (a cached page or a free one): only pages "
-                               "from alloc() take new KV")
+            raise UsageError(f"write_kv into device page {int(bad[0])}, which no admitted "
+                             "request owns (a cached page or a free one): only pages "
+                             "from alloc() take new KV")
 
     def write_kv(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> int:
         """Keep this rank's owned rows of ``rows`` ([n, kv_dim]) at virtual ``slots``. Every
@@ -310,16 +305,16 @@ class HiCache:
         """The request is done; ``tokens`` are those whose KV is in its pages (prompt plus the
         generated tokens that were fed back). Whole pages are cached; the rest is freed."""
         if self._closed:
-            raise HiCacheError("finish after close()")
+            raise UsageError("finish after close()")
         req = self._reqs.get(request_id)
         if req is None:
-            raise HiCacheError(f"finish of unknown request {request_id!r}")
+            raise UsageError(f"finish of unknown request {request_id!r}")
         arr = as_tokens(tokens)
         n = min(arr.size, req.tokens.size)
         if not np.array_equal(arr[:n], req.tokens[:n]):
             bad = int(np.flatnonzero(arr[:n] != req.tokens[:n])[0])
-            raise HiCacheError(f"finish of request {request_id!r}: token {bad} is {int(arr[bad])} "
-                               f"but the admitted prompt has {int(req.tokens[bad])} there")
+            raise UsageError(f"finish of request {request_id!r}: token {bad} is {int(arr[bad])} "
+                             f"but the admitted prompt has {int(req.tokens[bad])} there")
         del self._reqs[request_id]
         if req.prefetch is not None:  # finished before its prefetch resolved
             self.io.cancel_prefetch(req.prefetch)
@@ -354,7 +349,7 @@ class HiCache:
         """Drop an admitted request and cache nothing from it (preemption); a later ``admit``
         of the same request starts afresh and is counted once."""
         if self._closed:
-            raise HiCacheError("abort after close()")
+            raise UsageError("abort after close()")
         req = self._req(request_id)
         s, p = self._stats, req.prefix
         s.requests -= 1
@@ -499,7 +494,7 @@ class HiCache:
 
     def _check_usable(self, what: str) -> None:
         if self._closed:
-            raise HiCacheError(f"{what} after close()")
+            raise UsageError(f"{what} after close()")
         if self._failed is not None:
             raise TransferError(f"{what}: the cache stopped after a failure "
                                 f"({self._failed})") from self._failed
@@ -508,7 +503,7 @@ class HiCache:
         try:
             return self._reqs[request_id]
         except KeyError:
-            raise HiCacheError(f"unknown request {request_id!r}") from None
+            raise UsageError(f"unknown request {request_id!r}") from None
 
     def _restore(self, req: _Request, pages: int) -> bool:
         """Every rank holds ``pages`` prefetched pages: copy them into fresh device pages (a

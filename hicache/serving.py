@@ -38,15 +38,10 @@ import numpy as np
 import torch
 
 from .config import HiCacheConfig
-from .controller import DeviceFullError
 from .engine.model import MLAModel, ModelConfig
 from .engine.runner import DCPRunner, RequestState
-from .l2.transfer import TransferError
+from .errors import ConfigError, DeviceFullError, TransferError
 from .service import HiCache
-
-
-class ServingError(RuntimeError):
-    """A request the configured cache can never run (e.g. larger than L1)."""
 
 
 def model_config(cfg: HiCacheConfig, seed: int = 0) -> ModelConfig:
@@ -88,11 +83,11 @@ class Server:
                  max_running: int = 4, stall_steps: int = 200_000,
                  max_overtakes: int = 4) -> None:
         if chunk_tokens < 1 or max_running < 1:
-            raise ServingError(f"chunk_tokens and max_running must be >= 1, got {chunk_tokens} "
-                               f"and {max_running}")
+            raise ConfigError(f"chunk_tokens and max_running must be >= 1, got {chunk_tokens} "
+                              f"and {max_running}")
         if isinstance(max_overtakes, bool) or not isinstance(max_overtakes, int) \
                 or max_overtakes < 0:
-            raise ServingError(f"max_overtakes must be an int >= 0, got {max_overtakes!r}")
+            raise ConfigError(f"max_overtakes must be an int >= 0, got {max_overtakes!r}")
         self.max_overtakes = max_overtakes
         self.stall_steps = stall_steps
         self.cache = cache
@@ -222,16 +217,16 @@ class Server:
             reading = any(not a.prefix.ready and a not in room for a in active)
             stalled = 0 if (progress or reading) else stalled + 1
             if stalled > self.stall_steps:
-                raise ServingError("no request can get L1 pages: l1.num_pages is too small "
-                                   f"for {len(active)} concurrent requests")
+                raise ConfigError("no request can get L1 pages: l1.num_pages is too small "
+                                  f"for {len(active)} concurrent requests")
         return results
 
     def _admit(self, waiting: deque, active: list, admitted_at: dict, capacity: int) -> _Active:
         job = waiting.popleft()
         need = len(job.tokens) + job.output_len
         if need > capacity:
-            raise ServingError(f"request {job.request_id!r} needs {need} tokens of KV but "
-                               f"L1 holds {capacity} (l1.num_pages)")
+            raise ConfigError(f"request {job.request_id!r} needs {need} tokens of KV but "
+                              f"L1 holds {capacity} (l1.num_pages)")
         t_admit = admitted_at.setdefault(job.request_id, time.perf_counter())
         a = _Active(job, self._timed("admit", job.request_id, job.tokens), t_admit)
         active.append(a)

@@ -31,6 +31,7 @@ import time
 from dataclasses import replace
 
 from .config import HiCacheConfig
+from .errors import TransferError
 from .faults import FaultConfig, FaultInjector, KINDS, L3_KINDS
 
 MARGIN_S = 30.0          # the soak ends within --duration plus this (one batch, a last drain)
@@ -45,7 +46,6 @@ def run_soak_rank(rank: int, world: int, cfg_dict: dict, jobs: list, opts: dict)
     import torch.distributed as dist
 
     from .bench_cli import engine_model
-    from .l2.transfer import TransferError
     from .metrics import HiCacheMetrics
     from .serving import Server
     from .service import HiCache

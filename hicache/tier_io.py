@@ -27,9 +27,10 @@ import torch
 
 from .config import HiCacheConfig
 from .controller import BackupOp, LoadOp
+from .errors import TransferError
 from .l1.pool import DeviceKVPool
 from .l2.pool import HostKVPool
-from .l2.transfer import DONE, FAILED, TransferEngine, TransferError, TransferJob
+from .l2.transfer import DONE, FAILED, TransferEngine, TransferJob
 from .l3 import (AsyncWriter, CostModel, Namespace, Prefetcher, PrefetchHandle, PrefetchPolicy,
                  chain_hashes, keys_for_rank, open_store, should_write)
 from .l3.guard import GuardedStore

@@ -10,10 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .checks import check_int
-
-
-class TopologyError(ValueError):
-    """A parallel layout that breaks a rule; the message names the rule."""
+from .errors import TopologyError
 
 
 @dataclass(frozen=True)

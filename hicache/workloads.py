@@ -14,10 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .checks import check_int
-
-
-class TraceError(ValueError):
-    """A trace file or generator argument that cannot be used."""
+from .errors import ConfigError
 
 
 SCALE_MAX = 4.0               # generated traces: scale in (0, SCALE_MAX]
@@ -45,12 +42,12 @@ def _check(seed: int, scale: float, vocab_size: int) -> None:
     _check_seed(seed)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
             or not (0 < scale <= SCALE_MAX):
-        raise TraceError(f"scale must be a number in (0, {SCALE_MAX:g}], got {scale!r}")
-    check_int(vocab_size, "vocab_size", 2, error=TraceError)
+        raise ConfigError(f"scale must be a number in (0, {SCALE_MAX:g}], got {scale!r}")
+    check_int(vocab_size, "vocab_size", 2, error=ConfigError)
 
 
 def _check_seed(seed: int) -> None:
-    check_int(seed, "seed", 0, SEED_MAX, TraceError)
+    check_int(seed, "seed", 0, SEED_MAX, ConfigError)
 
 
 def _n(base: float, scale: float, lo: int = 1) -> int:
@@ -139,57 +136,57 @@ def load_trace(path: str | Path, vocab_size: int = 32000, seed: int = 0) -> list
     """Requests from JSONL: ``{"tokens": [...], "output_len"?, "session"?}`` lines, or
     ``{"length": n, "prefix_id": s, "prefix_len": k, "output_len": m}`` lines (the first k
     tokens are shared by every line with the same prefix_id; the rest are unique)."""
-    check_int(vocab_size, "vocab_size", 2, error=TraceError)
+    check_int(vocab_size, "vocab_size", 2, error=ConfigError)
     _check_seed(seed)
     from .config import read_regular_file
     p = Path(path)
     try:
         data = read_regular_file(p, "a trace", MAX_TRACE_BYTES)
     except OSError as e:
-        raise TraceError(f"cannot read trace {p}: {e.strerror or e}") from None
+        raise ConfigError(f"cannot read trace {p}: {e.strerror or e}") from None
     prefixes: dict[str, np.ndarray] = {}
     rng = np.random.default_rng([seed, 3])
     out: list[Request] = []
     for lineno, raw in enumerate(data.split(b"\n"), start=1):
         where = f"{p}:{lineno}"
         if len(raw) > MAX_LINE_BYTES:
-            raise TraceError(f"{where}: line is {len(raw)} bytes; the limit is {MAX_LINE_BYTES}")
+            raise ConfigError(f"{where}: line is {len(raw)} bytes; the limit is {MAX_LINE_BYTES}")
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise TraceError(f"{where}: not UTF-8 text (byte {e.start} of the line); a trace "
-                             "is UTF-8 JSON Lines") from None
+            raise ConfigError(f"{where}: not UTF-8 text (byte {e.start} of the line); a trace "
+                              "is UTF-8 JSON Lines") from None
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise TraceError(f"{where}: not valid JSON ({e.msg})") from None
+            raise ConfigError(f"{where}: not valid JSON ({e.msg})") from None
         if not isinstance(obj, dict):
-            raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            raise ConfigError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         olen = _int_field(obj, "output_len", where, default=1, lo=0, hi=MAX_REQUEST_TOKENS)
         session = _int_field(obj, "session", where, default=len(out), lo=0, hi=SEED_MAX)
         if "tokens" in obj:
             toks = obj["tokens"]
             if (not isinstance(toks, list) or not toks
                     or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks)):
-                raise TraceError(f"{where}: 'tokens' must be a non-empty list of ints")
+                raise ConfigError(f"{where}: 'tokens' must be a non-empty list of ints")
             if len(toks) > MAX_REQUEST_TOKENS:
-                raise TraceError(f"{where}: 'tokens' has {len(toks)} ids; the limit is "
-                                 f"{MAX_REQUEST_TOKENS}")
+                raise ConfigError(f"{where}: 'tokens' has {len(toks)} ids; the limit is "
+                                  f"{MAX_REQUEST_TOKENS}")
             bad = next((i for i, t in enumerate(toks) if not 0 <= t < vocab_size), None)
             if bad is not None:
-                raise TraceError(f"{where}: 'tokens'[{bad}] = {toks[bad]} is outside the "
-                                 f"vocabulary [0, {vocab_size}) (model.vocab_size)")
+                raise ConfigError(f"{where}: 'tokens'[{bad}] = {toks[bad]} is outside the "
+                                  f"vocabulary [0, {vocab_size}) (model.vocab_size)")
             arr = np.asarray(toks, dtype=np.int32)
         elif "length" in obj:
             n = _int_field(obj, "length", where, lo=1, hi=MAX_REQUEST_TOKENS)
             k = _int_field(obj, "prefix_len", where, default=0, lo=0, hi=MAX_REQUEST_TOKENS)
             if k > n:
-                raise TraceError(f"{where}: prefix_len {k} exceeds length {n}")
+                raise ConfigError(f"{where}: prefix_len {k} exceeds length {n}")
             pid = obj.get("prefix_id", None)
             if k and pid is None:
-                raise TraceError(f"{where}: prefix_len given without prefix_id")
+                raise ConfigError(f"{where}: prefix_len given without prefix_id")
             if k:
                 key = json.dumps(pid)
                 have = prefixes.get(key, np.empty(0, np.int32))
@@ -204,11 +201,11 @@ def load_trace(path: str | Path, vocab_size: int = 32000, seed: int = 0) -> list
                 pre = np.empty(0, np.int32)
             arr = np.concatenate([pre, rng.integers(0, vocab_size, n - k, dtype=np.int32)])
         else:
-            raise TraceError(f"{where}: a line needs 'tokens' or 'length' "
-                             f"(got keys {sorted(obj)})")
+            raise ConfigError(f"{where}: a line needs 'tokens' or 'length' "
+                              f"(got keys {sorted(obj)})")
         out.append(Request(len(out), session, arr, olen, len(out)))
     if not out:
-        raise TraceError(f"{p}: the trace has no requests")
+        raise ConfigError(f"{p}: the trace has no requests")
     return out
 
 
@@ -216,9 +213,9 @@ def _int_field(obj: dict, name: str, where: str, default: int | None = None, lo:
                hi: int = SEED_MAX) -> int:
     if name not in obj:
         if default is None:
-            raise TraceError(f"{where}: missing '{name}'")
+            raise ConfigError(f"{where}: missing '{name}'")
         return default
-    return check_int(obj[name], f"{where}: '{name}'", lo, hi, TraceError)
+    return check_int(obj[name], f"{where}: '{name}'", lo, hi, ConfigError)
 
 
 def trace_summary(reqs: list[Request]) -> dict:

@@ -5,7 +5,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from hicache.pages import OutOfPagesError, PageAllocator, PageError
+from hicache.errors import DeviceFullError, UsageError
+from hicache.pages import PageAllocator
 
 
 class StackModel:
@@ -52,57 +53,57 @@ def test_two_allocators_same_sequence_same_ids():
 def test_out_of_pages_is_all_or_nothing_and_names_numbers():
     a = PageAllocator(4)
     a.alloc(3)
-    with pytest.raises(OutOfPagesError, match=r"asked for 2 pages but only 1 of 4 are free"):
+    with pytest.raises(DeviceFullError, match=r"asked for 2 pages but only 1 of 4 are free"):
         a.alloc(2)
-    with pytest.raises(OutOfPagesError) as e:
+    with pytest.raises(DeviceFullError) as e:
         a.alloc_array(5)
     assert (e.value.asked, e.value.free, e.value.total) == (5, 1, 4)
     assert a.num_free == 1 and a.num_used == 3
     assert a.alloc(1) == [3]                          # the failed calls took nothing
-    assert isinstance(OutOfPagesError(1, 0, 1), MemoryError)
-    with pytest.raises(OutOfPagesError, match="asked for 1 pages but only 0 of 0"):
+    assert isinstance(DeviceFullError(1, 0, 1), MemoryError)
+    with pytest.raises(DeviceFullError, match="asked for 1 pages but only 0 of 0"):
         PageAllocator(0).alloc(1)
 
 
 def test_bad_frees_change_nothing():
     a = PageAllocator(4)
     ids = a.alloc(2)  # [0, 1]
-    with pytest.raises(PageError, match="page id 3 is not allocated"):
+    with pytest.raises(UsageError, match="page id 3 is not allocated"):
         a.free([0, 3])
-    with pytest.raises(PageError, match="page id 7 is outside"):
+    with pytest.raises(UsageError, match="page id 7 is outside"):
         a.free([7])
-    with pytest.raises(PageError, match="page id -1 is negative"):
+    with pytest.raises(UsageError, match="page id -1 is negative"):
         a.free([-1])
-    with pytest.raises(PageError, match="page id 9 is outside"):
+    with pytest.raises(UsageError, match="page id 9 is outside"):
         a.free(np.array([0, 9, -3]))                  # the first bad id is named
-    with pytest.raises(PageError, match="page id 0 appears twice"):
+    with pytest.raises(UsageError, match="page id 0 appears twice"):
         a.free([0, 0])
-    with pytest.raises(PageError, match="page id 1 appears twice"):
+    with pytest.raises(UsageError, match="page id 1 appears twice"):
         a.free([1, 0] + [1] * 40)                     # the vectorised duplicate check
-    with pytest.raises(PageError, match="not an int"):
+    with pytest.raises(UsageError, match="not an int"):
         a.free([0.5])
-    with pytest.raises(PageError, match="not an int"):
+    with pytest.raises(UsageError, match="not an int"):
         a.free([True])
-    with pytest.raises(PageError, match="integers"):
+    with pytest.raises(UsageError, match="integers"):
         a.free(torch.tensor([0.0]))
-    with pytest.raises(PageError, match="int64 range"):
+    with pytest.raises(UsageError, match="int64 range"):
         a.free([2 ** 70])
     assert a.num_used == 2 and all(a.is_allocated(i) for i in ids)
     a.free(torch.tensor(ids))
-    with pytest.raises(PageError, match="page id 0 is not allocated"):
+    with pytest.raises(UsageError, match="page id 0 is not allocated"):
         a.free([0])
     assert a.num_free == 4
     a.free([])                                        # nothing to free: a no-op
     assert a.num_free == 4
     for bad in (-1, 1.0, True):
-        with pytest.raises(PageError):
+        with pytest.raises(UsageError):
             a.alloc(bad)
     for bad in (-2, 2.0, None):
-        with pytest.raises(PageError):
+        with pytest.raises(UsageError):
             PageAllocator(bad)
-    with pytest.raises(PageError, match="page id 4 is outside"):
+    with pytest.raises(UsageError, match="page id 4 is outside"):
         a.is_allocated(4)
-    with pytest.raises(PageError, match="not an int"):
+    with pytest.raises(UsageError, match="not an int"):
         a.is_allocated("0")
 
 
@@ -120,7 +121,7 @@ def test_random_sequences_keep_invariants(total, ops):
     for kind, n, rnd in ops:
         if kind == "alloc":
             if n > total - len(held):
-                with pytest.raises(OutOfPagesError):
+                with pytest.raises(DeviceFullError):
                     a.alloc(n)
             else:
                 got = a.alloc(n) if n % 2 else a.alloc_array(n).tolist()
@@ -140,7 +141,7 @@ def test_random_sequences_keep_invariants(total, ops):
             req = ([rnd.choice(pool)] if pool else []) + [bad]
             if len(set(req)) == len(req) and bad in held:
                 continue
-            with pytest.raises(PageError):
+            with pytest.raises(UsageError):
                 a.free(req)
         assert a.num_used == len(held)
         assert a.num_free + a.num_used == total

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache.config import ConfigError, HiCacheConfig, describe, load_config, loads
+from hicache.config import HiCacheConfig, describe, load_config, loads
+from hicache.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "policy.toml"

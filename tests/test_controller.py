@@ -4,10 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.controller import (BackupOp, CacheController, ControllerError, DeviceFullError,
-                                LoadOp, LockError, PageOwnershipError, PolicyError,
-                                StaleNodeError, StepAgreement, TokenTypeError, UnknownOpError)
+from hicache.controller import BackupOp, CacheController, LoadOp, StepAgreement
 from hicache.distributed import CollectiveCounter
+from hicache.errors import ConfigError, DeviceFullError, UsageError
 
 PT = 4  # widened page: e.g. P=2, c=2
 
@@ -64,7 +63,7 @@ def test_tokens_types_accepted_and_rejected():
         assert c.match(t).device_len == 2 * PT
     for bad in ([1.0, 2.0], np.ones(8, np.float32), torch.ones(8), np.ones((2, 4), np.int64),
                 "abcd", [True, False], None):
-        with pytest.raises(TokenTypeError):
+        with pytest.raises(UsageError):
             c.match(bad)
 
 
@@ -73,33 +72,33 @@ def test_bad_input_errors():
     m = c.match(seq(1))
     h = c.lock(m)
     c.unlock(h)
-    with pytest.raises(LockError, match="already released"):
+    with pytest.raises(UsageError, match="already released"):
         c.unlock(h)
     serve(c, seq(1, 2))
     node = c.match(seq(1, 2)).last_node
-    with pytest.raises(LockError, match="without a matching lock"):
+    with pytest.raises(UsageError, match="without a matching lock"):
         c.unlock(node)
-    with pytest.raises(PageOwnershipError, match="not allocated"):
+    with pytest.raises(UsageError, match="not allocated"):
         c.insert(seq(3), [5])                     # never handed out
-    with pytest.raises(PageOwnershipError, match="owned by a cached node"):
+    with pytest.raises(UsageError, match="owned by a cached node"):
         c.insert(seq(3), [c.match(seq(1)).device_pages[0]])
     p = c.alloc_device(2)
-    with pytest.raises(PageOwnershipError, match="twice"):
+    with pytest.raises(UsageError, match="twice"):
         c.insert(seq(3, 4), [p[0], p[0]])
-    with pytest.raises(ControllerError, match="2 whole pages"):
+    with pytest.raises(UsageError, match="2 whole pages"):
         c.insert(seq(3, 4), p + [p[0] + 1])    # a third page with no tail to hold
-    with pytest.raises(ControllerError, match="int"):
+    with pytest.raises(UsageError, match="int"):
         c.alloc_device(-1)
-    with pytest.raises(UnknownOpError):
+    with pytest.raises(UsageError):
         c.complete([12345])
     c.free_device(p)
-    with pytest.raises(PageOwnershipError):
+    with pytest.raises(UsageError):
         c.free_device(p)
-    with pytest.raises(PolicyError):
+    with pytest.raises(ConfigError):
         CacheController(PT, 8, 8, write="write_sometimes")
-    with pytest.raises(PolicyError):
+    with pytest.raises(ConfigError):
         CacheController(PT, 8, 8, eviction="fifo")
-    with pytest.raises(PolicyError):
+    with pytest.raises(ConfigError):
         CacheController(PT, 8, 8, selective_threshold=-1)
     c.check()
 
@@ -135,7 +134,7 @@ def test_load_back_needs_lock_and_threshold():
     c.evict_device(2)
     m = c.match(seq(1, 2))
     assert m.host_len == 2 * PT
-    with pytest.raises(LockError):
+    with pytest.raises(UsageError):
         c.load_back(m)
     h = c.lock(m)
     assert c.load_back(m) is None                 # 8 tokens < threshold 12: recompute
@@ -231,7 +230,7 @@ def test_stale_node_and_dropped_subtree():
     serve(c, seq(1, 2))
     m = c.match(seq(1, 2))
     assert c.evict_device(2) == 2 and c.stats.dropped_pages == 2
-    with pytest.raises(StaleNodeError):
+    with pytest.raises(UsageError):
         c.lock(m)
     c.check()
 

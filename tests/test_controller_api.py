@@ -10,11 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.controller import (CacheController, ControllerError, DeviceFullError,
-                                PageOwnershipError, TokenTypeError, as_tokens)
+from hicache.controller import CacheController, as_tokens
 from hicache.controller.order import EvictionOrder
 from hicache.controller.tree import Node
-from hicache.pages import PageError
+from hicache.errors import DeviceFullError, UsageError
 
 PT = 4
 
@@ -50,7 +49,7 @@ def test_integer_buffers_are_viewed_not_copied():
     assert as_tokens([np.int64(3), 4]).tolist() == [3, 4]
     for bad in (array.array("d", [1.0]), memoryview(b"ab").cast("c"), b"abcd", [1, True],
                 [False, 0], [1, 2.0], [1 << 70], np.ones(3, bool)):
-        with pytest.raises(TokenTypeError):
+        with pytest.raises(UsageError):
             as_tokens(bad)
     c = CacheController(PT, 8, 0)
     serve(c, t)
@@ -82,7 +81,7 @@ def test_match_pages_go_straight_into_insert_in_any_form():
     assert isinstance(m.device_pages, np.ndarray) and m.device_pages.dtype == np.int64
     m.device_pages[0] = 99                                     # the caller's copy
     assert c.match(seq(1, 2, 3)).device_pages[0] != 99
-    with pytest.raises(PageError):
+    with pytest.raises(UsageError):
         c.insert(seq(5), [1.5])
 
 
@@ -96,11 +95,11 @@ def test_insert_takes_a_partial_tail_page_and_frees_it():
     assert c.request_pages == frozenset()
     c.check()
     p = c.alloc_device(2)
-    with pytest.raises(ControllerError, match="1 whole pages"):
+    with pytest.raises(UsageError, match="1 whole pages"):
         c.insert(seq(3, tail=1), p + c.alloc_device(1))        # a page beyond the tail's
-    with pytest.raises(ControllerError, match="2 whole pages"):
+    with pytest.raises(UsageError, match="2 whole pages"):
         c.insert(seq(3, 4), p[:1])                             # too few
-    with pytest.raises(PageOwnershipError):
+    with pytest.raises(UsageError):
         c.insert(seq(3, tail=1), [p[0], r.device_pages[0]])    # tail page owned by the tree
     assert c.request_pages == frozenset(p) | c.request_pages   # nothing changed on errors
     c.check()

@@ -4,9 +4,9 @@ import hashlib
 
 import numpy as np
 
-from hicache.controller import (AgreementError, CacheController, DeviceFullError,
-                                DivergenceError, StepAgreement)
+from hicache.controller import CacheController, StepAgreement
 from hicache.distributed import CollectiveCounter, launch
+from hicache.errors import DeviceFullError, DivergenceError
 
 PT = 4
 
@@ -69,7 +69,7 @@ def _run(rank, world, steps, write):
     try:
         ctrl.agree(dbg, set())
         diverged = None
-    except (DivergenceError, AgreementError) as e:
+    except DivergenceError as e:
         diverged = str(e)
     return dict(digests=digests, per_step=per_step, done_at=done_at, applied_at=applied_at,
                 host_hits=host_hits, stats=vars(ctrl.stats), diverged=diverged,

@@ -7,9 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.controller import CacheController, PageOwnershipError
+from hicache.controller import CacheController
+from hicache.errors import DeviceFullError, UsageError
 from hicache.ids import page_ids as id_array
-from hicache.pages import OutOfPagesError, PageAllocator, PageError
+from hicache.pages import PageAllocator
 
 PT = 4
 
@@ -26,17 +27,17 @@ def test_allocator_array_api_lifo_order_and_errors():
     assert a.tolist() == [3, 4] and p.is_allocated(4) and not p.is_allocated(5)
     p.free([1, 0])
     assert p.alloc(2) == [1, 0]                       # freed pages come back in their order
-    with pytest.raises(PageError, match="not allocated"):
+    with pytest.raises(UsageError, match="not allocated"):
         p.free([5])
-    with pytest.raises(PageError, match="outside"):
+    with pytest.raises(UsageError, match="outside"):
         p.free([6])
-    with pytest.raises(PageError, match="outside"):
+    with pytest.raises(UsageError, match="outside"):
         p.free([-1])
-    with pytest.raises(PageError, match="twice"):
+    with pytest.raises(UsageError, match="twice"):
         p.free([1, 1])
-    with pytest.raises(PageError, match="not an int"):
+    with pytest.raises(UsageError, match="not an int"):
         p.free([1.5])
-    with pytest.raises(OutOfPagesError):
+    with pytest.raises(DeviceFullError):
         p.alloc(2)
     p.free(np.array([3, 4, 2], np.int32))             # int arrays are accepted too
     assert p.num_free == 4 and not p.is_allocated(3)
@@ -73,10 +74,10 @@ def test_page_ids_types():
     assert t.tolist() == [4, 7]
     assert id_array(torch.tensor([[1, 2], [3, 4]])).tolist() == [1, 2, 3, 4]
     for bad_t in (torch.tensor([1.0]), torch.tensor([True]), np.array([1.5])):
-        with pytest.raises(PageError, match="integers"):
+        with pytest.raises(UsageError, match="integers"):
             id_array(bad_t)
     for bad in ([1.0], ["a"], [None]):
-        with pytest.raises(PageError):
+        with pytest.raises(UsageError):
             id_array(bad)
 
 
@@ -96,18 +97,18 @@ def test_insert_from_several_grants_with_a_cut_tail():
 def test_insert_rejects_reused_or_stale_grants():
     c = CacheController(PT, 32, 0)
     a = c.alloc_device(2)
-    with pytest.raises(PageOwnershipError, match="twice"):
+    with pytest.raises(UsageError, match="twice"):
         c.insert(fresh_tokens(0, 4), a + a)           # the same grant twice
     c.free_device(a[1:])
     b = c.alloc_device(1)                             # LIFO: the same id, a newer grant
     assert b == a[1:]
     r = c.insert(fresh_tokens(1, 2), a)               # still request pages: accepted
     assert list(r.device_pages) == a
-    with pytest.raises(PageOwnershipError, match="owned by a cached node"):
+    with pytest.raises(UsageError, match="owned by a cached node"):
         c.insert(fresh_tokens(2, 2), a)               # consumed: now the tree's
     mine = c.alloc_device(2)
     mine[0] = 31                                      # the caller's copy: ours is unchanged
-    with pytest.raises(PageOwnershipError, match="not allocated"):
+    with pytest.raises(UsageError, match="not allocated"):
         c.insert(fresh_tokens(3, 2), mine)
     c.check()
 
@@ -150,7 +151,7 @@ def test_insert_validation_matches_a_set_model(steps):
                 assert list(r.device_pages) == pages
                 req -= set(pages)
             else:
-                with pytest.raises(PageOwnershipError):
+                with pytest.raises(UsageError):
                     c.insert(toks, pages)
         assert c.request_pages == frozenset(req)
         c.check()

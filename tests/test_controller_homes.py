@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from hicache.errors import ConfigError, UsageError
 from hicache import ids
 from hicache.config import HiCacheConfig, PolicySection
-from hicache.controller import (EVICTION_POLICIES, WRITE_POLICIES, CacheController,
-                                PageOwnershipError, PolicyError)
+from hicache.controller import EVICTION_POLICIES, WRITE_POLICIES, CacheController
 from hicache.controller import controller as controller_module
-from hicache.pages import PageError
 
 PT = 4
 
@@ -33,13 +32,13 @@ def test_policy_is_the_policy_file_section():
     assert WRITE_POLICIES == fields["write"].metadata["choices"]
     assert EVICTION_POLICIES == fields["eviction"].metadata["choices"]
     # the file's ranges, with the key named: selective_threshold >= 1 there, so here too
-    with pytest.raises(PolicyError, match=r"policy\.selective_threshold"):
+    with pytest.raises(ConfigError, match=r"policy\.selective_threshold"):
         CacheController(PT, 8, 8, selective_threshold=0)
-    with pytest.raises(PolicyError, match=r"policy\.write: 'write_often' is not one of"):
+    with pytest.raises(ConfigError, match=r"policy\.write: 'write_often' is not one of"):
         CacheController(PT, 8, 8, write="write_often")
-    with pytest.raises(PolicyError, match="unknown controller setting"):
+    with pytest.raises(ConfigError, match="unknown controller setting"):
         CacheController(PT, 8, 8, prefetch_s=1)
-    with pytest.raises(PolicyError, match="PolicySection"):
+    with pytest.raises(ConfigError, match="PolicySection"):
         CacheController(PT, 8, 8, policy={"write": "write_back"})
 
 
@@ -51,13 +50,14 @@ def test_one_coercion_of_each_kind_everywhere():
     from hicache.l3 import keys
     assert tree.as_tokens is service.as_tokens is keys.as_tokens is ids.as_tokens
     assert transfer.page_ids is allocator.page_ids is controller_module.page_ids is ids.page_ids
-    assert allocator.PageError is transfer.PageError is ids.PageError
-    # tiers may import it: it imports no other part of hicache
+    assert allocator.UsageError is transfer.UsageError is ids.UsageError
+    # tiers may import it: it imports no other part of hicache but the errors (a leaf)
     tree_ = ast.parse(open(ids.__file__).read())
     imported = [a.name for n in ast.walk(tree_) if isinstance(n, ast.Import) for a in n.names]
     imported += [("." * n.level) + (n.module or "") for n in ast.walk(tree_)
                  if isinstance(n, ast.ImportFrom)]
-    assert imported and not [m for m in imported if m.startswith(("hicache", "."))]
+    assert imported and not [m for m in imported if m.startswith(("hicache", "."))
+                             and m != "hicache.errors"]
 
 
 @pytest.mark.parametrize("n", [3, 300])  # short lists: a scan of the types; long: numpy
@@ -66,17 +66,17 @@ def test_bools_are_never_ids(n):
     assert ids.page_ids(good).tolist() == good
     assert ids.as_tokens(good).tolist() == good
     for bad in (good[:-1] + [True], [False] + good[1:], good[:-1] + [np.bool_(1)]):
-        with pytest.raises(PageError, match="not an int"):
+        with pytest.raises(UsageError, match="not an int"):
             ids.page_ids(bad)
-        with pytest.raises(ids.TokenTypeError, match="not an int"):
+        with pytest.raises(ids.UsageError, match="not an int"):
             ids.as_tokens(bad)
     assert ids.page_ids(good[:-1] + [np.int32(7)])[-1] == 7
-    with pytest.raises(PageError, match="int64 range"):
+    with pytest.raises(UsageError, match="int64 range"):
         ids.page_ids(good + [1 << 64])
-    with pytest.raises(PageError, match="int64 range"):
+    with pytest.raises(UsageError, match="int64 range"):
         ids.page_ids(np.array([1 << 63], np.uint64))
     assert ids.page_ids(np.array([[1, 2], [3, 4]], np.int32)).tolist() == [1, 2, 3, 4]
-    with pytest.raises(PageError, match="integer page ids"):
+    with pytest.raises(UsageError, match="integer page ids"):
         ids.page_ids(torch.tensor([0.5]))
 
 
@@ -85,7 +85,7 @@ def test_grants_are_a_shortcut_not_a_rule():
     a = c.alloc_device(3)
     toks = np.arange(3 * PT, dtype=np.int64)
     c.free_device(a)                                  # given back another way: stale grant
-    with pytest.raises(PageOwnershipError, match="not allocated"):
+    with pytest.raises(UsageError, match="not allocated"):
         c.insert(toks, a)                             # the shortcut still checks ownership
     b = c.alloc_device(3)                             # the same ids again (LIFO order)
     assert sorted(b) == sorted(a)

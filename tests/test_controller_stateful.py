@@ -6,7 +6,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hicache.controller import BackupOp, CacheController, DeviceFullError, LockError
+from hicache.controller import BackupOp, CacheController
+from hicache.errors import DeviceFullError, UsageError
 
 PT = 2
 PAGES = st.lists(st.integers(0, 3), min_size=1, max_size=6)
@@ -102,7 +103,7 @@ class ControllerMachine(RuleBasedStateMachine):
     def release(self, i):
         _, _, _, h = self.holds.pop(i % len(self.holds))
         self.c.unlock(h)
-        with pytest.raises(LockError):
+        with pytest.raises(UsageError):
             self.c.unlock(h)
 
     @rule(n=st.integers(1, 8))

@@ -53,7 +53,7 @@ def test_text_run_with_saved_model(tmp_path, capsys):
     (("--model", "/nonexistent/m.pt"), "--model: model file not found"),
 ])
 def test_bad_arguments_are_one_clear_line(argv, needle, capsys):
-    with pytest.raises(cli.DecodeArgsError, match=re.escape(needle)):
+    with pytest.raises(cli.UsageError, match=re.escape(needle)):
         cli.run(parse(*argv))
     assert cli.main(["decode", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -9,9 +9,9 @@ import torch
 
 from hicache.distributed import launch
 from hicache.engine.cli import DecodeSpec, build_model, decode_worker, make_prompt, summarize
-from hicache.engine.dcp import DCPConfigError
 from hicache.engine.model import MLAModel, ModelConfig
-from hicache.engine.runner import DCPRunner, EngineError, RequestState, reserve
+from hicache.engine.runner import DCPRunner, RequestState, reserve
+from hicache.errors import TopologyError, UsageError
 from hicache.l1 import DeviceKVPool
 from hicache.pages import PageAllocator
 from hicache.layout import DCPLayout
@@ -207,18 +207,18 @@ def test_engine_errors():
     pool = DeviceKVPool(DCPLayout(1, 0, PAGE), CFG.num_layers, CFG.kv_dim, CFG.torch_dtype, 4)
     runner = DCPRunner(model, pool)
     st = RequestState(page_table=[0])
-    with pytest.raises(EngineError, match="reserve pages"):
+    with pytest.raises(UsageError, match="reserve pages"):
         runner.extend(st, [1, 2, 3])
-    with pytest.raises(EngineError, match="at least one"):
+    with pytest.raises(UsageError, match="at least one"):
         runner.extend(st, [])
     assert st.length == 0  # a refused extend changes nothing
-    with pytest.raises(EngineError, match="layers"):
+    with pytest.raises(UsageError, match="layers"):
         DCPRunner(model, DeviceKVPool(DCPLayout(1, 0, PAGE), 1, CFG.kv_dim, CFG.torch_dtype, 4))
-    with pytest.raises(EngineError, match="dtype"):
+    with pytest.raises(UsageError, match="dtype"):
         DCPRunner(model, DeviceKVPool(DCPLayout(1, 0, PAGE), CFG.num_layers, CFG.kv_dim,
                                       torch.bfloat16, 4))
-    with pytest.raises(DCPConfigError, match="backend"):
+    with pytest.raises(TopologyError, match="backend"):
         DCPRunner(model, pool, backend="ring")
-    with pytest.raises(DCPConfigError, match="not divisible"):
+    with pytest.raises(TopologyError, match="not divisible"):
         DCPRunner(model, DeviceKVPool(DCPLayout(3, 0, PAGE), CFG.num_layers, CFG.kv_dim,
                                       CFG.torch_dtype, 4))

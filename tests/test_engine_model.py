@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.engine.attention import AttentionInputError, attend_latent
+from hicache.engine.attention import attend_latent
 from hicache.engine.merge import merge_attn_states
-from hicache.engine.model import (MLAModel, ModelConfig, ModelConfigError, ModelLoadError,
-                                  rms_norm)
+from hicache.engine.model import MLAModel, ModelConfig, rms_norm
+from hicache.errors import CheckpointError, ConfigError, UsageError
 
 
 CFG = ModelConfig(num_layers=2)
@@ -97,13 +97,13 @@ def test_shards_with_global_positions_merge_to_dense(n, t, c, seed):
 
 def test_attention_input_errors():
     q, pe, kv, pos = torch.zeros(2, 3, 8), torch.zeros(2, 3, 4), torch.zeros(5, 12), torch.arange(5)
-    with pytest.raises(AttentionInputError, match="kv_lora_rank"):
+    with pytest.raises(UsageError, match="kv_lora_rank"):
         attend_latent(q, pe, kv, pos[:2], pos, 1.0, 7)
-    with pytest.raises(AttentionInputError, match=r"kv must be \[N, 12\]"):
+    with pytest.raises(UsageError, match=r"kv must be \[N, 12\]"):
         attend_latent(q, pe, torch.zeros(5, 10), pos[:2], pos, 1.0, 8)
-    with pytest.raises(AttentionInputError, match="q_pos"):
+    with pytest.raises(UsageError, match="q_pos"):
         attend_latent(q, pe, kv, pos[:3], pos, 1.0, 8)
-    with pytest.raises(AttentionInputError, match="backend"):
+    with pytest.raises(UsageError, match="backend"):
         attend_latent(q, pe, kv, pos[:2], pos, 1.0, 8, backend="cuda")
 
 
@@ -136,31 +136,31 @@ def test_save_load_roundtrip_and_errors(model, tmp_path):
     q.save(tmp_path / "q.pt")
     assert torch.equal(MLAModel.load(tmp_path / "q.pt").forward(toks), q.forward(toks))
 
-    with pytest.raises(ModelLoadError, match="not found"):
+    with pytest.raises(CheckpointError, match="not found"):
         MLAModel.load(tmp_path / "missing.pt")
     (tmp_path / "junk.pt").write_bytes(b"not a torch file")
-    with pytest.raises(ModelLoadError, match="cannot read"):
+    with pytest.raises(CheckpointError, match="cannot read"):
         MLAModel.load(tmp_path / "junk.pt")
     blob = torch.load(path, weights_only=True)
     blob["config"]["hidden_size"] = 32
     torch.save(blob, tmp_path / "bad.pt")
-    with pytest.raises(ModelLoadError, match="shape"):
+    with pytest.raises(CheckpointError, match="shape"):
         MLAModel.load(tmp_path / "bad.pt")
     blob = torch.load(path, weights_only=True)
     del blob["state"]["lm_head"]
     torch.save(blob, tmp_path / "miss.pt")
-    with pytest.raises(ModelLoadError, match="missing weights"):
+    with pytest.raises(CheckpointError, match="missing weights"):
         MLAModel.load(tmp_path / "miss.pt")
 
 
 def test_config_errors():
-    with pytest.raises(ModelConfigError, match="num_heads"):
+    with pytest.raises(ConfigError, match="num_heads"):
         ModelConfig(num_heads=0)
-    with pytest.raises(ModelConfigError, match="qk_rope_head_dim"):
+    with pytest.raises(ConfigError, match="qk_rope_head_dim"):
         ModelConfig(qk_rope_head_dim=3)
-    with pytest.raises(ModelConfigError, match="dtype"):
+    with pytest.raises(ConfigError, match="dtype"):
         ModelConfig(dtype="int8")
-    with pytest.raises(ModelConfigError, match="unknown"):
+    with pytest.raises(ConfigError, match="unknown"):
         ModelConfig.from_dict({"hidden": 3})
     assert ModelConfig().kv_dim == 40
     with pytest.raises(ValueError, match="token ids"):

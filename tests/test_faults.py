@@ -14,9 +14,10 @@ import torch
 
 from hicache.distributed import launch
 from hicache.engine.model import MLAModel
-from hicache.l2.transfer import DONE, FAILED, PENDING, TransferError, TransferJob
+from hicache.errors import HiCacheError, TransferError
+from hicache.l2.transfer import DONE, FAILED, PENDING, TransferJob
 from hicache.serving import Server, model_config
-from hicache.service import HiCache, HiCacheError
+from hicache.service import HiCache
 from hicache.workloads import Request
 
 from helpers import admit_ready, make_cfg

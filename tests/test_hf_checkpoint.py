@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.config import ConfigError, HiCacheConfig, loads
+from hicache.config import HiCacheConfig, loads
 from hicache.distributed import launch
 from hicache.engine import hf
-from hicache.engine.hf import HFCheckpointError, load_checkpoint, weights_signature
+from hicache.engine.hf import load_checkpoint, weights_signature
 from hicache.engine.model import MLAModel
+from hicache.errors import CheckpointError, ConfigError
 
 TOL = 1e-4
 NEW = 8
@@ -379,7 +380,7 @@ _DROP = object()
 ])
 def test_bad_checkpoints_are_clear_errors(ckpts, tmp_path, changes, needle):
     bad = _edit_config(ckpts["v3_moe_qlora_yarn_shards"][0], tmp_path / "bad", **changes)
-    with pytest.raises(HFCheckpointError) as e:
+    with pytest.raises(CheckpointError) as e:
         load_checkpoint(bad)
     assert needle in str(e.value), str(e.value)
 
@@ -388,15 +389,15 @@ def test_missing_weight_files_and_v2_specific_values(ckpts, tmp_path):
     v2 = ckpts["v2_dense"][0]
     bad = _edit_config(v2, tmp_path / "norm", first_k_dense_replace=0, n_routed_experts=8,
                        num_experts_per_tok=2, norm_topk_prob=True, topk_method="greedy")
-    with pytest.raises(HFCheckpointError, match="norm_topk_prob true is not supported"):
+    with pytest.raises(CheckpointError, match="norm_topk_prob true is not supported"):
         load_checkpoint(bad)
     gone = _edit_config(v2, tmp_path / "gone")
     (Path(gone) / "model.safetensors").unlink()
-    with pytest.raises(HFCheckpointError, match="no model.safetensors or model.safetensors.index"):
+    with pytest.raises(CheckpointError, match="no model.safetensors or model.safetensors.index"):
         load_checkpoint(gone)
     shards = _edit_config(ckpts["v3_moe_qlora_yarn_shards"][0], tmp_path / "shards")
     next(Path(shards).glob("model-0000*-of-*.safetensors")).unlink()
-    with pytest.raises(HFCheckpointError, match="which is missing"):
+    with pytest.raises(CheckpointError, match="which is missing"):
         load_checkpoint(shards)
 
 

@@ -4,9 +4,10 @@ import os
 
 import pytest
 
+from hicache.errors import L3Error
 from hicache.integrations.common import engine_chain, signature, store_keys, weights_signature
 from hicache.integrations.rows import row_layout
-from hicache.l3 import L3Error, Namespace
+from hicache.l3 import Namespace
 
 
 def test_mla_dcp_row_has_one_slot_per_shard_copy():

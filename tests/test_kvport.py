@@ -17,11 +17,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hicache import HiCache, HiCacheConfig, HiCacheError
+from hicache.errors import HiCacheError, UsageError
+from hicache import HiCache, HiCacheConfig
 from hicache.engine.model import MLAModel, ModelConfig
 from hicache.engine.runner import DCPRunner, RequestState, reserve
 from hicache.kvport import CheckedPort, KVPort, RowWrite
-from hicache.l1 import DeviceKVPool, PoolError
+from hicache.l1 import DeviceKVPool
 from hicache.layout import DCPLayout
 from hicache.pages import PageAllocator
 
@@ -136,7 +137,7 @@ def test_device_index_follows_the_request_state():
 def test_pool_refuses_a_row_write_outside_it():
     pool = pool_for(DCPLayout(1, 0, PAGE), pages=2)
     w = RowWrite.for_positions(pool.layout, torch.tensor([0, 5]), [0, 5], 0, 8)
-    with pytest.raises(PoolError, match="page 5 is outside"):
+    with pytest.raises(UsageError, match="page 5 is outside"):
         pool.write(0, w, torch.zeros(8, CFG.kv_dim))
 
 

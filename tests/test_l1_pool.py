@@ -4,7 +4,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from hicache.l1.pool import DeviceKVPool, PoolError
+from hicache.errors import UsageError
+from hicache.l1.pool import DeviceKVPool
 from hicache.layout import DCPLayout
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -71,24 +72,24 @@ def test_read_after_write_random_slots(c, rank_seed, slots):
 def test_bad_input_errors():
     pool = DeviceKVPool(DCPLayout(2, 0, 4), 2, 6, torch.float16, 3)  # 24 slots
     slots = torch.arange(4)
-    with pytest.raises(PoolError, match="dtype torch.float32 but the pool stores torch.float16"):
+    with pytest.raises(UsageError, match="dtype torch.float32 but the pool stores torch.float16"):
         pool.write(0, slots, torch.zeros(4, 6))
-    with pytest.raises(PoolError, match=r"shape \[4, 6\].*got \[4, 5\]"):
+    with pytest.raises(UsageError, match=r"shape \[4, 6\].*got \[4, 5\]"):
         pool.write(0, slots, torch.zeros(4, 5, dtype=torch.float16))
-    with pytest.raises(PoolError, match=r"shape \[4, 6\].*got \[3, 6\]"):
+    with pytest.raises(UsageError, match=r"shape \[4, 6\].*got \[3, 6\]"):
         pool.write(0, slots, torch.zeros(3, 6, dtype=torch.float16))
-    with pytest.raises(PoolError, match="virtual slot 24 is outside"):
+    with pytest.raises(UsageError, match="virtual slot 24 is outside"):
         pool.write(0, [0, 24], torch.zeros(2, 6, dtype=torch.float16))
-    with pytest.raises(PoolError, match="virtual slot -1 is outside"):
+    with pytest.raises(UsageError, match="virtual slot -1 is outside"):
         pool.read(0, [-1])
-    with pytest.raises(PoolError, match="integers"):
+    with pytest.raises(UsageError, match="integers"):
         pool.read(0, torch.tensor([1.0]))
-    with pytest.raises(PoolError, match="layer 2 is outside"):
+    with pytest.raises(UsageError, match="layer 2 is outside"):
         pool.read(2, slots)
-    with pytest.raises(PoolError, match="layer"):
+    with pytest.raises(UsageError, match="layer"):
         pool.layer_view(-1)
-    with pytest.raises(PoolError, match="kv_dim"):
+    with pytest.raises(UsageError, match="kv_dim"):
         DeviceKVPool(DCPLayout(1, 0, 4), 1, 0, torch.float16, 1)
-    with pytest.raises(PoolError, match="DCPLayout"):
+    with pytest.raises(UsageError, match="DCPLayout"):
         DeviceKVPool((1, 0, 4), 1, 4, torch.float16, 1)
     assert not pool.kv.any()  # nothing written by the failed calls

@@ -4,9 +4,8 @@ import psutil
 import pytest
 import torch
 
-from hicache.pages import PageError
-from hicache.l1.pool import PoolError
-from hicache.l2.pool import HostKVPool, HostMemoryError, check_host_memory, host_pages_for
+from hicache.errors import ConfigError, HostMemoryError, UsageError
+from hicache.l2.pool import HostKVPool, check_host_memory, host_pages_for
 from hicache.layout import DCPLayout
 
 LAY = DCPLayout(2, 1, 4)
@@ -42,21 +41,21 @@ def test_layouts_and_page_access(kind, shape, dtype):
 
 def test_page_access_errors():
     h = HostKVPool(LAY, 2, 6, torch.float16, 3, pin="off")
-    with pytest.raises(PageError, match="host page id 3 is outside"):
+    with pytest.raises(UsageError, match="host page id 3 is outside"):
         h.read_page(3)
-    with pytest.raises(PageError, match="host page id -1"):
+    with pytest.raises(UsageError, match="host page id -1"):
         h.page_view(-1)
-    with pytest.raises(PoolError, match="dtype torch.float32"):
+    with pytest.raises(UsageError, match="dtype torch.float32"):
         h.write_page(0, torch.zeros(2, 4, 6))
-    with pytest.raises(PoolError, match=r"shape \[2, 4, 6\], got \[2, 4, 5\]"):
+    with pytest.raises(UsageError, match=r"shape \[2, 4, 6\], got \[2, 4, 5\]"):
         h.write_page(0, torch.zeros(2, 4, 5, dtype=torch.float16))
-    with pytest.raises(PoolError, match="page data has 3 bytes"):
+    with pytest.raises(UsageError, match="page data has 3 bytes"):
         h.write_page_bytes(0, b"abc")
-    with pytest.raises(PoolError, match="layer 2"):
+    with pytest.raises(UsageError, match="layer 2"):
         h.layer_pages(2)
-    with pytest.raises(PoolError, match="layout_kind"):
+    with pytest.raises(UsageError, match="layout_kind"):
         HostKVPool(LAY, 2, 6, torch.float16, 3, layout_kind="row_first")
-    with pytest.raises(PoolError, match="pin"):
+    with pytest.raises(UsageError, match="pin"):
         HostKVPool(LAY, 2, 6, torch.float16, 3, pin="yes")
 
 
@@ -66,7 +65,7 @@ def test_pinning_follows_cuda():
     if torch.cuda.is_available():
         assert HostKVPool(LAY, 1, 4, torch.float16, 2, pin="on").buf.is_pinned()
     else:
-        with pytest.raises(PoolError, match="pin='on' needs CUDA"):
+        with pytest.raises(UsageError, match="pin='on' needs CUDA"):
             HostKVPool(LAY, 1, 4, torch.float16, 2, pin="on")
 
 
@@ -74,11 +73,11 @@ def test_sizing():
     assert host_pages_for(10, 100, size_bytes=0, ratio=2.0) == 20
     assert host_pages_for(10, 100, ratio=0.55) == 5
     assert host_pages_for(10, 100, size_bytes=1050) == 10  # bytes win over the ratio
-    with pytest.raises(PoolError, match="smaller than one page"):
+    with pytest.raises(UsageError, match="smaller than one page"):
         host_pages_for(10, 100, size_bytes=50)
-    with pytest.raises(PoolError, match="ratio"):
+    with pytest.raises(UsageError, match="ratio"):
         host_pages_for(10, 100, ratio=0)
-    with pytest.raises(PoolError, match="size_bytes"):
+    with pytest.raises(UsageError, match="size_bytes"):
         host_pages_for(10, 100, size_bytes=-1)
 
 
@@ -97,7 +96,6 @@ def test_pool_larger_than_host_memory_fails_before_allocating():
 
 
 def test_node_memory_counts_every_local_rank():
-    from hicache.config import ConfigError
     from hicache.l2.pool import check_node_memory, pinned_host_tensor
     from hicache.preflight import MemoryNeed
     assert MemoryNeed(8, 0, 100, l1_on_host=False).host_total == 800

@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 import torch
 
+from hicache.errors import ConfigError, L3CorruptError, L3ForeignError
 from hicache import cli
-from hicache.config import ConfigError, HiCacheConfig
+from hicache.config import HiCacheConfig
 from hicache.engine.model import MLAModel
 from hicache.l3 import Namespace, PageStore, lmdb_check
 from hicache.l3.guard import GuardedStore
-from hicache.l3.store import L3Damaged, L3Foreign, _checksum
+from hicache.l3.store import _checksum
 from hicache.preflight import validate
 from hicache.serving import Server, model_config
 from hicache.service import HiCache
@@ -105,9 +106,9 @@ def test_truncated_data_file_is_found_before_mapping(store, copy, caplog, cut):
     data = copy / "data.mdb"
     size = data.stat().st_size
     os.truncate(data, size // 2 if cut == "half" else size - 4096)
-    with pytest.raises(lmdb_check.StoreDamaged, match="truncated: .* ends at byte"):
+    with pytest.raises(L3CorruptError, match="truncated: .* ends at byte"):
         lmdb_check.precheck(str(copy))
-    with pytest.raises(L3Damaged, match="is damaged"):
+    with pytest.raises(L3CorruptError, match="is damaged"):
         PageStore(copy, Namespace.from_config(damage_cfg(copy)), 0, 64 << 20)
     run_ends_without_l3(damage_cfg(copy), caplog, store[1])
     # the parent's check says so too, as a warning: the run goes on without L3
@@ -118,7 +119,7 @@ def test_truncated_data_file_is_found_before_mapping(store, copy, caplog, cut):
 def test_damaged_meta_page(store, copy, caplog):
     ps = psize(copy)
     flip(copy, range(ps + 16, ps + 24))  # meta page 1: magic and version
-    with pytest.raises(lmdb_check.StoreDamaged, match="meta page 1 is damaged"):
+    with pytest.raises(L3CorruptError, match="meta page 1 is damaged"):
         lmdb_check.precheck(str(copy))
     run_ends_without_l3(damage_cfg(copy), caplog, store[1])
 
@@ -215,14 +216,14 @@ def test_another_applications_environment_is_refused(tmp_path, capsys):
         txn.put(b"alice", b"1", db=users)
     env.close()
     cfg = damage_cfg(path)
-    with pytest.raises(L3Foreign, match="not a hicache store .*users"):
+    with pytest.raises(L3ForeignError, match="not a hicache store .*users"):
         PageStore(path, Namespace.from_config(cfg), 0, 64 << 20)
     with pytest.raises(ConfigError, match="l3.path: .* is not a hicache store"):
         validate(cfg, engine=False, memory=False)
     with pytest.raises(ConfigError, match="not a hicache store"):  # HiCache runs the same check
         HiCache(cfg, mode="l1+l2+l3")
     ns = Namespace.from_config(cfg)
-    with pytest.raises(L3Foreign):  # and the store itself refuses, guarded or not
+    with pytest.raises(L3ForeignError):  # and the store itself refuses, guarded or not
         GuardedStore(lambda: PageStore(path, ns, 0, 64 << 20), str(path), 0, ns)
     with lmdb.open(str(path), max_dbs=4, readonly=True) as env:  # untouched: no sub-db added
         with env.begin() as txn:

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.l3 import L3Error, Namespace, chain_hashes, keys_for_rank, page_keys
+from hicache.errors import L3Error
+from hicache.l3 import Namespace, chain_hashes, keys_for_rank, page_keys
 from hicache.l3.keys import KEY_BYTES
 
 NS = Namespace("m", num_layers=2, kv_dim=8, dtype="bfloat16", page_size=2, dcp_size=2)

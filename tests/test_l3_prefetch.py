@@ -6,8 +6,9 @@ import time
 import pytest
 import torch
 
-from hicache.l3 import (AsyncWriter, CostModel, L3Error, Namespace, PageStore, PrefetchPolicy,
-                        Prefetcher, agree_prefetch, page_keys, prefetch_signals, restore_length,
+from hicache.errors import L3Error
+from hicache.l3 import (AsyncWriter, CostModel, Namespace, PageStore, PrefetchPolicy, Prefetcher,
+                        agree_prefetch, page_keys, prefetch_signals, restore_length,
                         restore_lengths)
 from hicache.l3.store import L3Stats
 

@@ -16,9 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.l3 import (FORMAT_VERSION, L3Error, L3Store, Namespace, PageStore, RedisStore,
-                        open_store, page_keys, replica_of, should_write,
-                        store_replica)
+from hicache.errors import L3Error
+from hicache.l3 import (FORMAT_VERSION, L3Store, Namespace, PageStore, RedisStore, open_store,
+                        page_keys, replica_of, should_write, store_replica)
 
 NS = Namespace("m", num_layers=2, kv_dim=8, dtype="bfloat16", page_size=4, dcp_size=2)
 PT = NS.page_tokens  # 8

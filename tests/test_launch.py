@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from hicache.config import ConfigError
-from hicache.distributed import RankError, all_reduce, launch
+from hicache.distributed import all_reduce, launch
+from hicache.errors import ConfigError, RankError
 
 GROUP_TIMEOUT = 120  # the survivor would block this long in its collective without the launcher
 

@@ -4,7 +4,8 @@ modules it pulled in are compared with what it may depend on.
 - the tiers (l1, l2, l3) never import the controller, the service or the engine;
 - the controller imports no tier (page ids come from the neutral ``hicache.pages``);
 - the service never imports the engine (the engine reaches the cache through ``hicache.kvport``);
-- the neutral modules (ids, pages, layout, kvport) import no tier, no controller, no service.
+- the neutral modules (errors, checks, ids, pages, layout, kvport) import no tier, no
+  controller, no service.
 """
 
 import json
@@ -16,8 +17,9 @@ import pytest
 PROBE = ("import importlib, json, sys; importlib.import_module(sys.argv[1]); "
          "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'hicache')))")
 
-ROOTS = ("hicache.ids", "hicache.pages", "hicache.layout", "hicache.kvport", "hicache.l1",
-         "hicache.l2", "hicache.l3", "hicache.controller", "hicache.service")
+ROOTS = ("hicache.errors", "hicache.checks", "hicache.ids", "hicache.pages",
+         "hicache.layout", "hicache.kvport", "hicache.l1", "hicache.l2", "hicache.l3",
+         "hicache.controller", "hicache.service")
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,8 @@ def test_the_service_never_imports_the_engine(loaded):
                  "hicache.pcp") == []
 
 
-@pytest.mark.parametrize("neutral", ["hicache.ids", "hicache.pages", "hicache.layout",
+@pytest.mark.parametrize("neutral", ["hicache.errors", "hicache.checks",
+                                     "hicache.ids", "hicache.pages", "hicache.layout",
                                      "hicache.kvport"])
 def test_neutral_modules_import_no_tier_controller_or_service(loaded, neutral):
     assert under(loaded[neutral], "hicache.l1", "hicache.l2", "hicache.l3",

@@ -2,8 +2,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from hicache.layout import (DCPLayout, LayoutError, common_page_tokens, local_length,
-                            plan_relayout)
+from hicache.errors import TopologyError
+from hicache.layout import DCPLayout, common_page_tokens, local_length, plan_relayout
 
 
 def owned(c, r, n, interleave=1):
@@ -59,13 +59,13 @@ def test_local_length_when_c_divides_length():
 
 
 def test_bad_layouts():
-    with pytest.raises(LayoutError, match="interleave"):
+    with pytest.raises(TopologyError, match="interleave"):
         DCPLayout(2, 0, 10, interleave=4)
-    with pytest.raises(LayoutError, match="rank"):
+    with pytest.raises(TopologyError, match="rank"):
         DCPLayout(2, 2, 16)
-    with pytest.raises(LayoutError, match="dcp_size"):
+    with pytest.raises(TopologyError, match="dcp_size"):
         DCPLayout(0, 0, 16)
-    with pytest.raises(LayoutError, match="length"):
+    with pytest.raises(TopologyError, match="length"):
         local_length(-1, 2, 0)
 
 
@@ -120,9 +120,9 @@ def test_relayout_same_size_and_dcp1():
 
 
 def test_relayout_rejects_other_size_changes():
-    with pytest.raises(LayoutError, match="DCP 2 to DCP 4"):
+    with pytest.raises(TopologyError, match="DCP 2 to DCP 4"):
         plan_relayout(2, 4, 10)
-    with pytest.raises(LayoutError, match="DCP 4 to DCP 1"):
+    with pytest.raises(TopologyError, match="DCP 4 to DCP 1"):
         plan_relayout(4, 1, 10)
 
 

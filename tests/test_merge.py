@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.engine.merge import MergeError, merge_attn_states, merge_weights
+from hicache.engine.merge import merge_attn_states, merge_weights
+from hicache.errors import UsageError
 
 
 
@@ -100,9 +101,9 @@ def test_weights_sum_to_one_or_zero():
 
 
 def test_bad_input_is_a_clear_error():
-    with pytest.raises(MergeError, match="base"):
+    with pytest.raises(UsageError, match="base"):
         merge_attn_states([torch.zeros(2, 3)], [torch.zeros(2)], base="10")
-    with pytest.raises(MergeError, match="disagree"):
+    with pytest.raises(UsageError, match="disagree"):
         merge_attn_states([torch.zeros(2, 3)], [torch.zeros(3)])
 
 

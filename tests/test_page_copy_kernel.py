@@ -54,7 +54,7 @@ def run_checks() -> None:
                                             torch.zeros(2, 5), torch.tensor([0]))):
         try:
             bad()
-        except pc.PageCopyError:
+        except pc.UsageError:
             n_checks += 1
         else:
             raise AssertionError("bad page copy accepted")

@@ -62,7 +62,7 @@ def test_pcp_prefill_decodes_like_plain_prefill(pcp, dcp, mode, plain_tokens, ca
     (("--pcp", "2", "--dcp", "3"), "does not divide"),
 ])
 def test_bad_pcp_arguments_are_one_clear_line(argv, needle, capsys):
-    with pytest.raises(cli.DecodeArgsError, match=re.escape(needle)):
+    with pytest.raises(cli.UsageError, match=re.escape(needle)):
         cli.run(parse(*argv))
     assert cli.main(["decode", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -70,5 +70,5 @@ def test_bad_pcp_arguments_are_one_clear_line(argv, needle, capsys):
 
 
 def test_worker_rejects_a_world_that_is_not_max_pcp_dcp():
-    with pytest.raises(cli.DecodeArgsError, match=r"max\(pcp, dcp\) = 3"):
+    with pytest.raises(cli.UsageError, match=r"max\(pcp, dcp\) = 3"):
         cli.decode_worker(0, 2, cli.DecodeSpec(dcp=2, pcp=3))

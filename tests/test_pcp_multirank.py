@@ -13,13 +13,14 @@ import torch.distributed as dist
 from hicache.distributed import CollectiveCounter, all_gather_object, launch
 from hicache.engine.model import MLAModel, ModelConfig
 from hicache.engine.runner import DCPRunner, RequestState
+from hicache.errors import UsageError
 from hicache.l1.pool import DeviceKVPool
 from hicache.layout import DCPLayout
 from hicache.pcp.partition import DualChunkSwap
-from hicache.pcp.prefill import (PCPPrefillError, pcp_prefill, pcp_prefill_request,
-                                 slots_for_pages, write_pcp_kv_to_pool)
+from hicache.pcp.prefill import (pcp_prefill, pcp_prefill_request, slots_for_pages,
+                                 write_pcp_kv_to_pool)
 from hicache.pcp.relayout import plan_pd_transfer, run_pd_transfer
-from hicache.pcp.ring import ContextParallelAttention, ContextParallelError, KVPlacement
+from hicache.pcp.ring import ContextParallelAttention, KVPlacement
 
 PAGE = 4  # physical page size P of the decode pools
 P = PAGE
@@ -119,11 +120,11 @@ def prefill_worker(rank, world, lengths):
         assert res16.kv_rows[0].dtype == torch.bfloat16
         check_pool_write(rank, world, res16, bf16, length, world)
     # errors
-    with pytest.raises(PCPPrefillError, match="mode"):
+    with pytest.raises(UsageError, match="mode"):
         pcp_prefill(fp32, [1, 2, 3], mode="nope")
-    with pytest.raises(PCPPrefillError, match="empty"):
+    with pytest.raises(UsageError, match="empty"):
         pcp_prefill(fp32, [], mode="ring")
-    with pytest.raises(ContextParallelError, match="rows"):
+    with pytest.raises(UsageError, match="rows"):
         pl = KVPlacement.from_partition(DualChunkSwap(8, world))
         ContextParallelAttention(pl, rank, pl.positions[rank], "ring")(
             torch.zeros(pl.lengths[rank], 2, 32), torch.zeros(pl.lengths[rank], 2, 8),
@@ -288,5 +289,5 @@ def test_pcp_and_pd_multirank(world, prefill_lengths, relayout_lengths):
 
 def test_slots_for_pages_errors():
     assert slots_for_pages([3, 1], 6, 4).tolist() == [12, 13, 14, 15, 4, 5]
-    with pytest.raises(PCPPrefillError, match="pages"):
+    with pytest.raises(UsageError, match="pages"):
         slots_for_pages([0], 9, 4)

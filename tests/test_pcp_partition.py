@@ -4,8 +4,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from hicache.pcp.partition import (DualChunkSwap, PartitionError, causal_pairs,
-                                   contiguous_work_per_rank)
+from hicache.errors import TopologyError
+from hicache.pcp.partition import DualChunkSwap, causal_pairs, contiguous_work_per_rank
 
 
 @settings(max_examples=150, deadline=None)
@@ -64,13 +64,13 @@ def test_balance_for_long_prompts_within_a_few_percent(n, length):
 def test_causal_pairs_and_errors():
     assert causal_pairs(0, 1) == 1 and causal_pairs(0, 4) == 10 and causal_pairs(2, 4) == 7
     assert causal_pairs(5, 5) == 0
-    with pytest.raises(PartitionError, match="pcp_size"):
+    with pytest.raises(TopologyError, match="pcp_size"):
         DualChunkSwap(10, 0)
-    with pytest.raises(PartitionError, match="length"):
+    with pytest.raises(TopologyError, match="length"):
         DualChunkSwap(-1, 2)
-    with pytest.raises(PartitionError, match="rank 2"):
+    with pytest.raises(TopologyError, match="rank 2"):
         DualChunkSwap(10, 2).positions(2)
-    with pytest.raises(PartitionError, match="position 10"):
+    with pytest.raises(TopologyError, match="position 10"):
         DualChunkSwap(10, 2).owner_of(10)
     short = DualChunkSwap(3, 4)  # fewer tokens than chunks: empty chunks, no padding
     assert [short.num_positions(r) for r in range(4)] == [1, 1, 1, 0]

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from hicache.engine.attention import attend_latent
-from hicache.pcp.ring import (ContextParallelAttention, ContextParallelError, KVPlacement,
-                              contiguous_runs)
+from hicache.errors import UsageError
+from hicache.pcp.ring import ContextParallelAttention, KVPlacement, contiguous_runs
 
 R, DR, H = 8, 4, 2
 
@@ -49,16 +49,16 @@ def test_single_rank_equals_causal_attention(n, seed, chunk, mode):
 
 
 def test_placement_and_mode_errors():
-    with pytest.raises(ContextParallelError, match="one rank each"):
+    with pytest.raises(UsageError, match="one rank each"):
         KVPlacement((torch.tensor([0, 1]), torch.tensor([1, 2])))
-    with pytest.raises(ContextParallelError, match=">= 0"):
+    with pytest.raises(UsageError, match=">= 0"):
         KVPlacement((torch.tensor([-1, 0]),))
     pl = KVPlacement((torch.arange(4),))
-    with pytest.raises(ContextParallelError, match="mode"):
+    with pytest.raises(UsageError, match="mode"):
         ContextParallelAttention(pl, 0, torch.arange(4), "dense")
-    with pytest.raises(ContextParallelError, match="rank 1"):
+    with pytest.raises(UsageError, match="rank 1"):
         ContextParallelAttention(pl, 1, torch.arange(4), "ring")
     attn = ContextParallelAttention(pl, 0, torch.arange(4), "ring")
-    with pytest.raises(ContextParallelError, match="queries"):
+    with pytest.raises(UsageError, match="queries"):
         attn(torch.zeros(3, H, R), torch.zeros(3, H, DR), torch.zeros(4, R + DR), 1.0, R)
     assert pl.capacity == 4 and pl.lengths == (4,) and pl.world_size == 1

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
+from hicache.errors import ConfigError
 from hicache import preflight
-from hicache.config import SECTIONS, ConfigError, HiCacheConfig, loads
+from hicache.config import SECTIONS, HiCacheConfig, loads
 from hicache.preflight import Machine, memory_need, validate
 
 from helpers import admit_ready

@@ -4,10 +4,10 @@
 import pytest
 import torch
 
+from hicache.errors import TopologyError
 from hicache.l1.pool import DeviceKVPool
-from hicache.layout import DCPLayout, LayoutError
-from hicache.pcp.relayout import (RelayoutError, pack_shard, plan_pd_transfer, relayout_local,
-                                  unpack_shard)
+from hicache.layout import DCPLayout
+from hicache.pcp.relayout import pack_shard, plan_pd_transfer, relayout_local, unpack_shard
 
 P = 4  # decode physical page size
 P_SRC = 8  # the prefill instance's page size
@@ -30,13 +30,13 @@ def test_relayout_local_and_errors():
         assert torch.equal(pools[r].kv[:, slot // c], src[:, src_row])
     assert sum(int(p.kv.abs().sum(-1).gt(0).sum()) for p in pools) == length * layers
     # other DCP size changes are refused with a clear message
-    with pytest.raises(LayoutError, match="DCP 2 to DCP 4"):
+    with pytest.raises(TopologyError, match="DCP 2 to DCP 4"):
         plan_pd_transfer(8, 2, P, [0], 4, P, [0])
-    with pytest.raises(RelayoutError, match="decode page table"):
+    with pytest.raises(TopologyError, match="decode page table"):
         plan_pd_transfer(40, 1, P_SRC, list(range(5)), 2, P, [0])
-    with pytest.raises(RelayoutError, match="exact token rows"):
+    with pytest.raises(TopologyError, match="exact token rows"):
         unpack_shard(pools[1], plan.transfers[1], torch.zeros(layers, 99, dim))
-    with pytest.raises(RelayoutError, match="decode rank 1"):
+    with pytest.raises(TopologyError, match="decode rank 1"):
         unpack_shard(pools[0], plan.transfers[1], pack_shard(src, plan.transfers[1]))
-    with pytest.raises(RelayoutError, match="sources"):
+    with pytest.raises(TopologyError, match="sources"):
         relayout_local(plan, [src, src], pools)

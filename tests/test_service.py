@@ -8,8 +8,9 @@ import torch
 from hicache.config import HiCacheConfig
 from hicache.distributed import launch
 from hicache.engine.model import MLAModel
-from hicache.serving import Server, ServingError, model_config
-from hicache.service import HiCache, HiCacheError, MODES
+from hicache.errors import ConfigError, DeviceFullError, HiCacheError, TransferError
+from hicache.serving import Server, model_config
+from hicache.service import HiCache, MODES
 from hicache.workloads import Request
 
 from helpers import admit_ready, make_cfg
@@ -160,7 +161,6 @@ def test_other_weights_of_the_same_shapes_never_hit_l3(tmp_path):
 
 
 def test_l3_needs_a_weights_signature(tmp_path):
-    from hicache.config import ConfigError
     from hicache.l3 import Namespace
     cfg = make_cfg(tmp_path / "l3").replace(model={"signature": ""})
     with pytest.raises(ConfigError, match=r"model\.signature"):
@@ -196,7 +196,7 @@ def test_api_misuse_is_a_clear_error(tmp_path):
         cache.finish(1, [1, 2, 3])
         assert cache.stats()["locks"] == 0
     big = make_cfg(tmp_path / "l3", l1_pages=2)
-    with pytest.raises(ServingError, match="l1.num_pages"):
+    with pytest.raises(ConfigError, match="l1.num_pages"):
         serve(big, "l1", [req(0, list(range(20)))])
 
 
@@ -286,7 +286,6 @@ def _fill(cache, table, value):
 def test_reused_device_pages_never_carry_an_old_l3_key(tmp_path):
     """write_back + L3: a page that held prefix M and is reused for prefix N by a load-back of a
     request that is then preempted must not be written to L3 under M's keys."""
-    from hicache.controller import DeviceFullError
     from hicache.l3 import chain_hashes
     cfg = make_cfg(tmp_path / "l3", l1_pages=5, l2_ratio=0.4, write="write_back",
                    prefetch="wait_complete")
@@ -335,7 +334,6 @@ def test_reused_device_pages_never_carry_an_old_l3_key(tmp_path):
 
 def test_a_failed_copy_is_never_agreed(tmp_path, monkeypatch):
     import hicache.l2.copy_cpu as copy_cpu
-    from hicache.l2.transfer import TransferError
     from hicache.l3 import chain_hashes
     cfg = make_cfg(tmp_path / "l3", l1_pages=8)
     tokens = np.random.default_rng(0).integers(0, 128, 8)
@@ -365,7 +363,6 @@ def test_a_failed_copy_is_never_agreed(tmp_path, monkeypatch):
 def _one_rank_copy_fails(rank, world, cfg_dict, tokens):
     import torch.distributed as dist
     import hicache.l2.copy_cpu as copy_cpu
-    from hicache.l2.transfer import TransferError
     cfg = HiCacheConfig.from_dict(cfg_dict)
     cache = HiCache(cfg, rank, dist.group.WORLD, mode="l1+l2")
     cache.admit("a", np.concatenate([tokens, [1]]))

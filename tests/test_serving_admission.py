@@ -12,7 +12,8 @@ import torch
 
 from hicache.config import HiCacheConfig
 from hicache.engine.model import MLAModel
-from hicache.serving import Server, ServingError, model_config
+from hicache.errors import ConfigError
+from hicache.serving import Server, model_config
 from hicache.service import HiCache
 from hicache.workloads import Request
 
@@ -104,5 +105,5 @@ def test_max_overtakes_is_checked(tmp_path):
     model = MLAModel(model_config(cfg))
     with HiCache(cfg, mode="l1") as cache:
         for bad in (-1, 1.5, True):
-            with pytest.raises(ServingError, match="max_overtakes"):
+            with pytest.raises(ConfigError, match="max_overtakes"):
                 Server(model, cache, max_overtakes=bad)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from hicache.errors import TransferError
 from hicache import bench_cli
 from hicache.l3 import chain_hashes
 from hicache.faults import FaultConfig, FaultInjector, InjectedFault, corrupt_values
@@ -94,7 +95,6 @@ def test_each_l3_fault_is_a_counted_miss(tmp_path, kind):
 
 def test_an_injected_copy_failure_stops_the_step_and_a_cache_without_faults_is_untouched(
         tmp_path):
-    from hicache.l2.transfer import TransferError
     cfg = make_cfg(tmp_path / "l3", l1_pages=24)
     plain = HiCache(cfg, mode="l1+l2")
     assert "step" not in vars(plain) and "copy" not in vars(plain.transfer.backend)  # zero cost

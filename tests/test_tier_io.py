@@ -10,8 +10,9 @@ import torch
 
 from hicache.controller import BackupOp
 from hicache.engine.model import MLAModel
-from hicache.l2.transfer import DONE, PENDING, TransferError, TransferJob
-from hicache.l3 import CostModel, L3Error, L3Stats, chain_hashes
+from hicache.errors import L3Error, TransferError
+from hicache.l2.transfer import DONE, PENDING, TransferJob
+from hicache.l3 import CostModel, L3Stats, chain_hashes
 from hicache.serving import Server, model_config
 from hicache.service import HiCache
 from hicache.tier_io import InFlight, L3Read, PageChain, Waits

@@ -1,7 +1,8 @@
 import pytest
 
+from hicache.errors import TopologyError
 from hicache import topology
-from hicache.topology import TopologyError, kv_duplication, validate
+from hicache.topology import kv_duplication, validate
 
 
 def test_containment_example():

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from hicache.distributed import CollectiveCounter
-from hicache.pages import PageError
-from hicache.l1.pool import DeviceKVPool, PoolError
+from hicache.errors import TransferError, UsageError
+from hicache.l1.pool import DeviceKVPool
 from hicache.l2.pool import HostKVPool
-from hicache.l2.transfer import TransferEngine, TransferError, plan_transfer
+from hicache.l2.transfer import TransferEngine, plan_transfer
 from hicache.layout import DCPLayout
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -100,17 +100,17 @@ def test_many_queued_jobs_run_in_order():
 
 def test_bad_page_lists():
     lay, d, h, eng = make("layer_first", torch.float16, dev_pages=4, host_pages=3)
-    with pytest.raises(PageError, match="host page id 3 is outside the host pool"):
+    with pytest.raises(UsageError, match="host page id 3 is outside the host pool"):
         eng.backup([0], [3])
-    with pytest.raises(PageError, match="device page id 4 is outside the device pool"):
+    with pytest.raises(UsageError, match="device page id 4 is outside the device pool"):
         eng.backup([4], [0])
-    with pytest.raises(PageError, match="device page id -1"):
+    with pytest.raises(UsageError, match="device page id -1"):
         eng.load([0], [-1])
-    with pytest.raises(PageError, match="differ in length: 2 vs 1"):
+    with pytest.raises(UsageError, match="differ in length: 2 vs 1"):
         eng.load([0, 1], [0])
-    with pytest.raises(PageError, match="repeats a page id"):
+    with pytest.raises(UsageError, match="repeats a page id"):
         eng.load([0, 1], [2, 2])
-    with pytest.raises(PageError, match="integer page ids"):
+    with pytest.raises(UsageError, match="integer page ids"):
         eng.backup(torch.tensor([0.0]), [0])
     assert eng.stats.jobs_d2h == eng.stats.jobs_h2d == 0
     eng.close()
@@ -121,13 +121,13 @@ def test_bad_page_lists():
 def test_mismatched_pools_and_backend():
     lay = DCPLayout(2, 0, 4)
     d = DeviceKVPool(lay, 2, 8, torch.float16, 2)
-    with pytest.raises(PoolError, match="kv_dim"):
+    with pytest.raises(UsageError, match="kv_dim"):
         TransferEngine(d, HostKVPool(lay, 2, 4, torch.float16, 2))
-    with pytest.raises(PoolError, match="dtype"):
+    with pytest.raises(UsageError, match="dtype"):
         TransferEngine(d, HostKVPool(lay, 2, 8, torch.float32, 2))
-    with pytest.raises(PoolError, match="layouts"):
+    with pytest.raises(UsageError, match="layouts"):
         TransferEngine(d, HostKVPool(DCPLayout(2, 1, 4), 2, 8, torch.float16, 2))
-    with pytest.raises(PoolError, match="io_backend"):
+    with pytest.raises(UsageError, match="io_backend"):
         TransferEngine(d, HostKVPool(lay, 2, 8, torch.float16, 2), io_backend="dma")
 
 
@@ -143,7 +143,7 @@ def test_failed_transfer_surfaces_on_wait():
         job.wait(timeout=30)
     with pytest.raises(TransferError, match="disk on fire"):
         job.wait_layer(1, timeout=30)
-    with pytest.raises(PoolError, match="layer 3"):
+    with pytest.raises(UsageError, match="layer 3"):
         job.wait_layer(3)
     assert eng.stats.jobs_h2d == 0
     eng.close()

@@ -7,14 +7,13 @@ import threading
 import pytest
 import torch
 
+from hicache.errors import TransferError, UsageError
 from hicache.kernels.page_copy import page_copy_reference
-from hicache.pages import PageError
-from hicache.l1.pool import DeviceKVPool, PoolError
+from hicache.l1.pool import DeviceKVPool
 from hicache.l2 import transfer
 from hicache.l2.copy_cpu import CpuBackend
 from hicache.l2.pool import HostKVPool
-from hicache.l2.transfer import (CopyBackend, TransferEngine, TransferError, backend_for,
-                                 register_backend)
+from hicache.l2.transfer import CopyBackend, TransferEngine, backend_for, register_backend
 from hicache.layout import DCPLayout
 
 L, P, D = 3, 4, 8
@@ -54,7 +53,7 @@ class CallerThreadBackend(CopyBackend):
 def test_registry_picks_a_backend_per_device_type():
     assert backend_for("cpu") is CpuBackend
     assert backend_for("cuda").__name__ == "CudaBackend"  # importable without a GPU
-    with pytest.raises(PoolError, match="no copy backend for 'npu'.*cpu, cuda"):
+    with pytest.raises(UsageError, match="no copy backend for 'npu'.*cpu, cuda"):
         backend_for("npu")
     with pytest.raises(TypeError, match="CopyBackend"):
         register_backend("npu", object)
@@ -119,13 +118,13 @@ def test_restore_refuses_bad_staging_and_pages():
     with TransferEngine(d, h) as eng:
         for bad in (torch.zeros(2, L, P + 1, D), torch.zeros(2, L, P, D, dtype=torch.float16),
                     torch.zeros(L, P, D), torch.zeros(2, P, L, D).transpose(1, 2), [[0.0]]):
-            with pytest.raises(PoolError, match="staging"):
+            with pytest.raises(UsageError, match="staging"):
                 eng.restore(bad, [0])
-        with pytest.raises(PageError, match="3 pages from a staging buffer of 2"):
+        with pytest.raises(UsageError, match="3 pages from a staging buffer of 2"):
             eng.restore(torch.zeros(2, L, P, D), [0, 1, 2])
-        with pytest.raises(PageError, match="outside the device pool"):
+        with pytest.raises(UsageError, match="outside the device pool"):
             eng.restore(torch.zeros(2, L, P, D), [0, 8])
-        with pytest.raises(PageError, match="repeats"):
+        with pytest.raises(UsageError, match="repeats"):
             eng.restore(torch.zeros(2, L, P, D), [3, 3])
 
 

@@ -6,10 +6,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from hicache.l1.pool import DeviceKVPool, PoolError, advise_hugepages, zeroed
+from hicache.errors import TransferError, UsageError
+from hicache.l1.pool import DeviceKVPool, advise_hugepages, zeroed
 from hicache.l2.pool import HostKVPool
 from hicache.l2.blocks import COPY_KINDS, plan_blocks, run_block_plan, split_block_plan
-from hicache.l2.transfer import TransferEngine, TransferError, TransferJob, plan_transfer
+from hicache.l2.transfer import TransferEngine, TransferJob, plan_transfer
 from hicache.layout import DCPLayout
 
 BLOCK = 24  # bytes per block in the property tests
@@ -123,7 +124,7 @@ def test_copy_threads_roundtrip_is_bit_identical(kind, threads):
             assert torch.equal(d.kv[layer], ref[layer])  # layer i complete once it arrived
         job.wait(timeout=30)
     assert torch.equal(d.kv, ref)
-    with pytest.raises(PoolError, match="copy_threads"):
+    with pytest.raises(UsageError, match="copy_threads"):
         TransferEngine(d, h, copy_threads=0)
 
 

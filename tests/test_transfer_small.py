@@ -10,14 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.ids import PageError
+from hicache.errors import TransferError, UsageError
 from hicache.l1.pool import DeviceKVPool
 from hicache.l2 import copy_cpu
 from hicache.l2.blocks import page_view, run_page_runs
 from hicache.l2.copy_cpu import LAYER_GROUP_BYTES, PAGE_RUNS_MAX, layer_group
 from hicache.l2.pool import HostKVPool
-from hicache.l2.transfer import (DONE, SMALL_PLAN, TransferEngine, TransferError, TransferJob,
-                                 plan_transfer)
+from hicache.l2.transfer import DONE, SMALL_PLAN, TransferEngine, TransferJob, plan_transfer
 from hicache.layout import DCPLayout
 
 
@@ -43,12 +42,12 @@ def test_small_and_large_plans_check_and_coalesce_alike(data):
     if n:
         bad = list(dst)
         bad[-1] = limit  # one past the end of the destination pool
-        with pytest.raises(PageError, match=f"destination page id {limit} is outside"):
+        with pytest.raises(UsageError, match=f"destination page id {limit} is outside"):
             plan_transfer(src, bad, limit, limit)
-        with pytest.raises(PageError, match="source page id -1 is outside"):
+        with pytest.raises(UsageError, match="source page id -1 is outside"):
             plan_transfer([-1] + src[1:], dst, limit, limit)
     if n > 1:
-        with pytest.raises(PageError, match="repeats a page id"):
+        with pytest.raises(UsageError, match="repeats a page id"):
             plan_transfer(src, [dst[0]] + dst[1:-1] + [dst[0]], limit, limit)
 
 
@@ -57,7 +56,7 @@ def test_plans_own_their_pages():
     p = plan_transfer(src, [0, 1, 2], 8, 8)
     src[0] = 7  # the caller reuses its array
     assert p.src.tolist() == [3, 4, 5] and p.runs == [(3, 0, 3)]
-    with pytest.raises(PageError, match="differ in length"):
+    with pytest.raises(UsageError, match="differ in length"):
         plan_transfer([1, 2], [1], 8, 8)
 
 

@@ -6,7 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from hicache.workloads import TraceError, agentic_trace, chat_trace, load_trace, trace_summary
+from hicache.errors import ConfigError
+from hicache.workloads import agentic_trace, chat_trace, load_trace, trace_summary
 
 
 def _same(a, b):
@@ -62,7 +63,7 @@ def test_scale_shrinks_lengths_and_counts():
 def test_generator_argument_errors():
     for bad in (dict(scale=0), dict(scale=-1.0), dict(scale="1"), dict(vocab_size=1),
                 dict(seed=1.5)):
-        with pytest.raises(TraceError):
+        with pytest.raises(ConfigError):
             chat_trace(**{"seed": 0, **bad})
 
 
@@ -100,7 +101,7 @@ def test_load_trace_both_formats(tmp_path):
 def test_load_trace_bad_lines(tmp_path, line, msg):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"tokens": [1]}\n' + line + "\n")
-    with pytest.raises(TraceError, match=msg) as e:
+    with pytest.raises(ConfigError, match=msg) as e:
         load_trace(p, vocab_size=100)
     assert ":2:" in str(e.value)
 
@@ -108,21 +109,21 @@ def test_load_trace_bad_lines(tmp_path, line, msg):
 def test_load_trace_bounded_regular_utf8(tmp_path):
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes('{"tokens": [1]}\n{"session": "caf\u00e9"}\n'.encode("latin-1"))
-    with pytest.raises(TraceError, match=r"latin.jsonl:2: not UTF-8"):
+    with pytest.raises(ConfigError, match=r"latin.jsonl:2: not UTF-8"):
         load_trace(latin)
-    with pytest.raises(TraceError, match="must be a regular file, but this is a device"):
+    with pytest.raises(ConfigError, match="must be a regular file, but this is a device"):
         load_trace("/dev/zero")
-    with pytest.raises(TraceError, match="this is a directory"):
+    with pytest.raises(ConfigError, match="this is a directory"):
         load_trace(tmp_path)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)  # nobody writes: opening it must not block
-    with pytest.raises(TraceError, match="this is a FIFO"):
+    with pytest.raises(ConfigError, match="this is a FIFO"):
         load_trace(fifo)
 
 
 def test_load_trace_missing_and_empty(tmp_path):
-    with pytest.raises(TraceError, match="cannot read"):
+    with pytest.raises(ConfigError, match="cannot read"):
         load_trace(tmp_path / "nope.jsonl")
     (tmp_path / "e.jsonl").write_text("\n")
-    with pytest.raises(TraceError, match="no requests"):
+    with pytest.raises(ConfigError, match="no requests"):
         load_trace(tmp_path / "e.jsonl")

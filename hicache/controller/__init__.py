@@ -1,18 +1,11 @@
 """Cache controller: radix tree over widened pages, policies, cross-rank agreement."""
 
-from hicache.controller.agreement import AgreedStep, AgreementError, DivergenceError, StepAgreement
-from hicache.controller.controller import CacheController, InvariantError, LockHandle
-from hicache.controller.policy import EVICTION_POLICIES, WRITE_POLICIES, PolicyError
+from hicache.controller.agreement import AgreedStep, StepAgreement
+from hicache.controller.controller import CacheController, LockHandle
+from hicache.controller.policy import EVICTION_POLICIES, WRITE_POLICIES
 from hicache.controller.tree import Node, RadixTree, as_tokens
-from hicache.controller.types import (BackupOp, ControllerError, ControllerStats,
-                                      DeviceFullError, InsertResult, LoadOp, LockError, Match,
-                                      PageOwnershipError, StaleNodeError, TokenTypeError,
-                                      UnknownOpError)
+from hicache.controller.types import BackupOp, ControllerStats, InsertResult, LoadOp, Match
 
-__all__ = [
-    "AgreedStep", "AgreementError", "BackupOp", "CacheController", "ControllerError",
-    "ControllerStats", "DeviceFullError", "DivergenceError", "EVICTION_POLICIES",
-    "InsertResult", "InvariantError", "LoadOp", "LockError", "LockHandle", "Match", "Node",
-    "PageOwnershipError", "PolicyError", "RadixTree", "StaleNodeError", "StepAgreement",
-    "TokenTypeError", "UnknownOpError", "WRITE_POLICIES", "as_tokens",
-]
+__all__ = ["AgreedStep", "BackupOp", "CacheController", "ControllerStats", "EVICTION_POLICIES",
+           "InsertResult", "LoadOp", "LockHandle", "Match", "Node", "RadixTree", "StepAgreement",
+           "WRITE_POLICIES", "as_tokens"]

@@ -19,17 +19,10 @@ from typing import Any, Collection, Sequence
 
 import torch.distributed as dist
 
+from hicache.errors import DivergenceError
 from hicache import distributed as hd
 
 _SIG_MOD = (1 << 61) - 1
-
-
-class AgreementError(RuntimeError):
-    """Ranks disagree on the in-flight op list, or step() got inconsistent arguments."""
-
-
-class DivergenceError(AgreementError):
-    """Debug mode found ranks whose controller state differs."""
 
 
 @dataclass(frozen=True)
@@ -70,11 +63,11 @@ class StepAgreement:
             return AgreedStep((), (), self.steps - 1)
         op_ids = [int(o) for o in op_ids]
         if any(b <= a for a, b in zip(op_ids, op_ids[1:])):
-            raise AgreementError(f"op ids must be strictly ascending, got {op_ids}")
+            raise DivergenceError(f"op ids must be strictly ascending, got {op_ids}")
         flags = self._flags(op_ids, done)
         extras = [int(e) for e in extras]
         if self.debug and digest is None:
-            raise AgreementError("debug agreement needs a digest (pass controller.digest())")
+            raise DivergenceError("debug agreement needs a digest (pass controller.digest())")
         if self.local:  # no collective: this rank's view is the agreed one
             out = AgreedStep(tuple(o for o, f in zip(op_ids, flags) if f), tuple(extras),
                              self.steps)
@@ -83,7 +76,7 @@ class StepAgreement:
         n, m, sig = len(op_ids), len(extras), _signature(op_ids)
         v = hd.min_across_ranks([n, -n, sig, -sig, m, -m] + flags + extras, self.group)
         if v[0] != -v[1] or v[2] != -v[3] or v[4] != -v[5]:
-            raise AgreementError(
+            raise DivergenceError(
                 f"step {self.steps}: ranks disagree on the in-flight ops or extras (this rank: "
                 f"{n} ops, signature {sig}, {m} extras; min/max over ranks: ops {v[0]}/{-v[1]}, "
                 f"extras {v[4]}/{-v[5]}); the controllers diverged")
@@ -99,12 +92,12 @@ class StepAgreement:
         if isinstance(done, (set, frozenset, dict)):
             unknown = set(done) - set(op_ids)
             if unknown:
-                raise AgreementError(f"done ids {sorted(unknown)} are not in flight")
+                raise DivergenceError(f"done ids {sorted(unknown)} are not in flight")
             return [1 if o in done else 0 for o in op_ids]
         done = list(done)
         if all(isinstance(d, bool) for d in done):
             if len(done) != len(op_ids):
-                raise AgreementError(f"{len(done)} done flags for {len(op_ids)} in-flight ops")
+                raise DivergenceError(f"{len(done)} done flags for {len(op_ids)} in-flight ops")
             return [1 if d else 0 for d in done]
         return StepAgreement._flags(op_ids, set(int(d) for d in done))
 

@@ -22,9 +22,8 @@ import numpy as np
 from hicache.controller.order import EvictionOrder
 from hicache.controller.policy import controller_policy
 from hicache.controller.tree import Node, RadixTree, chain_pages
-from hicache.controller.types import (BackupOp, ControllerError, ControllerStats,
-                                      DeviceFullError, InsertResult, LoadOp, LockError, Match,
-                                      PageOwnershipError, StaleNodeError, UnknownOpError)
+from hicache.controller.types import BackupOp, ControllerStats, InsertResult, LoadOp, Match
+from hicache.errors import DeviceFullError, InvariantError, UsageError
 from hicache.ids import as_tokens, page_ids
 from hicache.pages import PageAllocator
 
@@ -32,10 +31,6 @@ Op = Union[BackupOp, LoadOp]
 _NO_IDS = np.zeros(0, np.int64)
 _NO_IDS.flags.writeable = False
 _MAX_GRANTS = 4096
-
-
-class InvariantError(AssertionError):
-    """The controller's internal bookkeeping is inconsistent (a bug, reported by check)."""
 
 
 class LockHandle:
@@ -79,7 +74,7 @@ class CacheController:
                  policy=None, **settings) -> None:
         """``policy``: the policy file's ``[policy]`` section (``HiCacheConfig.policy``);
         keyword ``settings`` (write, eviction, selective_threshold, load_back_threshold) override
-        its fields, checked against the policy file's choices and ranges (PolicyError)."""
+        its fields, checked against the policy file's choices and ranges (ConfigError)."""
         self.policy = controller_policy(policy, settings)
         self.tree = RadixTree(page_tokens)
         self.tree.on_split = self._on_split
@@ -154,9 +149,9 @@ class CacheController:
         """Protect the path from the root to the match's last node from eviction (both tiers)."""
         node = target.last_node if isinstance(target, Match) else target
         if not isinstance(node, Node):
-            raise LockError(f"lock() takes a Match or a Node, got {type(target).__name__}")
+            raise UsageError(f"lock() takes a Match or a Node, got {type(target).__name__}")
         if not node.alive:
-            raise StaleNodeError(f"cannot lock node {node.nid}: it was evicted after the match")
+            raise UsageError(f"cannot lock node {node.nid}: it was evicted after the match")
         n = node
         while n.parent is not None:
             if not n.lock_ref and n.device is not None:
@@ -169,14 +164,14 @@ class CacheController:
         """Release one lock taken by ``lock`` (pass its handle, or the node it returned)."""
         if isinstance(handle, LockHandle):
             if handle.released:
-                raise LockError(f"lock on node {handle.node.nid} was already released")
+                raise UsageError(f"lock on node {handle.node.nid} was already released")
             node = handle.node
         elif isinstance(handle, Node):
             node = handle
         else:
-            raise LockError(f"unlock() takes a LockHandle or Node, got {type(handle).__name__}")
+            raise UsageError(f"unlock() takes a LockHandle or Node, got {type(handle).__name__}")
         if node.parent is not None and node.lock_ref <= 0:
-            raise LockError(f"unlock of node {node.nid} without a matching lock")
+            raise UsageError(f"unlock of node {node.nid} without a matching lock")
         n = node
         while n.parent is not None:
             n.lock_ref -= 1
@@ -192,13 +187,13 @@ class CacheController:
         ints, or with ``as_array`` as a fresh int64 array (no Python int per page: with
         ``np.concatenate`` after ``Match.device_pages``, what ``insert`` takes fastest)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ControllerError(f"number of device pages must be an int >= 0, got {n!r}")
+            raise UsageError(f"number of device pages must be an int >= 0, got {n!r}")
         if not n:
             return np.zeros(0, np.int64) if as_array else []
         pages = self._take(self.device, self.evict_device, n)
         if pages is None:
-            raise DeviceFullError(n, self.device.num_free, self._evicting_pages,
-                                  self.device.num_pages)
+            raise DeviceFullError(n, self.device.num_free, self.device.num_pages,
+                                  pending=self._evicting_pages)
         self._request_page[pages] = True
         if len(self._grants) >= _MAX_GRANTS:
             self._grants.clear()
@@ -223,7 +218,7 @@ class CacheController:
         return pool.alloc_array(n)
 
     def _check_request_pages(self, idx: np.ndarray, what: str) -> None:
-        """PageOwnershipError unless the ids of ``idx`` (int64 [k]) are distinct request pages."""
+        """UsageError unless the ids of ``idx`` (int64 [k]) are distinct request pages."""
         if not len(idx):
             return
         try:
@@ -233,9 +228,9 @@ class CacheController:
         if not ok:
             bad = next(p for p in idx.tolist()
                        if not 0 <= p < len(self._request_page) or not self._request_page[p])
-            raise PageOwnershipError(self._foreign_page_msg(bad, what))
+            raise UsageError(self._foreign_page_msg(bad, what))
         if self.device.has_duplicates(idx):
-            raise PageOwnershipError(f"{what} got the same device page twice")
+            raise UsageError(f"{what} got the same device page twice")
 
     def _foreign_page_msg(self, p: int, what: str) -> str:
         if not (0 <= p < self.device.num_pages) or not self.device.is_allocated(p):
@@ -281,9 +276,9 @@ class CacheController:
         pt = self.page_tokens
         whole = n_tokens // pt
         if not whole <= n_pages <= -(-n_tokens // pt):
-            raise ControllerError(f"insert of {n_tokens} tokens ({whole} whole pages of {pt}) "
-                                  f"got {n_pages} device pages; pass one per whole page, "
-                                  f"optionally plus one for a partial tail")
+            raise UsageError(f"insert of {n_tokens} tokens ({whole} whole pages of {pt}) "
+                             f"got {n_pages} device pages; pass one per whole page, "
+                             f"optionally plus one for a partial tail")
         return whole
 
     def _check_insert(self, path: list[Node], pages: np.ndarray) -> "_InsertPlan":
@@ -391,7 +386,7 @@ class CacheController:
         if not nodes:
             return None
         if m.last_node.lock_ref <= 0:
-            raise LockError("lock the match before load_back (its pages could be evicted)")
+            raise UsageError("lock the match before load_back (its pages could be evicted)")
         need = sum(n.npages for n in nodes)
         if need * self.page_tokens < self.policy.load_back_threshold:
             return None
@@ -433,7 +428,7 @@ class CacheController:
         ids = sorted(set(int(o) for o in op_ids))
         for o in ids:
             if o not in self._ops:
-                raise UnknownOpError(f"op {o} is not in flight (in flight: {self.inflight_ops()})")
+                raise UsageError(f"op {o} is not in flight (in flight: {self.inflight_ops()})")
         for o in ids:
             rec = self._ops.pop(o)
             for n in rec.nodes:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from hicache.config import ConfigError, HiCacheConfig, PolicySection
-from hicache.controller.types import ControllerError
+from hicache.config import HiCacheConfig, PolicySection
+from hicache.errors import ConfigError
 
 _FIELDS = {f.name: f for f in dataclasses.fields(PolicySection)}
 WRITE_POLICIES: tuple[str, ...] = _FIELDS["write"].metadata["choices"]
@@ -18,24 +18,20 @@ EVICTION_POLICIES: tuple[str, ...] = _FIELDS["eviction"].metadata["choices"]
 SETTINGS = ("write", "eviction", "selective_threshold", "load_back_threshold")
 
 
-class PolicyError(ControllerError):
-    """A policy name or threshold that is not allowed."""
-
-
 def controller_policy(policy: PolicySection | None, settings: Mapping[str, Any]) -> PolicySection:
     """``policy`` (default: the policy file's defaults) with ``settings`` replacing fields of
-    ``SETTINGS``, validated by the policy file's own rules; PolicyError otherwise."""
+    ``SETTINGS``, validated by the policy file's own rules; ConfigError otherwise."""
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
-        raise PolicyError(f"unknown controller setting(s) {unknown}; expected some of {SETTINGS}")
+        raise ConfigError(f"unknown controller setting(s) {unknown}; expected some of {SETTINGS}")
     if policy is None and not settings:
         return PolicySection()
     if policy is not None and not isinstance(policy, PolicySection):
-        raise PolicyError(f"policy must be a PolicySection (HiCacheConfig.policy), got "
+        raise ConfigError(f"policy must be a PolicySection (HiCacheConfig.policy), got "
                           f"{type(policy).__name__}")
     values = dataclasses.asdict(policy) if policy is not None else {}
     values.update(settings)
     try:
         return HiCacheConfig.from_dict({"policy": values}).policy
     except ConfigError as e:
-        raise PolicyError(str(e)) from None
+        raise ConfigError(str(e)) from None

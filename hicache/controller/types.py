@@ -7,44 +7,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hicache.ids import TokenTypeError  # noqa: F401  (raised by the token coercion; re-exported)
 
 if TYPE_CHECKING:  # pragma: no cover
     from hicache.controller.tree import Node
-
-
-class ControllerError(ValueError):
-    """Base class of controller input errors."""
-
-
-class LockError(ControllerError):
-    """Unlock without a matching lock, or an operation that needs a lock found none."""
-
-
-class PageOwnershipError(ControllerError):
-    """A device page that the controller did not hand out, or that another node already owns."""
-
-
-class StaleNodeError(ControllerError):
-    """A node that is no longer in the tree (evicted since it was matched)."""
-
-
-class UnknownOpError(ControllerError):
-    """complete() named an op id that is not in flight."""
-
-
-class DeviceFullError(MemoryError):
-    """Not enough device pages even after evicting everything evictable now.
-
-    ``pending`` pages are being backed up (write_back) and become free once those backups are
-    agreed complete: retry after the next agreement step."""
-
-    def __init__(self, asked: int, free: int, pending: int, total: int) -> None:
-        super().__init__(
-            f"asked for {asked} device pages but only {free} of {total} are free after eviction "
-            f"({pending} more will be free once pending write_back backups complete; the rest "
-            f"are locked by running requests)")
-        self.asked, self.free, self.pending, self.total = asked, free, pending, total
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,7 @@ import os
 
 import torch
 
-
-class AttentionInputError(ValueError):
-    """Shapes, dtypes or devices of the attention inputs do not fit together."""
+from hicache.errors import UsageError
 
 
 _BACKENDS = ("auto", "torch", "triton")
@@ -32,29 +30,29 @@ _SCORE_BUDGET = 1 << 24
 
 def _check(q_lat, q_pe, kv, q_pos, kv_pos, kv_lora_rank, rows=None) -> None:
     if q_lat.dim() != 3 or q_pe.dim() != 3:
-        raise AttentionInputError(
+        raise UsageError(
             f"q_lat and q_pe must be [T, H, D]; got {tuple(q_lat.shape)} and {tuple(q_pe.shape)}")
     t, h, r = q_lat.shape
     if r != kv_lora_rank:
-        raise AttentionInputError(f"q_lat last dim {r} != kv_lora_rank {kv_lora_rank}")
+        raise UsageError(f"q_lat last dim {r} != kv_lora_rank {kv_lora_rank}")
     if q_pe.shape[:2] != (t, h):
-        raise AttentionInputError(
+        raise UsageError(
             f"q_pe {tuple(q_pe.shape)} does not match q_lat {tuple(q_lat.shape)} in [T, H]")
     if kv.dim() != 2 or kv.shape[1] != kv_lora_rank + q_pe.shape[2]:
-        raise AttentionInputError(
+        raise UsageError(
             f"kv must be [N, {kv_lora_rank + q_pe.shape[2]}] (kv_lora_rank + rope_dim); "
             f"got {tuple(kv.shape)}")
     if rows is not None and (rows.dim() != 1 or rows.dtype != torch.int64
                              or rows.device != kv.device):
-        raise AttentionInputError(f"rows must be int64 [N] on {kv.device}, got {rows.dtype} "
-                                  f"{tuple(rows.shape)} on {rows.device}")
+        raise UsageError(f"rows must be int64 [N] on {kv.device}, got {rows.dtype} "
+                         f"{tuple(rows.shape)} on {rows.device}")
     n = kv.shape[0] if rows is None else rows.shape[0]
     if q_pos.shape != (t,) or kv_pos.shape != (n,):
-        raise AttentionInputError(
+        raise UsageError(
             f"q_pos must be [{t}] and kv_pos [{n}]; got {tuple(q_pos.shape)} and "
             f"{tuple(kv_pos.shape)}")
     if q_pos.dtype != torch.int64 or kv_pos.dtype != torch.int64:
-        raise AttentionInputError(f"positions must be int64, got {q_pos.dtype} and {kv_pos.dtype}")
+        raise UsageError(f"positions must be int64, got {q_pos.dtype} and {kv_pos.dtype}")
 
 
 def attend_latent_torch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
@@ -109,14 +107,14 @@ def attend_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
     (env ``HICACHE_ATTN_BACKEND`` overrides auto).
     """
     if backend not in _BACKENDS:
-        raise AttentionInputError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        raise UsageError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     q_pos = torch.as_tensor(q_pos, dtype=torch.int64, device=kv.device)
     kv_pos = torch.as_tensor(kv_pos, dtype=torch.int64, device=kv.device)
     _check(q_lat, q_pe, kv, q_pos, kv_pos, kv_lora_rank, rows)
     if backend == "auto":
         backend = os.environ.get("HICACHE_ATTN_BACKEND", "auto")
         if backend not in _BACKENDS:
-            raise AttentionInputError(
+            raise UsageError(
                 f"HICACHE_ATTN_BACKEND must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
         backend = "triton" if _triton_applies(kv) else "torch"

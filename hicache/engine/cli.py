@@ -23,7 +23,7 @@ the mean decode step time; ``--json`` prints one object with ``tokens``, ``kv_ro
 fails (exit 1) when the tokens differ.
 
 ``add_parser(subparsers)`` adds the subcommand; ``run(args) -> int`` runs it and raises
-``DecodeArgsError`` (one clear line, exit 2 in the caller) for bad arguments. ``decode_worker`` is
+``UsageError`` (one clear line, exit 2 in the caller) for bad arguments. ``decode_worker`` is
 the per-rank body, reused by bench/decode.py.
 """
 
@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 
 from hicache.engine.dcp import BACKENDS
+from hicache.errors import TopologyError, UsageError
 from hicache.pcp.ring import MODES
 
 
@@ -48,10 +49,6 @@ MAX_RANKS = 256          # processes one decode run may launch
 MAX_TOKENS = 1 << 20     # prompt + generated tokens of the one request
 MAX_PAGE_SIZE = 65536    # as cache.page_size in the policy file
 MAX_TIMEOUT_S = 86400
-
-
-class DecodeArgsError(ValueError):
-    """A bad ``hicache decode`` argument; the message is one line naming it."""
 
 
 @dataclass(frozen=True)
@@ -113,8 +110,8 @@ def decode_worker(rank: int, world_size: int, spec: DecodeSpec) -> dict:
     from hicache.pages import PageAllocator
 
     if world_size != spec.world_size:
-        raise DecodeArgsError(f"decode_worker needs max(pcp, dcp) = {spec.world_size} ranks, "
-                              f"got {world_size}")
+        raise UsageError(f"decode_worker needs max(pcp, dcp) = {spec.world_size} ranks, "
+                         f"got {world_size}")
     device = torch.device("cuda", torch.cuda.current_device()) if spec.device == "cuda" \
         else torch.device("cpu")
     dcp_group, pcp_group = _groups(spec, world_size)
@@ -263,42 +260,42 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def spec_from_args(args) -> DecodeSpec:
-    """Validate the arguments; every problem is a one-line DecodeArgsError."""
-    from hicache.topology import TopologyError, validate
+    """Validate the arguments; every problem is a one-line UsageError."""
+    from hicache.topology import validate
     if args.backend not in BACKENDS:
-        raise DecodeArgsError(
+        raise UsageError(
             f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
     for name, lo, hi in (("dcp", 1, MAX_RANKS), ("pcp", 1, MAX_RANKS),
                          ("prompt_len", 1, MAX_TOKENS), ("new_tokens", 0, MAX_TOKENS),
                          ("page_size", 1, MAX_PAGE_SIZE)):
         if not lo <= getattr(args, name) <= hi:
-            raise DecodeArgsError(
+            raise UsageError(
                 f"--{name.replace('_', '-')} must be in [{lo}, {hi}], got {getattr(args, name)}")
     if args.prompt_len + args.new_tokens > MAX_TOKENS:
-        raise DecodeArgsError(f"--prompt-len + --new-tokens must be <= {MAX_TOKENS}, got "
-                              f"{args.prompt_len + args.new_tokens}")
+        raise UsageError(f"--prompt-len + --new-tokens must be <= {MAX_TOKENS}, got "
+                         f"{args.prompt_len + args.new_tokens}")
     if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT_S):
-        raise DecodeArgsError(f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT_S}], "
-                              f"got {args.timeout}")
+        raise UsageError(f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT_S}], "
+                         f"got {args.timeout}")
     if args.seed < 0 or args.seed >= 1 << 63:
-        raise DecodeArgsError(f"--seed must be in [0, 2**63 - 1], got {args.seed}")
+        raise UsageError(f"--seed must be in [0, 2**63 - 1], got {args.seed}")
     if args.pcp_mode not in MODES:
-        raise DecodeArgsError(
+        raise UsageError(
             f"--pcp-mode must be one of {', '.join(MODES)}, got {args.pcp_mode!r}")
     if args.device not in ("cpu", "cuda"):
-        raise DecodeArgsError(f"--device must be cpu or cuda, got {args.device!r}")
+        raise UsageError(f"--device must be cpu or cuda, got {args.device!r}")
     world = max(args.pcp, args.dcp)
     if args.device == "cuda":
         gpus = torch.cuda.device_count()
         if gpus < world:
-            raise DecodeArgsError(f"--device cuda needs one GPU per rank: --dcp {args.dcp} "
-                                  f"--pcp {args.pcp} launch {world} but {gpus} GPU(s) visible")
+            raise UsageError(f"--device cuda needs one GPU per rank: --dcp {args.dcp} "
+                             f"--pcp {args.pcp} launch {world} but {gpus} GPU(s) visible")
     prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else ()
     tp = args.tp if args.tp is not None else args.dcp
     try:
         validate(tp, args.dcp, 1)
     except TopologyError as exc:
-        raise DecodeArgsError(f"--dcp {args.dcp} with --tp {tp}: {exc}") from None
+        raise UsageError(f"--dcp {args.dcp} with --tp {tp}: {exc}") from None
     spec = DecodeSpec(dcp=args.dcp, backend=args.backend, replicate_q=args.replicate_q,
                       prompt_len=len(prompt_ids) or args.prompt_len,
                       new_tokens=args.new_tokens, seed=args.seed,
@@ -306,14 +303,14 @@ def spec_from_args(args) -> DecodeSpec:
                       pcp=args.pcp, pcp_mode=args.pcp_mode, prompt_ids=prompt_ids)
     try:
         model = build_model(spec)
-    except ValueError as exc:  # ModelLoadError / ModelConfigError / CheckpointError
-        raise DecodeArgsError(f"--model: {exc}") from None
+    except ValueError as exc:  # CheckpointError / ConfigError / CheckpointError
+        raise UsageError(f"--model: {exc}") from None
     bad = [t for t in prompt_ids if t >= model.cfg.vocab_size]
     if bad:
-        raise DecodeArgsError(f"--prompt-ids: {bad[0]} is not a token id of the model "
-                              f"(vocab_size {model.cfg.vocab_size})")
+        raise UsageError(f"--prompt-ids: {bad[0]} is not a token id of the model "
+                         f"(vocab_size {model.cfg.vocab_size})")
     if model.cfg.num_heads % args.dcp:
-        raise DecodeArgsError(
+        raise UsageError(
             f"--dcp {args.dcp} does not divide the model's {model.cfg.num_heads} attention heads")
     return spec
 
@@ -322,10 +319,10 @@ def _parse_ids(text: str) -> tuple[int, ...]:
     try:
         ids = tuple(int(t) for t in text.split(","))
     except ValueError:
-        raise DecodeArgsError(f"--prompt-ids must be comma-separated ints, got {text!r}") \
+        raise UsageError(f"--prompt-ids must be comma-separated ints, got {text!r}") \
             from None
     if any(t < 0 for t in ids):
-        raise DecodeArgsError(f"--prompt-ids must be >= 0, got {text!r}")
+        raise UsageError(f"--prompt-ids must be >= 0, got {text!r}")
     return ids
 
 
@@ -391,7 +388,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except DecodeArgsError as exc:
+    except UsageError as exc:
         print(f"hicache decode: error: {exc}", file=sys.stderr)
         return 2
 

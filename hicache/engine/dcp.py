@@ -21,14 +21,11 @@ from typing import Any
 
 import torch
 
+from hicache.errors import TopologyError
 from hicache import distributed as hd
 from hicache.engine.merge import merge_attn_states, merge_weights
 
 BACKENDS = ("a2a", "ag_rs")
-
-
-class DCPConfigError(ValueError):
-    """A DCP setting the engine cannot run (backend, group size, head split)."""
 
 
 @dataclass(frozen=True)
@@ -44,13 +41,13 @@ class DCPComm:
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
-            raise DCPConfigError(f"unknown DCP backend {self.backend!r}; choose one of {BACKENDS}")
+            raise TopologyError(f"unknown DCP backend {self.backend!r}; choose one of {BACKENDS}")
         if not isinstance(self.size, int) or self.size < 1:
-            raise DCPConfigError(f"DCP size must be a positive int, got {self.size!r}")
+            raise TopologyError(f"DCP size must be a positive int, got {self.size!r}")
         if not 0 <= self.rank < self.size:
-            raise DCPConfigError(f"rank {self.rank} is outside the DCP group [0, {self.size})")
+            raise TopologyError(f"rank {self.rank} is outside the DCP group [0, {self.size})")
         if self.num_heads % self.size:
-            raise DCPConfigError(
+            raise TopologyError(
                 f"num_heads {self.num_heads} is not divisible by the DCP size {self.size}: "
                 "every rank must own the same number of heads")
 

@@ -41,19 +41,16 @@ from typing import Optional
 
 import torch
 
-from hicache.engine.hf_config import CheckpointError, read_hf_config, weight_files
-from hicache.engine.model import MLAModel, ModelConfig, ModelLoadError
+from hicache.engine.hf_config import read_hf_config, weight_files
+from hicache.engine.model import MLAModel, ModelConfig
+from hicache.errors import CheckpointError
 
-__all__ = ("CheckpointError", "HFCheckpointError", "checkpoint_config", "expected_tensors",
-           "load_checkpoint", "load_model", "weights_signature")
-
-
-class HFCheckpointError(CheckpointError, ModelLoadError):
-    """A checkpoint that cannot be loaded (also a ``ModelLoadError``)."""
+__all__ = ["checkpoint_config", "expected_tensors", "load_checkpoint", "load_model",
+           "weights_signature"]
 
 
 def _raise(e: CheckpointError):
-    raise HFCheckpointError(str(e)) from None
+    raise CheckpointError(str(e)) from None
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -152,35 +149,35 @@ def load_checkpoint(directory: str | os.PathLike, device: Optional[str | torch.d
             handles.append(st)
             for k in st.keys():
                 if k in where:
-                    raise HFCheckpointError(f"{d}: tensor {k} is stored twice "
-                                            f"({where[k][1].name} and {f.name})")
+                    raise CheckpointError(f"{d}: tensor {k} is stored twice "
+                                          f"({where[k][1].name} and {f.name})")
                 where[k] = (st, f)
-    except HFCheckpointError:
+    except CheckpointError:
         raise
     except Exception as e:  # a corrupt or foreign file
-        raise HFCheckpointError(f"{d}: cannot read safetensors file: {e}") from None
+        raise CheckpointError(f"{d}: cannot read safetensors file: {e}") from None
     missing = sorted(set(want) - set(where))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise HFCheckpointError(f"{d}: missing tensors {', '.join(missing[:5])}{more}; "
-                                "config.json implies them")
+        raise CheckpointError(f"{d}: missing tensors {', '.join(missing[:5])}{more}; "
+                              "config.json implies them")
     extra = sorted(k for k in set(where) - set(want) if not _ignored(k, cfg.num_layers))
     if extra:
         more = f" (and {len(extra) - 5} more)" if len(extra) > 5 else ""
-        raise HFCheckpointError(f"{d}: unexpected tensors {', '.join(extra[:5])}{more}; "
-                                "config.json does not use them")
+        raise CheckpointError(f"{d}: unexpected tensors {', '.join(extra[:5])}{more}; "
+                              "config.json does not use them")
     for k, shape in want.items():
         got = tuple(where[k][0].get_slice(k).get_shape())
         if got != shape:
-            raise HFCheckpointError(f"{d}: tensor {k} ({where[k][1].name}) has shape "
-                                    f"{list(got)}, config.json implies {list(shape)}")
+            raise CheckpointError(f"{d}: tensor {k} ({where[k][1].name}) has shape "
+                                  f"{list(got)}, config.json implies {list(shape)}")
     dtype = cfg.torch_dtype
     h, dn = cfg.num_heads, cfg.qk_nope_head_dim
     state = {}
     for k in want:
         t = where[k][0].get_tensor(k)  # memory-mapped
         if not t.is_floating_point():
-            raise HFCheckpointError(f"{d}: tensor {k} has dtype {t.dtype}; expected a float")
+            raise CheckpointError(f"{d}: tensor {k} has dtype {t.dtype}; expected a float")
         name = _engine_name(k)
         if ".moe.gate" in name or ".moe.e_bias" in name:
             t = t.float()  # the router runs in fp32 whatever the checkpoint dtype
@@ -196,8 +193,8 @@ def load_checkpoint(directory: str | os.PathLike, device: Optional[str | torch.d
         model = MLAModel(cfg, init=False)
     own = set(model.state_dict())
     if own != set(state):  # a mapping bug, not a user error
-        raise HFCheckpointError(f"{d}: internal name mapping mismatch: "
-                                f"{sorted(own ^ set(state))[:5]}")
+        raise CheckpointError(f"{d}: internal name mapping mismatch: "
+                              f"{sorted(own ^ set(state))[:5]}")
     model.load_state_dict(state, strict=True, assign=True)
     if device is not None:
         model.to(device)
@@ -259,7 +256,7 @@ def weights_signature(directory: str | os.PathLike) -> str:
         try:
             st = p.stat()
         except OSError as e:
-            raise HFCheckpointError(f"{p}: cannot read: {e.strerror or e}") from None
+            raise CheckpointError(f"{p}: cannot read: {e.strerror or e}") from None
         rel = p.relative_to(d).as_posix()
         old = cached.get(rel)
         if (isinstance(old, dict) and old.get("size") == st.st_size

@@ -29,14 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from hicache.checks import check_int
+from hicache.errors import CheckpointError
 
 ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
           "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint the engine cannot run: the message names the file, key or tensor."""
 
 
 # transformers' defaults for keys a config.json may leave out

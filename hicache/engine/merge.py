@@ -17,11 +17,9 @@ from typing import Sequence
 
 import torch
 
+from hicache.errors import UsageError
+
 LN2 = math.log(2.0)
-
-
-class MergeError(ValueError):
-    """Partial states that cannot be merged (bad base, shapes that disagree)."""
 
 
 def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -41,7 +39,7 @@ def merge_weights(lse_parts: torch.Tensor, base: str = "e",
     ``dtype`` (default: the wider of fp32 and ``lse_parts.dtype``).
     """
     if base not in ("e", "2"):
-        raise MergeError(f"base must be 'e' or '2', got {base!r}")
+        raise UsageError(f"base must be 'e' or '2', got {base!r}")
     lse = lse_parts.to(dtype or compute_dtype(lse_parts.dtype))
     if base == "2":
         lse = lse * LN2
@@ -69,11 +67,11 @@ def merge_attn_states(o_parts: Sequence[torch.Tensor] | torch.Tensor,
     and the inputs' dtypes; lse comes back in that dtype (fp32 unless an input is fp64).
     """
     if base not in ("e", "2"):
-        raise MergeError(f"base must be 'e' or '2', got {base!r}")
+        raise UsageError(f"base must be 'e' or '2', got {base!r}")
     o = o_parts if isinstance(o_parts, torch.Tensor) else torch.stack(list(o_parts))
     lse = lse_parts if isinstance(lse_parts, torch.Tensor) else torch.stack(list(lse_parts))
     if o.shape[:-1] != lse.shape:
-        raise MergeError(f"o parts {tuple(o.shape)} and lse parts {tuple(lse.shape)} disagree")
+        raise UsageError(f"o parts {tuple(o.shape)} and lse parts {tuple(lse.shape)} disagree")
     ct = compute_dtype(o.dtype, lse.dtype)
     w, out_lse = merge_weights(lse, base, ct)
     # an empty part may carry garbage (even NaN) in o: it must not leak through 0 * NaN

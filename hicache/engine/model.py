@@ -40,16 +40,9 @@ from torch import nn
 
 from hicache.checks import check_int
 from hicache.engine.attention import attend_latent
+from hicache.errors import CheckpointError, ConfigError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelConfigError(ValueError):
-    """A model configuration field is out of range or inconsistent."""
-
-
-class ModelLoadError(ValueError):
-    """A model file is missing, unreadable, or does not match its recorded config."""
 
 
 def _mscale(factor: float, m: float = 1.0) -> float:
@@ -71,9 +64,9 @@ class YarnConfig:
 
     def __post_init__(self) -> None:
         if not self.factor > 0 or not self.original_max_position_embeddings > 0:
-            raise ModelConfigError(f"YarnConfig.factor and original_max_position_embeddings must "
-                                   f"be > 0, got {self.factor!r}, "
-                                   f"{self.original_max_position_embeddings!r}")
+            raise ConfigError(f"YarnConfig.factor and original_max_position_embeddings must "
+                              f"be > 0, got {self.factor!r}, "
+                              f"{self.original_max_position_embeddings!r}")
 
     def rope_factor(self) -> float:
         """Scale applied to the RoPE parts of q and k (cos and sin)."""
@@ -126,18 +119,18 @@ class MoEConfig:
     def __post_init__(self) -> None:
         for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
                      "n_group", "topk_group"):
-            check_int(getattr(self, name), f"MoEConfig.{name}", error=ModelConfigError)
+            check_int(getattr(self, name), f"MoEConfig.{name}", error=ConfigError)
         if self.scoring_func not in ("softmax", "sigmoid"):
-            raise ModelConfigError(f"MoEConfig.scoring_func must be softmax or sigmoid, got "
-                                   f"{self.scoring_func!r}")
+            raise ConfigError(f"MoEConfig.scoring_func must be softmax or sigmoid, got "
+                              f"{self.scoring_func!r}")
         if self.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
-            raise ModelConfigError(f"MoEConfig.topk_method {self.topk_method!r} is unknown")
+            raise ConfigError(f"MoEConfig.topk_method {self.topk_method!r} is unknown")
         if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
-            raise ModelConfigError(f"MoEConfig: {self.n_routed_experts} experts do not split into "
-                                   f"n_group {self.n_group} with topk_group {self.topk_group}")
+            raise ConfigError(f"MoEConfig: {self.n_routed_experts} experts do not split into "
+                              f"n_group {self.n_group} with topk_group {self.topk_group}")
         if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
-            raise ModelConfigError("MoEConfig.num_experts_per_tok exceeds the experts of the "
-                                   "selected groups")
+            raise ConfigError("MoEConfig.num_experts_per_tok exceeds the experts of the "
+                              "selected groups")
 
 
 @dataclass(frozen=True)
@@ -164,30 +157,30 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "kv_lora_rank",
                      "qk_nope_head_dim", "v_head_dim", "intermediate_size"):
-            check_int(getattr(self, name), f"ModelConfig.{name}", error=ModelConfigError)
+            check_int(getattr(self, name), f"ModelConfig.{name}", error=ConfigError)
         if (not isinstance(self.qk_rope_head_dim, int) or self.qk_rope_head_dim < 2
                 or self.qk_rope_head_dim % 2):
-            raise ModelConfigError(
+            raise ConfigError(
                 f"ModelConfig.qk_rope_head_dim must be an even int >= 2, got "
                 f"{self.qk_rope_head_dim!r}")
         if self.q_lora_rank is not None:
             check_int(self.q_lora_rank, "ModelConfig.q_lora_rank (None or an int)",
-                      error=ModelConfigError)
+                      error=ConfigError)
         if self.dtype not in _DTYPES:
-            raise ModelConfigError(
+            raise ConfigError(
                 f"ModelConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if not self.rope_theta > 0:
-            raise ModelConfigError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+            raise ConfigError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
         for name, kind in (("yarn", YarnConfig), ("moe", MoEConfig)):
             v = getattr(self, name)
             if isinstance(v, dict):
                 try:
                     object.__setattr__(self, name, kind(**v))
                 except TypeError as e:
-                    raise ModelConfigError(f"ModelConfig.{name}: {e}") from None
+                    raise ConfigError(f"ModelConfig.{name}: {e}") from None
             elif v is not None and not isinstance(v, kind):
-                raise ModelConfigError(f"ModelConfig.{name} must be a {kind.__name__}, a dict or "
-                                       f"None, got {v!r}")
+                raise ConfigError(f"ModelConfig.{name} must be a {kind.__name__}, a dict or "
+                                  f"None, got {v!r}")
 
     @property
     def kv_dim(self) -> int:
@@ -219,7 +212,7 @@ class ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise ModelConfigError(f"unknown ModelConfig fields: {unknown}")
+            raise ConfigError(f"unknown ModelConfig fields: {unknown}")
         return cls(**d)
 
 
@@ -534,30 +527,30 @@ class MLAModel(nn.Module):
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: str | torch.device | None = None) -> "MLAModel":
-        """Read a file written by ``save``; every mismatch is a ModelLoadError."""
+        """Read a file written by ``save``; every mismatch is a CheckpointError."""
         path = os.fspath(path)
         if not os.path.isfile(path):
-            raise ModelLoadError(f"model file not found: {path}")
+            raise CheckpointError(f"model file not found: {path}")
         try:
             blob = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # corrupt or foreign file
-            raise ModelLoadError(f"cannot read model file {path}: {exc}") from exc
+            raise CheckpointError(f"cannot read model file {path}: {exc}") from exc
         if not isinstance(blob, dict) or blob.get("format") != "hicache-mla-v1":
-            raise ModelLoadError(f"{path} is not a hicache MLA model file")
+            raise CheckpointError(f"{path} is not a hicache MLA model file")
         try:
             cfg = ModelConfig.from_dict(blob["config"])
-        except (ModelConfigError, TypeError, KeyError) as exc:
-            raise ModelLoadError(f"{path}: bad config: {exc}") from exc
+        except (ConfigError, TypeError, KeyError) as exc:
+            raise CheckpointError(f"{path}: bad config: {exc}") from exc
         model = cls(cfg, init=False)
         state = blob.get("state", {})
         own = model.state_dict()
         missing = sorted(set(own) - set(state))
         extra = sorted(set(state) - set(own))
         if missing or extra:
-            raise ModelLoadError(f"{path}: missing weights {missing}, unexpected {extra}")
+            raise CheckpointError(f"{path}: missing weights {missing}, unexpected {extra}")
         for k, v in own.items():
             if tuple(state[k].shape) != tuple(v.shape):
-                raise ModelLoadError(
+                raise CheckpointError(
                     f"{path}: weight {k} has shape {tuple(state[k].shape)}, config says "
                     f"{tuple(v.shape)}")
         for k, p in model.named_parameters():

@@ -45,12 +45,9 @@ from hicache.distributed import CollectiveCounter
 from hicache.engine.attention import attend_latent
 from hicache.engine.dcp import DCPComm
 from hicache.engine.model import MLAModel
+from hicache.errors import UsageError
 from hicache.kvport import KVPort, RowWrite
 from hicache.layout import DCPLayout, slot_of
-
-
-class EngineError(ValueError):
-    """A request the engine cannot run (too few pages, empty input, mismatched pool)."""
 
 
 class _DeviceVector:
@@ -169,15 +166,15 @@ class DCPRunner:
                  layer_hook: Optional[Callable[[int], None]] = None) -> None:
         cfg = model.cfg
         if kv.kv_dim != cfg.kv_dim or kv.num_layers != cfg.num_layers:
-            raise EngineError(
+            raise UsageError(
                 f"pool holds {kv.num_layers} layers of {kv.kv_dim}-wide rows; the model needs "
                 f"{cfg.num_layers} layers of {cfg.kv_dim}")
         model_dev = model.embed_tokens.device
         if model_dev != kv.device:
-            raise EngineError(f"model weights are on {model_dev} but the KV pool is on "
-                              f"{kv.device}; move the model with model.to(pool.device)")
+            raise UsageError(f"model weights are on {model_dev} but the KV pool is on "
+                             f"{kv.device}; move the model with model.to(pool.device)")
         if kv.dtype != cfg.torch_dtype:
-            raise EngineError(f"pool dtype {kv.dtype} != model dtype {cfg.torch_dtype}")
+            raise UsageError(f"pool dtype {kv.dtype} != model dtype {cfg.torch_dtype}")
         self.model = model
         self.kv = kv
         self.layout = kv.layout
@@ -197,9 +194,9 @@ class DCPRunner:
         return self.extend_batch([state], [new_tokens])[0]
 
     def _check(self, states: Sequence[RequestState], token_lists) -> list[torch.Tensor]:
-        """The batch's token ids (int64 [k] each), or EngineError before anything changes."""
+        """The batch's token ids (int64 [k] each), or UsageError before anything changes."""
         if len(states) != len(token_lists) or not states:
-            raise EngineError(
+            raise UsageError(
                 f"need one token list per request state, got {len(states)} states and "
                 f"{len(token_lists)} token lists")
         page_tokens = self.page_tokens
@@ -207,10 +204,10 @@ class DCPRunner:
         for st, tk in zip(states, token_lists):
             tk = torch.as_tensor(tk, dtype=torch.int64).reshape(-1)
             if tk.numel() == 0:
-                raise EngineError("extend needs at least one new token per request")
+                raise UsageError("extend needs at least one new token per request")
             end = st.length + tk.numel()
             if end > st.capacity(page_tokens):
-                raise EngineError(
+                raise UsageError(
                     f"request needs {end} slots but its page table holds "
                     f"{st.capacity(page_tokens)} ({len(st.page_table)} pages of {page_tokens}); "
                     "reserve pages first")

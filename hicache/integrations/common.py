@@ -8,7 +8,8 @@ import logging
 import os
 from typing import Any, Iterable
 
-from ..l3 import L3Error, L3Store, Namespace, keys_for_rank, open_store
+from ..errors import CheckpointError, L3Error
+from ..l3 import L3Store, Namespace, keys_for_rank, open_store
 from ..l3.keys import DIGEST_BYTES
 
 log = logging.getLogger(__name__)
@@ -47,10 +48,10 @@ def weights_signature(model: str, override: str | None = None) -> str:
                     "its weights; pass weights_signature (e.g. the revision) so a store written "
                     "with other weights never hits", model)
         return f"id:{model}"
-    from ..engine.hf import HFCheckpointError, weights_signature as checkpoint_signature
+    from ..engine.hf import weights_signature as checkpoint_signature
     try:
         return checkpoint_signature(model)
-    except HFCheckpointError as e:
+    except CheckpointError as e:
         raise L3Error(f"cannot sign the weights of {model!r}: {e}; pass weights_signature") \
             from None
 

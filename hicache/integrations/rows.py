@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..checks import check_int
-from ..l3 import L3Error
+from ..errors import L3Error
 
 
 @dataclass(frozen=True)

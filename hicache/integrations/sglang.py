@@ -34,7 +34,8 @@ import torch
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
-from ..l3 import L3Error, L3Store, Namespace, open_store
+from ..errors import L3Error
+from ..l3 import L3Store, Namespace, open_store
 from .common import signature, store_keys, weights_signature
 
 log = logging.getLogger(__name__)

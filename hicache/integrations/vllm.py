@@ -40,7 +40,8 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from ..checks import check_int
-from ..l3 import L3Error, Namespace
+from ..errors import L3Error
+from ..l3 import Namespace
 from .common import open_stores, signature, store_keys, weights_signature
 from .rows import RowLayout, row_layout
 

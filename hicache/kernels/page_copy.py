@@ -16,6 +16,8 @@ import os
 
 import torch
 
+from hicache.errors import UsageError
+
 try:  # triton is a dependency on linux x86_64 only
     import triton
     import triton.language as tl
@@ -27,30 +29,26 @@ except Exception:  # pragma: no cover - platform without triton
     HAVE_TRITON = False
 
 
-class PageCopyError(ValueError):
-    """Incompatible buffers or index lists for a page copy."""
-
-
 def _as3d(t: torch.Tensor, name: str) -> torch.Tensor:
     if t.dim() == 2:
         t = t.unsqueeze(0)
     if t.dim() != 3:
-        raise PageCopyError(f"{name} must be [R, W] or [B, R, W], got {list(t.shape)}")
+        raise UsageError(f"{name} must be [R, W] or [B, R, W], got {list(t.shape)}")
     if t.shape[2] > 1 and t.stride(2) != 1:
-        raise PageCopyError(f"{name} must be contiguous in its last dim, strides {t.stride()}")
+        raise UsageError(f"{name} must be contiguous in its last dim, strides {t.stride()}")
     return t
 
 
 def _check(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor,
            dst_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if src.dtype != dst.dtype:
-        raise PageCopyError(f"src dtype {src.dtype} != dst dtype {dst.dtype}")
+        raise UsageError(f"src dtype {src.dtype} != dst dtype {dst.dtype}")
     s, d = _as3d(src, "src"), _as3d(dst, "dst")
     if s.shape[0] != d.shape[0] or s.shape[2] != d.shape[2]:
-        raise PageCopyError(f"src {list(s.shape)} and dst {list(d.shape)} disagree on B or W")
+        raise UsageError(f"src {list(s.shape)} and dst {list(d.shape)} disagree on B or W")
     if src_idx.dim() != 1 or dst_idx.dim() != 1 or src_idx.numel() != dst_idx.numel():
-        raise PageCopyError(f"index lists must be 1-D of equal length, got "
-                            f"{list(src_idx.shape)} and {list(dst_idx.shape)}")
+        raise UsageError(f"index lists must be 1-D of equal length, got "
+                         f"{list(src_idx.shape)} and {list(dst_idx.shape)}")
     return s, d
 
 
@@ -105,7 +103,7 @@ def page_copy_triton(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor
     a CPU-side src/dst must be pinned (reached via unified addressing).
     """
     if not HAVE_TRITON:
-        raise PageCopyError("triton is not installed on this platform")
+        raise UsageError("triton is not installed on this platform")
     s, d = _check(src, src_idx, dst, dst_idx)
     n, B, W = src_idx.numel(), s.shape[0], s.shape[2]
     if n == 0 or B == 0 or W == 0:

@@ -15,12 +15,9 @@ from typing import Union
 import numpy as np
 import torch
 
+from hicache.errors import UsageError
 from hicache.kvport import RowWrite, Slots
 from hicache.layout import DCPLayout
-
-
-class PoolError(ValueError):
-    """Bad input to a KV pool: wrong layer, slot range, row shape or dtype."""
 
 
 def pick_device(device: torch.device | str | None) -> torch.device:
@@ -68,11 +65,11 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
 def check_shape_args(num_layers: int, kv_dim: int, num_pages: int, dtype: torch.dtype) -> None:
     for name, v in (("num_layers", num_layers), ("kv_dim", kv_dim)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise PoolError(f"{name} must be a positive int, got {v!r}")
+            raise UsageError(f"{name} must be a positive int, got {v!r}")
     if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
-        raise PoolError(f"num_pages must be an int >= 0, got {num_pages!r}")
+        raise UsageError(f"num_pages must be an int >= 0, got {num_pages!r}")
     if not isinstance(dtype, torch.dtype):
-        raise PoolError(f"dtype must be a torch.dtype, got {dtype!r}")
+        raise UsageError(f"dtype must be a torch.dtype, got {dtype!r}")
 
 
 class DeviceKVPool:
@@ -81,7 +78,7 @@ class DeviceKVPool:
     def __init__(self, layout: DCPLayout, num_layers: int, kv_dim: int, dtype: torch.dtype,
                  num_pages: int, device: torch.device | str | None = None) -> None:
         if not isinstance(layout, DCPLayout):
-            raise PoolError(f"layout must be a DCPLayout, got {type(layout).__name__}")
+            raise UsageError(f"layout must be a DCPLayout, got {type(layout).__name__}")
         check_shape_args(num_layers, kv_dim, num_pages, dtype)
         self.layout = layout
         self.num_layers = num_layers
@@ -138,12 +135,12 @@ class DeviceKVPool:
         else:
             self.check_pages(where.pages)
         if not isinstance(rows, torch.Tensor):
-            raise PoolError(f"rows must be a tensor, got {type(rows).__name__}")
+            raise UsageError(f"rows must be a tensor, got {type(rows).__name__}")
         if rows.dtype != self.dtype:
-            raise PoolError(f"rows have dtype {rows.dtype} but the pool stores {self.dtype}")
+            raise UsageError(f"rows have dtype {rows.dtype} but the pool stores {self.dtype}")
         if rows.dim() != 2 or rows.shape[0] != where.n or rows.shape[1] != self.kv_dim:
-            raise PoolError(f"rows must have shape [{where.n}, {self.kv_dim}] "
-                            f"(one row per slot), got {list(rows.shape)}")
+            raise UsageError(f"rows must have shape [{where.n}, {self.kv_dim}] "
+                             f"(one row per slot), got {list(rows.shape)}")
         src = rows.to(self.device, non_blocking=True)
         if where.src is not None:
             src = src.index_select(0, where.src)
@@ -158,22 +155,22 @@ class DeviceKVPool:
 
     # ---- validation ----------------------------------------------------------------------------
     def check_pages(self, pages: np.ndarray) -> None:
-        """PoolError unless every widened page id in ``pages`` (host int array) is in the pool."""
+        """UsageError unless every widened page id in ``pages`` (host int array) is in the pool."""
         if pages.size and not 0 <= pages.min() <= pages.max() < self.num_pages:
             bad = pages[(pages < 0) | (pages >= self.num_pages)][0]
-            raise PoolError(f"page {int(bad)} is outside the pool's [0, {self.num_pages})")
+            raise UsageError(f"page {int(bad)} is outside the pool's [0, {self.num_pages})")
 
     def _check_layer(self, layer: int) -> None:
         if isinstance(layer, bool) or not isinstance(layer, int) \
                 or not 0 <= layer < self.num_layers:
-            raise PoolError(f"layer {layer!r} is outside [0, {self.num_layers})")
+            raise UsageError(f"layer {layer!r} is outside [0, {self.num_layers})")
 
     def _slots(self, virtual_slots: Slots) -> torch.Tensor:
         slots = torch.as_tensor(virtual_slots)
         if slots.numel() == 0:
             return torch.zeros(0, dtype=torch.int64)
         if slots.dtype.is_floating_point or slots.dtype == torch.bool:
-            raise PoolError(f"virtual slots must be integers, got dtype {slots.dtype}")
+            raise UsageError(f"virtual slots must be integers, got dtype {slots.dtype}")
         slots = slots.to(torch.int64).reshape(-1)
         if slots.device.type != "cpu":
             slots = slots.cpu()
@@ -181,9 +178,9 @@ class DeviceKVPool:
             lo, hi = int(slots.min()), int(slots.max())
             if lo < 0 or hi >= self.num_slots:
                 bad = lo if lo < 0 else hi
-                raise PoolError(f"virtual slot {bad} is outside [0, {self.num_slots}) "
-                                f"({self.num_pages} pages of "
-                                f"{self.layout.page_tokens} slots)")
+                raise UsageError(f"virtual slot {bad} is outside [0, {self.num_slots}) "
+                                 f"({self.num_pages} pages of "
+                                 f"{self.layout.page_tokens} slots)")
         return slots
 
     def __repr__(self) -> str:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hicache.l2.transfer import TransferError
+from hicache.errors import TransferError
+
 
 _memmove = ctypes.memmove
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.l2.transfer import (DONE, FAILED, PENDING, CopyBackend, TransferError, TransferJob,
-                                 TransferPlan, register_backend)
+from hicache.errors import TransferError
+from hicache.l2.transfer import (DONE, FAILED, PENDING, CopyBackend, TransferJob, TransferPlan,
+                                 register_backend)
 
 try:  # optional CUDA 2D copies (the "gpu" extra); only used when CUDA is present too
     import cupy as _cupy  # type: ignore

@@ -23,10 +23,10 @@ import weakref
 import psutil
 import torch
 
-from hicache.pages import PageError
-from hicache.l1.pool import PoolError, advise_hugepages, check_shape_args
+from hicache.errors import HostMemoryError, UsageError
+from hicache.l1.pool import advise_hugepages, check_shape_args
 from hicache.layout import DCPLayout
-from hicache.preflight import HostMemoryError, MemoryNeed, check_node_memory as node_fits
+from hicache.preflight import MemoryNeed, check_node_memory as node_fits
 
 LAYOUTS = ("layer_first", "page_first")
 PIN_MODES = ("auto", "on", "off")
@@ -37,17 +37,17 @@ def host_pages_for(l1_pages: int, bytes_per_page: int, size_bytes: int = 0,
     """L2 page count: ``size_bytes // bytes_per_page`` when ``size_bytes > 0``, else
     ``floor(l1_pages * ratio)``. ``bytes_per_page`` is this rank's bytes for one widened page."""
     if bytes_per_page <= 0:
-        raise PoolError(f"bytes_per_page must be > 0, got {bytes_per_page}")
+        raise UsageError(f"bytes_per_page must be > 0, got {bytes_per_page}")
     if size_bytes < 0:
-        raise PoolError(f"l2 size_bytes must be >= 0, got {size_bytes}")
+        raise UsageError(f"l2 size_bytes must be >= 0, got {size_bytes}")
     if size_bytes > 0:
         pages = size_bytes // bytes_per_page
         if pages < 1:
-            raise PoolError(f"l2 size_bytes {size_bytes} is smaller than one page "
-                            f"({bytes_per_page} bytes per rank)")
+            raise UsageError(f"l2 size_bytes {size_bytes} is smaller than one page "
+                             f"({bytes_per_page} bytes per rank)")
         return int(pages)
     if not ratio > 0 or math.isinf(ratio):
-        raise PoolError(f"l2 ratio must be a positive finite number, got {ratio}")
+        raise UsageError(f"l2 ratio must be a positive finite number, got {ratio}")
     return int(math.floor(l1_pages * ratio))
 
 
@@ -115,10 +115,10 @@ def pinned_host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) ->
 
 def resolve_pin(pin: str) -> bool:
     if pin not in PIN_MODES:
-        raise PoolError(f"pin must be one of {PIN_MODES}, got {pin!r}")
+        raise UsageError(f"pin must be one of {PIN_MODES}, got {pin!r}")
     if pin == "on" and not torch.cuda.is_available():
-        raise PoolError("pin='on' needs CUDA (pinned host memory cannot be allocated without it); "
-                        "use pin='auto' or 'off'")
+        raise UsageError("pin='on' needs CUDA (pinned host memory cannot be allocated without it); "
+                         "use pin='auto' or 'off'")
     return pin == "on" or (pin == "auto" and torch.cuda.is_available())
 
 
@@ -129,10 +129,10 @@ class HostKVPool:
                  num_pages: int, layout_kind: str = "page_first", pin: str = "auto",
                  max_memory_fraction: float = 0.9) -> None:
         if not isinstance(layout, DCPLayout):
-            raise PoolError(f"layout must be a DCPLayout, got {type(layout).__name__}")
+            raise UsageError(f"layout must be a DCPLayout, got {type(layout).__name__}")
         check_shape_args(num_layers, kv_dim, num_pages, dtype)
         if layout_kind not in LAYOUTS:
-            raise PoolError(f"layout_kind must be one of {LAYOUTS}, got {layout_kind!r}")
+            raise UsageError(f"layout_kind must be one of {LAYOUTS}, got {layout_kind!r}")
         self.layout = layout
         self.num_layers = num_layers
         self.kv_dim = kv_dim
@@ -196,11 +196,11 @@ class HostKVPool:
         """Overwrite one page from ``rows`` [L, P, D] of the pool's dtype."""
         expect = [self.num_layers, self.rows_per_page, self.kv_dim]
         if not isinstance(rows, torch.Tensor):
-            raise PoolError(f"page rows must be a tensor, got {type(rows).__name__}")
+            raise UsageError(f"page rows must be a tensor, got {type(rows).__name__}")
         if rows.dtype != self.dtype:
-            raise PoolError(f"page rows have dtype {rows.dtype} but the pool stores {self.dtype}")
+            raise UsageError(f"page rows have dtype {rows.dtype} but the pool stores {self.dtype}")
         if list(rows.shape) != expect:
-            raise PoolError(f"page rows must have shape {expect}, got {list(rows.shape)}")
+            raise UsageError(f"page rows must have shape {expect}, got {list(rows.shape)}")
         self.page_view(page).copy_(rows)
 
     def read_page_bytes(self, page: int) -> bytes:
@@ -211,7 +211,7 @@ class HostKVPool:
     def write_page_bytes(self, page: int, data: bytes | bytearray | memoryview) -> None:
         """Overwrite one page from raw bytes produced by ``read_page_bytes``."""
         if len(data) != self.bytes_per_page:
-            raise PoolError(f"page data has {len(data)} bytes, expected {self.bytes_per_page}")
+            raise UsageError(f"page data has {len(data)} bytes, expected {self.bytes_per_page}")
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         rows = raw.view(self.dtype).view(self.num_layers, self.rows_per_page, self.kv_dim)
         self.page_view(page).copy_(rows)
@@ -220,11 +220,11 @@ class HostKVPool:
     def _check_layer(self, layer: int) -> None:
         if isinstance(layer, bool) or not isinstance(layer, int) \
                 or not 0 <= layer < self.num_layers:
-            raise PoolError(f"layer {layer!r} is outside [0, {self.num_layers})")
+            raise UsageError(f"layer {layer!r} is outside [0, {self.num_layers})")
 
     def _check_page(self, page: int) -> None:
         if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:
-            raise PageError(f"host page id {page!r} is outside the pool [0, {self.num_pages})")
+            raise UsageError(f"host page id {page!r} is outside the pool [0, {self.num_pages})")
 
     def __repr__(self) -> str:
         return (f"HostKVPool({self.layout_kind}, layers={self.num_layers}, "

@@ -33,17 +33,14 @@ from typing import Sequence, Union
 import numpy as np
 import torch
 
-from hicache.ids import PageError, page_ids
-from hicache.l1.pool import DeviceKVPool, PoolError
+from hicache.errors import TransferError, UsageError
+from hicache.ids import page_ids
+from hicache.l1.pool import DeviceKVPool
 from hicache.l2.pool import HostKVPool
 
 PageList = Union[Sequence[int], torch.Tensor]
 IO_BACKENDS = ("direct", "kernel")
 MEDIA = ("device", "host", "staging")  # L1 pool, L2 pool, an L3 read's staging buffer
-
-
-class TransferError(RuntimeError):
-    """A transfer failed, or the engine was used after ``close()``."""
 
 
 # A job's state, read in ONE attribute read (``TransferJob.status``): it only ever moves from
@@ -134,7 +131,7 @@ SMALL_PLAN = 64
 def _check_range(lo: int, hi: int, limit: int, name: str) -> None:
     if lo < 0 or hi >= limit:
         bad = lo if lo < 0 else hi
-        raise PageError(f"{name} page id {bad} is outside the {name} pool [0, {limit})")
+        raise UsageError(f"{name} page id {bad} is outside the {name} pool [0, {limit})")
 
 
 def plan_transfer(src_pages: PageList, dst_pages: PageList, src_limit: int, dst_limit: int,
@@ -144,8 +141,8 @@ def plan_transfer(src_pages: PageList, dst_pages: PageList, src_limit: int, dst_
     d = page_ids(dst_pages, f"{dst_name} pages")
     n = int(s.size)
     if n != d.size:
-        raise PageError(f"{src_name} and {dst_name} page lists differ in length: "
-                        f"{n} vs {d.size}")
+        raise UsageError(f"{src_name} and {dst_name} page lists differ in length: "
+                         f"{n} vs {d.size}")
     if n == 0:
         pass
     elif n <= SMALL_PLAN:
@@ -153,12 +150,12 @@ def plan_transfer(src_pages: PageList, dst_pages: PageList, src_limit: int, dst_
         _check_range(min(sl), max(sl), src_limit, src_name)
         _check_range(min(dl), max(dl), dst_limit, dst_name)
         if len(set(dl)) != n:
-            raise PageError(f"{dst_name} page list repeats a page id: {dl}")
+            raise UsageError(f"{dst_name} page list repeats a page id: {dl}")
     else:
         _check_range(int(s.min()), int(s.max()), src_limit, src_name)
         _check_range(int(d.min()), int(d.max()), dst_limit, dst_name)
         if not (d[1:] > d[:-1]).all() and np.unique(d).size != n:
-            raise PageError(f"{dst_name} page list repeats a page id: {d.tolist()}")
+            raise UsageError(f"{dst_name} page list repeats a page id: {d.tolist()}")
     return TransferPlan(s.copy(), d.copy())  # the caller may reuse its lists
 
 
@@ -239,7 +236,7 @@ class TransferJob:
     def _check_layer(self, layer: int) -> None:
         if isinstance(layer, bool) or not isinstance(layer, int) \
                 or not 0 <= layer < self.num_layers:
-            raise PoolError(f"layer {layer!r} is outside [0, {self.num_layers})")
+            raise UsageError(f"layer {layer!r} is outside [0, {self.num_layers})")
 
     @property
     def failed(self) -> bool:
@@ -375,8 +372,8 @@ def backend_for(device_type: str) -> type[CopyBackend]:
     try:
         return _BACKENDS[device_type]
     except KeyError:
-        raise PoolError(f"no copy backend for {device_type!r} devices; registered: "
-                        f"{', '.join(sorted(set(_BACKENDS) | set(BACKEND_MODULES)))}") from None
+        raise UsageError(f"no copy backend for {device_type!r} devices; registered: "
+                         f"{', '.join(sorted(set(_BACKENDS) | set(BACKEND_MODULES)))}") from None
 
 
 class TransferEngine:
@@ -393,19 +390,19 @@ class TransferEngine:
                  io_backend: str = "direct", use_cupy: bool | None = None,
                  copy_threads: int = 1, backend: type[CopyBackend] | None = None) -> None:
         if io_backend not in IO_BACKENDS:
-            raise PoolError(f"io_backend must be one of {IO_BACKENDS}, got {io_backend!r}")
+            raise UsageError(f"io_backend must be one of {IO_BACKENDS}, got {io_backend!r}")
         if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) \
                 or copy_threads < 1:
-            raise PoolError(f"copy_threads must be an int >= 1, got {copy_threads!r}")
+            raise UsageError(f"copy_threads must be an int >= 1, got {copy_threads!r}")
         d, h = device_pool, host_pool
         for name in ("num_layers", "kv_dim", "dtype"):
             if getattr(d, name) != getattr(h, name):
-                raise PoolError(f"device and host pools disagree on {name}: "
-                                f"{getattr(d, name)} vs {getattr(h, name)}")
+                raise UsageError(f"device and host pools disagree on {name}: "
+                                 f"{getattr(d, name)} vs {getattr(h, name)}")
         if (d.layout.dcp_size, d.layout.rank, d.layout.page_size) != \
                 (h.layout.dcp_size, h.layout.rank, h.layout.page_size):
-            raise PoolError(f"device and host pools have different layouts: {d.layout} vs "
-                            f"{h.layout}")
+            raise UsageError(f"device and host pools have different layouts: {d.layout} vs "
+                             f"{h.layout}")
         self.device_pool, self.host_pool = d, h
         self.io_backend = io_backend
         self.use_cupy = use_cupy
@@ -447,12 +444,12 @@ class TransferEngine:
                 or staging.device.type != "cpu" or not staging.is_contiguous():
             got = (f"{tuple(staging.shape)} {staging.dtype} on {staging.device}"
                    if isinstance(staging, torch.Tensor) else type(staging).__name__)
-            raise PoolError(f"restore needs a contiguous CPU staging tensor [n, "
-                            f"{', '.join(map(str, want))}] of {d.dtype}, got {got}")
+            raise UsageError(f"restore needs a contiguous CPU staging tensor [n, "
+                             f"{', '.join(map(str, want))}] of {d.dtype}, got {got}")
         dst = page_ids(device_pages, "device pages")
         n = int(staging.shape[0])
         if dst.size > n:
-            raise PageError(f"restore of {dst.size} pages from a staging buffer of {n}")
+            raise UsageError(f"restore of {dst.size} pages from a staging buffer of {n}")
         plan = plan_transfer(np.arange(dst.size, dtype=np.int64), dst, n, d.num_pages,
                              "staging", "device")
         src = PageSide("staging", staging, d.num_layers, n, self.block_elems, page_major=True,

@@ -11,8 +11,8 @@ from typing import Sequence
 
 from hicache.checks import check_int
 from hicache.distributed import min_across_ranks
+from hicache.errors import L3Error
 
-from .keys import L3Error
 
 __all__ = ["min_across_ranks", "restore_length", "restore_lengths"]
 

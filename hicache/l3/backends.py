@@ -6,7 +6,8 @@ import os
 from typing import Any, Sequence
 
 from .base import L3Store
-from .keys import L3Error, Namespace
+from .keys import Namespace
+from ..errors import L3Error
 
 BACKENDS = ("lmdb", "redis")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")

@@ -37,7 +37,8 @@ import numpy as np
 import torch
 import xxhash
 
-from .keys import FORMAT_VERSION, KEY_BYTES, L3Error, Namespace
+from .keys import FORMAT_VERSION, KEY_BYTES, Namespace
+from ..errors import L3Error
 
 Out = Union[Sequence[torch.Tensor], Callable[[int], torch.Tensor]]
 

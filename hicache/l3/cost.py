@@ -9,8 +9,8 @@ not load reports 0) so every rank decides alike.
 
 from __future__ import annotations
 
-from .keys import L3Error
 from .base import L3Stats
+from ..errors import L3Error
 
 
 class CostModel:

@@ -8,7 +8,7 @@ check in a child process, an unexpected backend error) disables L3 on this rank:
 serves nothing and stores nothing. Ranks stay in agreement: whether a request waits on L3
 depends only on replicated facts, and what a rank found is MIN-agreed, so a rank without L3
 (reporting 0 pages) makes every rank recompute those pages. A path holding another application's
-LMDB environment is refused (``L3Foreign`` propagates).
+LMDB environment is refused (``L3ForeignError`` propagates).
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import torch
 
 from . import lmdb_check
 from .base import L3Stats, L3Store, Out, PutResult
-from .keys import L3Error
-from .store import L3Foreign
+from ..errors import L3Error, L3ForeignError
 
 log = logging.getLogger("hicache")
 
@@ -47,13 +46,13 @@ class GuardedStore:
         if lmdb_backend and getattr(where, "check_on_open", False):
             report = lmdb_check.check_in_child(str(self.where))
             if report.get("foreign"):
-                raise L3Foreign(report["error"])
+                raise L3ForeignError(report["error"])
             if not report.get("ok"):
                 self._fail(report.get("error") or f"{report.get('bad_values')} damaged values")
                 return
         try:
             self._store = open_store()
-        except L3Foreign:
+        except L3ForeignError:
             raise
         except (L3Error, lmdb.Error, OSError) as e:
             self._fail(e)

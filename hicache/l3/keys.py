@@ -21,16 +21,13 @@ import numpy as np
 import torch
 
 from hicache.checks import check_int
-from hicache.ids import TokenTypeError, as_tokens
+from hicache.errors import L3Error, UsageError
+from hicache.ids import as_tokens
 
 FORMAT_VERSION = 2  # 2: XXH3-64 value checksum (1: CRC-32)
 DIGEST_BYTES = 16
 KEY_BYTES = 2 * DIGEST_BYTES + 2
 _CHAIN_SEED = b"hicache-l3-chain"
-
-
-class L3Error(ValueError):
-    """Bad input to the L3 store (keys, tensors, sizes, namespace)."""
 
 
 def dtype_name(dtype: Any) -> str:
@@ -115,7 +112,7 @@ def _tokens_array(tokens: Any) -> np.ndarray:
     """Token ids as little-endian int64 [n] (``hicache.ids.as_tokens``), non-negative."""
     try:
         arr = as_tokens(tokens)
-    except TokenTypeError as e:
+    except UsageError as e:
         raise L3Error(str(e)) from None
     if arr.size and arr.min() < 0:
         raise L3Error("token ids must be non-negative")

@@ -26,20 +26,14 @@ import subprocess
 import sys
 import time
 
+from hicache.errors import L3CorruptError, L3ForeignError
+
 HICACHE_DBS = frozenset({b"data", b"head", b"atime", b"lru", b"meta"})
 MAGIC = 0xBEEFC0DE
 DATA_VERSION = 1
 P_META = 0x08
 P_INVALID = (1 << 64) - 1
 _META = struct.Struct("<QHHHH" + "II" + "QQ" + "IHHQQQQQ" * 2 + "QQ")  # page header + MDB_meta
-
-
-class StoreDamaged(Exception):
-    """The store's files are damaged; the message says what and where."""
-
-
-class NotHicacheStore(Exception):
-    """The path holds an LMDB environment that is not a hicache store."""
 
 
 def checksum(key: bytes, buf) -> bytes:
@@ -50,15 +44,15 @@ def checksum(key: bytes, buf) -> bytes:
 
 def _meta(raw: bytes, index: int, where: str) -> dict:
     if len(raw) < _META.size:
-        raise StoreDamaged(f"{where}: meta page {index} is cut short ({len(raw)} bytes)")
+        raise L3CorruptError(f"{where}: meta page {index} is cut short ({len(raw)} bytes)")
     v = _META.unpack_from(raw)
     pgno, flags, magic, version = v[0], v[2], v[5], v[6]
     if magic != MAGIC or not flags & P_META or pgno != index:
-        raise StoreDamaged(f"{where}: meta page {index} is damaged (magic {magic:#x}, "
-                           f"page {pgno}, flags {flags:#x})")
+        raise L3CorruptError(f"{where}: meta page {index} is damaged (magic {magic:#x}, "
+                             f"page {pgno}, flags {flags:#x})")
     if version != DATA_VERSION:
-        raise StoreDamaged(f"{where}: meta page {index} has LMDB data version {version}, "
-                           f"expected {DATA_VERSION}")
+        raise L3CorruptError(f"{where}: meta page {index} has LMDB data version {version}, "
+                             f"expected {DATA_VERSION}")
     free, main = v[9:17], v[17:25]  # MDB_db: pad (page size in FREE_DBI), flags, depth, ...
     return {"psize": free[0], "mapsize": v[8], "free_root": free[7], "main_root": main[7],
             "main_entries": main[6], "depth": (free[2], main[2]), "last_pg": v[25],
@@ -67,7 +61,7 @@ def _meta(raw: bytes, index: int, where: str) -> dict:
 
 def precheck(path: str) -> dict | None:
     """Check ``path/data.mdb`` without mapping it; None when there is no store yet. Returns the
-    meta LMDB would use; raises ``StoreDamaged`` naming what is wrong."""
+    meta LMDB would use; raises ``L3CorruptError`` naming what is wrong."""
     data = os.path.join(path, "data.mdb")
     if not os.path.lexists(data):
         return None
@@ -76,50 +70,50 @@ def precheck(path: str) -> dict | None:
         with open(data, "rb") as f:
             st = os.fstat(f.fileno())
             if not (st.st_mode & 0o170000 == 0o100000):
-                raise StoreDamaged(f"{where}: not a regular file")
+                raise L3CorruptError(f"{where}: not a regular file")
             size = st.st_size
             head = f.read(_META.size)
             m0 = _meta(head, 0, where)
             psize = m0["psize"]
             if psize < 512 or psize > 1 << 16 or psize & (psize - 1):
-                raise StoreDamaged(f"{where}: meta page 0 gives page size {psize}")
+                raise L3CorruptError(f"{where}: meta page 0 gives page size {psize}")
             f.seek(psize)
             m1 = _meta(f.read(_META.size), 1, where)
     except OSError as e:
-        raise StoreDamaged(f"{where}: cannot read: {e.strerror or e}") from None
+        raise L3CorruptError(f"{where}: cannot read: {e.strerror or e}") from None
     if size < 2 * psize:
-        raise StoreDamaged(f"{where}: {size} bytes, shorter than the two meta pages")
+        raise L3CorruptError(f"{where}: {size} bytes, shorter than the two meta pages")
     use = m0 if m0["txnid"] >= m1["txnid"] else m1
     for i, m in enumerate((m0, m1)):
         last = m["last_pg"]
         for name in ("free_root", "main_root"):
             root = m[name]
             if root != P_INVALID and not 2 <= root <= last:
-                raise StoreDamaged(f"{where}: meta page {i}: {name.replace('_', ' ')} {root} is "
-                                   f"outside the pages in use [2, {last}]")
+                raise L3CorruptError(f"{where}: meta page {i}: {name.replace('_', ' ')} {root} is "
+                                     f"outside the pages in use [2, {last}]")
         if max(m["depth"]) > 64:
-            raise StoreDamaged(f"{where}: meta page {i}: B-tree depth {max(m['depth'])}")
+            raise L3CorruptError(f"{where}: meta page {i}: B-tree depth {max(m['depth'])}")
         if m["mapsize"] and (last + 1) * psize > m["mapsize"]:
-            raise StoreDamaged(f"{where}: meta page {i}: last page {last} is past the map size "
-                               f"{m['mapsize']}")
+            raise L3CorruptError(f"{where}: meta page {i}: last page {last} is past the map size "
+                                 f"{m['mapsize']}")
     need = (use["last_pg"] + 1) * psize
     if size < need:
-        raise StoreDamaged(f"{where}: truncated: {size} bytes but the environment's last page "
-                           f"({use['last_pg']}) ends at byte {need}")
+        raise L3CorruptError(f"{where}: truncated: {size} bytes but the environment's last page "
+                             f"({use['last_pg']}) ends at byte {need}")
     return use
 
 
 def check_owner(env, path: str) -> None:
-    """Raise ``NotHicacheStore`` when the main database of an open environment holds names
+    """Raise ``L3ForeignError`` when the main database of an open environment holds names
     other than hicache's sub-databases (another application's store)."""
     with env.begin() as txn:
         names = [bytes(k) for k, _ in txn.cursor()]
     foreign = [n for n in names if n not in HICACHE_DBS]
     if foreign:
         shown = ", ".join(repr(n)[1:] for n in foreign[:3]) + (" ..." if len(foreign) > 3 else "")
-        raise NotHicacheStore(f"L3 path {path!r} holds an LMDB environment that is not a "
-                              f"hicache store (its main database has {shown}); give hicache a "
-                              "directory of its own")
+        raise L3ForeignError(f"L3 path {path!r} holds an LMDB environment that is not a "
+                             f"hicache store (its main database has {shown}); give hicache a "
+                             "directory of its own")
 
 
 def deep_check(path: str) -> dict:
@@ -145,8 +139,8 @@ def deep_check(path: str) -> dict:
             for name, db in dbs.items():
                 n = sum(1 for _ in txn.cursor(db=db))
                 if n != txn.stat(db)["entries"]:
-                    raise StoreDamaged(f"{name.decode()}: {n} records walked but the B-tree "
-                                       f"says {txn.stat(db)['entries']}")
+                    raise L3CorruptError(f"{name.decode()}: {n} records walked but the B-tree "
+                                         f"says {txn.stat(db)['entries']}")
                 report["entries"][name.decode()] = n
             if b"head" in dbs and b"data" in dbs:
                 for key, head in txn.cursor(db=dbs[b"head"]):
@@ -206,8 +200,8 @@ def _main(path: str) -> None:
     import lmdb
     try:
         report = deep_check(path)
-    except (StoreDamaged, NotHicacheStore, lmdb.Error) as e:
-        report = {"path": path, "ok": False, "foreign": isinstance(e, NotHicacheStore),
+    except (L3CorruptError, L3ForeignError, lmdb.Error) as e:
+        report = {"path": path, "ok": False, "foreign": isinstance(e, L3ForeignError),
                   "error": f"{type(e).__name__}: {e}" if isinstance(e, lmdb.Error) else str(e)}
     print(json.dumps(report))
 

@@ -26,8 +26,8 @@ import torch
 
 from ..config import PREFETCH_POLICIES, PolicySection
 from .agree import min_across_ranks
-from .keys import L3Error
 from .base import L3Store, Out
+from ..errors import L3Error
 
 _POLICY = PolicySection()  # the policy file's defaults: the only ones
 

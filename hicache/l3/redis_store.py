@@ -36,7 +36,8 @@ from urllib.parse import urlsplit
 import torch
 
 from .base import L3Store, Out, PutResult, checksum, copy_into
-from .keys import L3Error, Namespace
+from .keys import Namespace
+from ..errors import L3Error
 
 _SCHEMES = ("redis", "rediss", "unix")
 HINT_KEYS = 1 << 15  # keys a store remembers as held (to TOUCH instead of resending their pages)

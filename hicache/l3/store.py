@@ -35,20 +35,13 @@ import torch
 from .base import (SUM_BYTES as _SUM, L3Stats, L3Store, Out, PutResult, checksum as _checksum,
                    copy_into)
 from . import lmdb_check
-from .keys import L3Error, Namespace
+from .keys import Namespace
+from ..errors import L3CorruptError, L3Error, L3ForeignError
 
-__all__ = ["PageStore", "L3Stats", "Out", "PutResult", "should_write", "replica_of", "L3Damaged",
-           "L3Foreign"]
+__all__ = ["PageStore", "L3Stats", "Out", "PutResult", "should_write", "replica_of"]
 
 _U64 = 8
 
-
-class L3Damaged(L3Error):
-    """The store's files are damaged (found before mapping, or by LMDB at open)."""
-
-
-class L3Foreign(L3Error):
-    """The L3 path holds an LMDB environment that is not hicache's."""
 
 _FULL = object()  # a write transaction that filled the map
 
@@ -153,9 +146,9 @@ class _Env:
         self.map_size, self.max_map_size = map_size, max_map_size
         try:  # before mapping: a file shorter than its last page would SIGBUS the reader
             lmdb_check.precheck(path)
-        except lmdb_check.StoreDamaged as e:
-            raise L3Damaged(f"L3 store {path!r} is damaged: {e}; see `hicache l3 check "
-                            f"{path}`") from None
+        except L3CorruptError as e:
+            raise L3CorruptError(f"L3 store {path!r} is damaged: {e}; see `hicache l3 check "
+                                 f"{path}`") from None
         try:
             self.env = lmdb.open(path, map_size=map_size, max_dbs=8, subdir=True,
                                  readonly=not writer, sync=sync, metasync=sync,
@@ -168,11 +161,11 @@ class _Env:
             pass
         try:  # never add hicache's sub-databases to another application's environment
             lmdb_check.check_owner(self.env, path)
-        except (lmdb_check.NotHicacheStore, lmdb.Error) as e:
+        except (L3ForeignError, lmdb.Error) as e:
             self.env.close()
-            if isinstance(e, lmdb_check.NotHicacheStore):
-                raise L3Foreign(str(e)) from None
-            raise L3Damaged(f"L3 store {path!r} is damaged: {e}") from None
+            if isinstance(e, L3ForeignError):
+                raise L3ForeignError(str(e)) from None
+            raise L3CorruptError(f"L3 store {path!r} is damaged: {e}") from None
         try:
             self.data, self.head, self.atime, self.lru, self.meta = (
                 self.env.open_db(name, create=writer)

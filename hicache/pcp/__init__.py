@@ -1,5 +1,5 @@
 """Prefill context parallelism (DualChunkSwap, full-KV and ring attention) and PD relayout."""
 
-from hicache.pcp.partition import DualChunkSwap, PartitionError, contiguous_work_per_rank
+from hicache.pcp.partition import DualChunkSwap, contiguous_work_per_rank
 
-__all__ = ("DualChunkSwap", "PartitionError", "contiguous_work_per_rank")
+__all__ = ["DualChunkSwap", "contiguous_work_per_rank"]

@@ -16,9 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-class PartitionError(ValueError):
-    """An impossible PCP partition request."""
+from hicache.errors import TopologyError
 
 
 @dataclass(frozen=True)
@@ -50,11 +48,11 @@ class DualChunkSwap:
         for name in ("length", "pcp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise PartitionError(f"{name} must be an int, got {value!r}")
+                raise TopologyError(f"{name} must be an int, got {value!r}")
         if self.length < 0:
-            raise PartitionError(f"length must be >= 0, got {self.length}")
+            raise TopologyError(f"length must be >= 0, got {self.length}")
         if self.pcp_size < 1:
-            raise PartitionError(f"pcp_size must be >= 1, got {self.pcp_size}")
+            raise TopologyError(f"pcp_size must be >= 1, got {self.pcp_size}")
 
     @property
     def num_chunks(self) -> int:
@@ -67,13 +65,13 @@ class DualChunkSwap:
 
     def chunk(self, index: int) -> Chunk:
         if not 0 <= index < self.num_chunks:
-            raise PartitionError(f"chunk index {index} is outside [0, {self.num_chunks})")
+            raise TopologyError(f"chunk index {index} is outside [0, {self.num_chunks})")
         cs = self.chunk_size
         return Chunk(index, min(index * cs, self.length), min((index + 1) * cs, self.length))
 
     def _check_rank(self, rank: int) -> None:
         if not isinstance(rank, int) or not 0 <= rank < self.pcp_size:
-            raise PartitionError(f"rank {rank!r} is outside the PCP group [0, {self.pcp_size})")
+            raise TopologyError(f"rank {rank!r} is outside the PCP group [0, {self.pcp_size})")
 
     def rank_chunks(self, rank: int) -> tuple[Chunk, Chunk]:
         """(early chunk ``rank``, late chunk ``2N-1-rank``)."""
@@ -93,7 +91,7 @@ class DualChunkSwap:
     def owner_of(self, position: int) -> int:
         """The rank that computes global ``position``."""
         if not 0 <= position < self.length:
-            raise PartitionError(f"position {position} is outside the prompt [0, {self.length})")
+            raise TopologyError(f"position {position} is outside the prompt [0, {self.length})")
         idx = position // self.chunk_size
         return idx if idx < self.pcp_size else self.num_chunks - 1 - idx
 
@@ -114,6 +112,6 @@ class DualChunkSwap:
 def contiguous_work_per_rank(length: int, pcp_size: int) -> list[int]:
     """Causal work per rank for the naive split into N contiguous chunks (the baseline)."""
     if pcp_size < 1 or length < 0:
-        raise PartitionError(f"need length >= 0 and pcp_size >= 1, got {length}, {pcp_size}")
+        raise TopologyError(f"need length >= 0 and pcp_size >= 1, got {length}, {pcp_size}")
     cs = -(-length // pcp_size)
     return [causal_pairs(min(r * cs, length), min((r + 1) * cs, length)) for r in range(pcp_size)]

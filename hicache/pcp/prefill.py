@@ -46,14 +46,11 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from hicache.errors import UsageError
 from hicache import distributed as hdist
 from hicache.layout import DCPLayout, slot_of
 from hicache.pcp.partition import DualChunkSwap
-from hicache.pcp.ring import MODES, ContextParallelAttention, ContextParallelError, KVPlacement
-
-
-class PCPPrefillError(ValueError):
-    """Bad input to a PCP prefill or to writing its KV into the pools."""
+from hicache.pcp.ring import MODES, ContextParallelAttention, KVPlacement
 
 
 @dataclass(frozen=True)
@@ -76,11 +73,11 @@ def _group_info(group) -> tuple[int, int]:
 def pcp_prefill(model, tokens, mode: str = "ring", group=None) -> PCPPrefillResult:
     """Prefill ``tokens`` with this rank's DualChunkSwap chunks (see module docstring)."""
     if mode not in MODES:
-        raise PCPPrefillError(f"mode must be one of {MODES}, got {mode!r}")
+        raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
     rank, world = _group_info(group)
     tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
     if tokens.numel() == 0:
-        raise PCPPrefillError("cannot prefill an empty prompt")
+        raise UsageError("cannot prefill an empty prompt")
     part = DualChunkSwap(int(tokens.numel()), world)
     placement = KVPlacement.from_partition(part)
     positions = part.positions(rank)
@@ -114,8 +111,8 @@ def slots_for_pages(pages, length: int, page_tokens: int) -> torch.Tensor:
     pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1)
     need = -(-length // page_tokens)
     if pages.numel() < need:
-        raise PCPPrefillError(f"{length} tokens need {need} pages of {page_tokens} slots, "
-                              f"got {pages.numel()}")
+        raise UsageError(f"{length} tokens need {need} pages of {page_tokens} slots, "
+                         f"got {pages.numel()}")
     return slot_of(pages, torch.arange(length, dtype=torch.int64), page_tokens)
 
 
@@ -131,7 +128,7 @@ def write_pcp_kv_to_pool(rows_by_layer: Sequence[torch.Tensor], positions: torch
     got = _exchange(packed, counts, rank, world, group)  # [m, 8 + L * D * elt]
     if kv is None:
         if got.shape[0]:
-            raise PCPPrefillError(f"rank {rank} outside the DCP group received rows")
+            raise UsageError(f"rank {rank} outside the DCP group received rows")
         return 0
     return _store(kv, got, rows_by_layer[0].dtype)
 
@@ -140,13 +137,13 @@ def _routing_layout(kv, layout: Optional[DCPLayout], rank: int, world: int) -> D
     """The DCP layout rows are routed by; checks this rank's port is the one it should hold."""
     layout = layout or (kv.layout if kv is not None else None)
     if layout is None:
-        raise PCPPrefillError("a rank without a pool must pass the DCP layout for routing")
+        raise UsageError("a rank without a pool must pass the DCP layout for routing")
     if layout.dcp_size > world:
-        raise PCPPrefillError(f"DCP size {layout.dcp_size} exceeds the group's {world} ranks")
+        raise UsageError(f"DCP size {layout.dcp_size} exceeds the group's {world} ranks")
     if rank < layout.dcp_size and kv is None:
-        raise PCPPrefillError(f"group rank {rank} is DCP rank {rank} and needs its pool")
+        raise UsageError(f"group rank {rank} is DCP rank {rank} and needs its pool")
     if kv is not None and kv.layout.rank != rank:
-        raise PCPPrefillError(f"pool of DCP rank {kv.layout.rank} given on group rank {rank}")
+        raise UsageError(f"pool of DCP rank {kv.layout.rank} given on group rank {rank}")
     return layout
 
 
@@ -155,17 +152,17 @@ def _check_rows(rows_by_layer, positions, slots, kv) -> tuple[torch.Tensor, torc
     positions = torch.as_tensor(positions, dtype=torch.int64).cpu().reshape(-1)
     slots = torch.as_tensor(slots, dtype=torch.int64).cpu().reshape(-1)
     if positions.numel() and int(positions.max()) >= slots.numel():
-        raise PCPPrefillError(
+        raise UsageError(
             f"position {int(positions.max())} has no slot ({slots.numel()} given)")
     n = positions.numel()
     if any(r.shape[0] != n for r in rows_by_layer):
-        raise PCPPrefillError(f"every layer needs {n} rows (one per position), got "
-                              f"{[tuple(r.shape) for r in rows_by_layer]}")
+        raise UsageError(f"every layer needs {n} rows (one per position), got "
+                         f"{[tuple(r.shape) for r in rows_by_layer]}")
     if kv is not None and len(rows_by_layer) != kv.num_layers:
-        raise PCPPrefillError(f"{len(rows_by_layer)} layers of rows for a "
-                              f"{kv.num_layers}-layer pool")
+        raise UsageError(f"{len(rows_by_layer)} layers of rows for a "
+                         f"{kv.num_layers}-layer pool")
     if not rows_by_layer:
-        raise PCPPrefillError("no layers of rows to write")
+        raise UsageError("no layers of rows to write")
     return positions, slots
 
 
@@ -245,12 +242,12 @@ def pcp_prefill_request(model, kv, state, prompt, mode: str = "ring", group=None
     the logits [V] of the last prompt token, the same on every rank of ``group``.
     """
     if state.length != 0:
-        raise PCPPrefillError(f"PCP prefill needs a fresh request, this one holds {state.length} "
-                              "positions")
+        raise UsageError(f"PCP prefill needs a fresh request, this one holds {state.length} "
+                         "positions")
     layout = _routing_layout(kv, layout, *_group_info(group))
     length = len(prompt)
     if length == 0:
-        raise PCPPrefillError("cannot prefill an empty prompt")
+        raise UsageError("cannot prefill an empty prompt")
     cfg = model.cfg
     member = _member(pcp_group)
     if member:
@@ -276,5 +273,5 @@ def pcp_prefill_request(model, kv, state, prompt, mode: str = "ring", group=None
     return last
 
 
-__all__ = ("PCPPrefillError", "PCPPrefillResult", "pcp_prefill", "pcp_prefill_request",
-           "slots_for_pages", "write_pcp_kv_to_pool", "ContextParallelError")
+__all__ = ["PCPPrefillResult", "pcp_prefill", "pcp_prefill_request", "slots_for_pages",
+           "write_pcp_kv_to_pool"]

@@ -7,7 +7,7 @@ group allocates its own widened pages. ``plan_pd_transfer`` builds on
 - same DCP size on both sides: the ordinary page path, rank r -> rank r, each rank's own rows;
 - DCP1 prefill -> DCP-c decode: token relayout, decode rank r selects and packs the positions it
   owns from the dense source;
-- any other size change: ``LayoutError``.
+- any other size change: ``TopologyError``.
 
 Only positions < ``token_count`` move, so stale rows in the tail of a partial last page (on either
 side) never leak. Rows are addressed by position through both page tables, so the two sides may
@@ -30,11 +30,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from hicache.layout import DCPLayout, LayoutError, plan_relayout, slot_of
-
-
-class RelayoutError(LayoutError):
-    """A PD transfer that does not fit its plan (page tables, shapes, ranks)."""
+from hicache.errors import TopologyError
+from hicache.layout import DCPLayout, plan_relayout, slot_of
 
 
 @dataclass(frozen=True)
@@ -66,10 +63,10 @@ def _slots(pages, token_count: int, page_tokens: int, side: str) -> torch.Tensor
     pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1)
     need = -(-token_count // page_tokens)
     if pages.numel() < need:
-        raise RelayoutError(f"{side} page table has {pages.numel()} pages; {token_count} tokens "
+        raise TopologyError(f"{side} page table has {pages.numel()} pages; {token_count} tokens "
                             f"need {need} pages of {page_tokens} slots")
     if pages.numel() and int(pages.min()) < 0:
-        raise RelayoutError(f"{side} page table holds a negative page id {int(pages.min())}")
+        raise TopologyError(f"{side} page table holds a negative page id {int(pages.min())}")
     return slot_of(pages, torch.arange(token_count, dtype=torch.int64), page_tokens)
 
 
@@ -87,7 +84,7 @@ def plan_pd_transfer(token_count: int, src_dcp: int, src_page_size: int, src_pag
         dst = DCPLayout(dst_dcp, shard.dst_rank, dst_page_size, interleave)
         s_slots, d_slots = src_slots[pos], dst_slots[pos]
         if not bool(src.owns(s_slots).all()) or not bool(dst.owns(d_slots).all()):
-            raise RelayoutError("page tables do not keep the DCP ownership of positions")
+            raise TopologyError("page tables do not keep the DCP ownership of positions")
         transfers.append(RankTransfer(shard.dst_rank, shard.src_rank, pos, src.physical(s_slots),
                                       d_slots, dst.physical(d_slots)))
     path = "page" if src_dcp == dst_dcp else "relayout"
@@ -97,9 +94,9 @@ def plan_pd_transfer(token_count: int, src_dcp: int, src_page_size: int, src_pag
 def pack_shard(src_kv: torch.Tensor, transfer: RankTransfer) -> torch.Tensor:
     """The transfer's rows of every layer, packed: src_kv [L, rows, D] -> [L, n, D]."""
     if src_kv.dim() != 3:
-        raise RelayoutError(f"source KV must be [layers, rows, kv_dim], got {tuple(src_kv.shape)}")
+        raise TopologyError(f"source KV must be [layers, rows, kv_dim], got {tuple(src_kv.shape)}")
     if transfer.num_rows and int(transfer.src_rows.max()) >= src_kv.shape[1]:
-        raise RelayoutError(f"source row {int(transfer.src_rows.max())} is outside the source "
+        raise TopologyError(f"source row {int(transfer.src_rows.max())} is outside the source "
                             f"pool's {src_kv.shape[1]} rows")
     return src_kv.index_select(1, transfer.src_rows.to(src_kv.device))
 
@@ -107,11 +104,11 @@ def pack_shard(src_kv: torch.Tensor, transfer: RankTransfer) -> torch.Tensor:
 def unpack_shard(dst_pool, transfer: RankTransfer, packed: torch.Tensor) -> int:
     """Store packed rows [L, n, D] at the transfer's slots of ``dst_pool``; rows stored."""
     if dst_pool.layout.rank != transfer.dst_rank or dst_pool.layout.dcp_size < 1:
-        raise RelayoutError(f"transfer for decode rank {transfer.dst_rank} given to the pool of "
+        raise TopologyError(f"transfer for decode rank {transfer.dst_rank} given to the pool of "
                             f"rank {dst_pool.layout.rank}")
     expect = (dst_pool.num_layers, transfer.num_rows, dst_pool.kv_dim)
     if tuple(packed.shape) != expect:
-        raise RelayoutError(f"packed rows {tuple(packed.shape)} != expected {expect} "
+        raise TopologyError(f"packed rows {tuple(packed.shape)} != expected {expect} "
                             "(layers, exact token rows, kv_dim)")
     where = dst_pool.plan_write(transfer.dst_slots)  # one plan for every layer
     stored = 0
@@ -124,7 +121,7 @@ def relayout_local(plan: PDTransferPlan, src_kvs: Sequence[torch.Tensor],
                    dst_pools: Sequence) -> list[int]:
     """Run a plan in one process: ``src_kvs[r]`` is prefill rank r's [L, rows, D] KV."""
     if len(src_kvs) != plan.src_dcp or len(dst_pools) != plan.dst_dcp:
-        raise RelayoutError(f"plan needs {plan.src_dcp} sources and {plan.dst_dcp} decode pools, "
+        raise TopologyError(f"plan needs {plan.src_dcp} sources and {plan.dst_dcp} decode pools, "
                             f"got {len(src_kvs)} and {len(dst_pools)}")
     return [unpack_shard(dst_pools[t.dst_rank], t, pack_shard(src_kvs[t.src_rank], t))
             for t in plan.transfers]
@@ -140,7 +137,7 @@ def run_pd_transfer(plan: PDTransferPlan, src_kv: Optional[torch.Tensor], dst_po
     is ``dst_ranks[j]``. Each caller passes its source KV [L, rows, D] and/or its decode pool
     (None where it plays no part). Returns the rows this rank stored."""
     if len(src_ranks) != plan.src_dcp or len(dst_ranks) != plan.dst_dcp:
-        raise RelayoutError(f"plan maps {plan.src_dcp} prefill and {plan.dst_dcp} decode ranks; "
+        raise TopologyError(f"plan maps {plan.src_dcp} prefill and {plan.dst_dcp} decode ranks; "
                             f"got {len(src_ranks)} and {len(dst_ranks)} group ranks")
     me = dist.get_rank(group) if dist.is_initialized() else 0
     stored = 0
@@ -148,10 +145,10 @@ def run_pd_transfer(plan: PDTransferPlan, src_kv: Optional[torch.Tensor], dst_po
     for t in plan.transfers:
         s, d = src_ranks[t.src_rank], dst_ranks[t.dst_rank]
         if me == s and src_kv is None:
-            raise RelayoutError(
+            raise TopologyError(
                 f"group rank {me} is prefill rank {t.src_rank} but has no source KV")
         if me == d and dst_pool is None:
-            raise RelayoutError(f"group rank {me} is decode rank {t.dst_rank} but has no pool")
+            raise TopologyError(f"group rank {me} is decode rank {t.dst_rank} but has no pool")
         if me == s and me == d:
             stored = unpack_shard(dst_pool, t, pack_shard(src_kv, t))
         elif me == s and t.num_rows:

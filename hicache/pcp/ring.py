@@ -21,15 +21,12 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from hicache.errors import UsageError
 from hicache import distributed as hdist
 from hicache.engine.attention import attend_latent
 from hicache.engine.merge import merge_attn_states
 
 MODES = ("full_kv", "ring")
-
-
-class ContextParallelError(ValueError):
-    """Inputs of context-parallel attention that do not fit together."""
 
 
 @dataclass(frozen=True)
@@ -69,13 +66,13 @@ class KVPlacement:
     def __post_init__(self) -> None:
         pos = tuple(torch.as_tensor(p, dtype=torch.int64).cpu() for p in self.positions)
         if not pos:
-            raise ContextParallelError("a KV placement needs at least one rank")
+            raise UsageError("a KV placement needs at least one rank")
         allpos = torch.cat(pos)
         if allpos.numel() and (allpos.min() < 0 or allpos.unique().numel() != allpos.numel()):
-            raise ContextParallelError("placement positions must be >= 0 and held by one rank each")
+            raise UsageError("placement positions must be >= 0 and held by one rank each")
         object.__setattr__(self, "positions", pos)
         if not isinstance(self.chunk, int) or self.chunk < 0:
-            raise ContextParallelError(f"chunk must be an int >= 0, got {self.chunk!r}")
+            raise UsageError(f"chunk must be an int >= 0, got {self.chunk!r}")
         object.__setattr__(self, "runs", tuple(contiguous_runs(p, self.chunk) for p in pos))
 
     @property
@@ -123,9 +120,9 @@ class ContextParallelAttention:
     def __init__(self, placement: KVPlacement, rank: int, q_pos: torch.Tensor, mode: str = "ring",
                  group=None) -> None:
         if mode not in MODES:
-            raise ContextParallelError(f"mode must be one of {MODES}, got {mode!r}")
+            raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
         if not 0 <= rank < placement.world_size:
-            raise ContextParallelError(
+            raise UsageError(
                 f"rank {rank} is outside the placement's {placement.world_size} ranks")
         self.placement = placement
         self.rank = rank
@@ -156,11 +153,11 @@ class ContextParallelAttention:
 
     def _check(self, q_lat, kv_local) -> None:
         if q_lat.shape[0] != self.q_pos.numel():
-            raise ContextParallelError(
+            raise UsageError(
                 f"q_lat has {q_lat.shape[0]} queries but q_pos has {self.q_pos.numel()}")
         n = self.placement.lengths[self.rank]
         if kv_local.dim() != 2 or kv_local.shape[0] != n:
-            raise ContextParallelError(
+            raise UsageError(
                 f"rank {self.rank} must hold [{n}, kv_dim] latent rows, "
                 f"got {tuple(kv_local.shape)}")
 
@@ -260,5 +257,5 @@ class ContextParallelAttention:
             self.pairs_computed += (run.hi - run.lo) * keys.shape[0]
 
 
-__all__: Sequence[str] = ("MODES", "ContextParallelError", "Run", "contiguous_runs", "KVPlacement",
-                          "ContextParallelAttention")
+__all__: Sequence[str] = ["MODES", "Run", "contiguous_runs", "KVPlacement",
+                          "ContextParallelAttention"]

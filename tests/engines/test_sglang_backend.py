@@ -16,8 +16,8 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 
+from hicache.errors import L3Error
 from hicache.integrations.sglang import LAYOUTS, UPSTREAM_DCP_CHECK, HiCacheL3Storage, page_view
-from hicache.l3 import L3Error
 
 LAYERS, LORA, ROPE = 3, 16, 8
 P = 4  # physical rows per page on each rank
