@@ -36,6 +36,7 @@ class Machine:
     cuda: bool
     host_available: int              # bytes of host memory available now
     device_free: int | None = None   # bytes free on one GPU (None without CUDA)
+    host_total: int | None = None    # bytes of host memory in all (None: unknown)
 
     @classmethod
     def detect(cls) -> "Machine":
@@ -43,7 +44,8 @@ class Machine:
         import torch
         cuda = torch.cuda.is_available()
         free = torch.cuda.mem_get_info()[0] if cuda else None
-        return cls(cuda, int(psutil.virtual_memory().available), free)
+        vm = psutil.virtual_memory()
+        return cls(cuda, int(vm.available), free, int(vm.total))
 
 
 @dataclass(frozen=True)

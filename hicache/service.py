@@ -36,7 +36,7 @@ from .errors import ConfigError, DeviceFullError, TransferError, UsageError
 from .ids import as_tokens
 from .kvport import CheckedPort
 from .l1.pool import DeviceKVPool, pick_device
-from .l2.pool import HostKVPool, check_host_memory, check_node_memory
+from .l2.pool import HostKVPool, check_host_memory
 from .l3 import agree_prefetch, prefetch_signals
 from .tier_io import PREFETCH_OUTCOMES, Job, L3Read, TierIO, Waits, join
 
@@ -127,16 +127,17 @@ class HiCache:
         self.replica = replica
         self.tiers = MODES[mode]
         # the checks check-config and hicache-bench run (engine needs aside); this rank's pools
-        preflight.validate(config, tiers=self.tiers, ranks=1, engine=False)
+        machine = preflight.Machine.detect()
+        preflight.validate(config, tiers=self.tiers, ranks=1, engine=False, machine=machine)
         m = config.model
         self.layout = config.layout(rank)
         self.page_tokens = self.layout.page_tokens
         host_pages = config.l2_num_pages if "l2" in self.tiers else 0
-        # every rank of this node pins its L2 (and holds its L1 when that is on the host)
-        l1_host = config.l1.num_pages * config.page_bytes_per_rank \
-            if pick_device(device).type == "cpu" else 0
-        check_node_memory(host_pages * config.page_bytes_per_rank, l1_host,
-                          hd.local_world_size())
+        # every rank of this node pins its L2 (and holds its L1 when that is on the host):
+        # together against the node's total, since its siblings may have allocated already
+        need = preflight.memory_need(config, hd.local_world_size(), l2="l2" in self.tiers,
+                                     cuda=pick_device(device).type != "cpu")
+        preflight.check_node_memory(need, machine.host_total, "is the node's total")
         self.l1 = DeviceKVPool(self.layout, m.num_layers, m.kv_dim, m.torch_dtype,
                                config.l1.num_pages, device=device)
         if host_pages:

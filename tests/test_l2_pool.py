@@ -96,16 +96,19 @@ def test_pool_larger_than_host_memory_fails_before_allocating():
 
 
 def test_node_memory_counts_every_local_rank():
-    from hicache.l2.pool import check_node_memory, pinned_host_tensor
-    from hicache.preflight import MemoryNeed
-    assert MemoryNeed(8, 0, 100, l1_on_host=False).host_total == 800
-    assert MemoryNeed(4, 30, 100, l1_on_host=True).host_total == 520  # L1 on the host counts
-    assert check_node_memory(100, 0, 8, total_bytes=1000) == 800
+    from hicache.l2.pool import pinned_host_tensor
+    from hicache.preflight import MemoryNeed, check_node_memory
+
+    def need(ranks, l2, l1_host=0):
+        return MemoryNeed(ranks, l1_host, l2, l1_on_host=l1_host > 0)
+    assert need(8, 100).host_total == 800
+    assert need(4, 100, 30).host_total == 520  # L1 on the host counts too
+    assert check_node_memory(need(8, 100), 1000) == 800
     with pytest.raises(HostMemoryError, match=r"8 rank\(s\) on this node need 1200 bytes .*"
                                               r"\(L2 150 bytes per rank\)"):
-        check_node_memory(150, 0, 8, total_bytes=1000)  # one rank alone (150) would fit
+        check_node_memory(need(8, 150), 1000)  # one rank alone (150) would fit
     with pytest.raises(HostMemoryError, match=r"L1 50 bytes \+ L2 100 bytes per rank"):
-        check_node_memory(100, 50, 8, total_bytes=1000)
+        check_node_memory(need(8, 100, 50), 1000)
     with pytest.raises(ConfigError, match="ranks on the node"):
         MemoryNeed(0, 0, 1, l1_on_host=False)
     # exactly the bytes asked for: no power-of-two rounding (plain memory without CUDA)

@@ -9,7 +9,8 @@ Pinned when CUDA exists (``pin="auto"``); plain memory otherwise, since pinning 
 CUDA. Pinning page-locks an ordinary allocation of exactly the pool's bytes (``cudaHostRegister``):
 torch's pinned allocator would round a 150 GiB pool up to 256 GiB. The size is checked against
 host memory before allocating (per rank against what is available; every rank of the node
-together against the node's memory: ``check_node_memory``), and the memory is faulted in
+together against the node's memory: ``hicache.preflight.check_node_memory``, which the service
+runs), and the memory is faulted in
 (zero-filled) at creation, on transparent huge pages (Linux).
 """
 
@@ -26,7 +27,6 @@ import torch
 from hicache.errors import HostMemoryError, UsageError
 from hicache.l1.pool import advise_hugepages, check_shape_args
 from hicache.layout import DCPLayout
-from hicache.preflight import MemoryNeed, check_node_memory as node_fits
 
 LAYOUTS = ("layer_first", "page_first")
 PIN_MODES = ("auto", "on", "off")
@@ -59,16 +59,6 @@ def check_host_memory(nbytes: int, max_fraction: float = 0.9) -> None:
             f"host KV pool needs {nbytes} bytes ({nbytes / 2**30:.2f} GiB) but only {avail} bytes "
             f"({avail / 2**30:.2f} GiB) of host memory are available (limit {max_fraction:.0%}); "
             "lower l2.size_bytes or l2.ratio")
-
-
-def check_node_memory(l2_bytes: int, l1_host_bytes: int, local_ranks: int,
-                      total_bytes: int | None = None) -> int:
-    """This rank's side of :func:`hicache.preflight.check_node_memory`: the ``local_ranks`` ranks
-    of this node (each L2, plus L1 when on the host) against the node's ``total_bytes``
-    (default: this host's), since siblings may have allocated already; the bytes."""
-    need = MemoryNeed(local_ranks, l1_host_bytes, l2_bytes, l1_on_host=l1_host_bytes > 0)
-    total = psutil.virtual_memory().total if total_bytes is None else total_bytes
-    return node_fits(need, total, "is the node's total")
 
 
 _CUDA_SUCCESS = 0
