@@ -20,6 +20,7 @@ from typing import Sequence, Union
 
 import torch
 
+from hicache.checks import check_int
 from hicache.errors import TopologyError
 
 IntOrTensor = Union[int, torch.Tensor]
@@ -34,9 +35,7 @@ class DCPLayout:
 
     def __post_init__(self) -> None:
         for name in ("dcp_size", "page_size", "interleave"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise TopologyError(f"{name} must be a positive int, got {value!r}")
+            check_int(getattr(self, name), name, error=TopologyError)
         if not isinstance(self.rank, int) or not 0 <= self.rank < self.dcp_size:
             raise TopologyError(f"rank {self.rank!r} is outside the DCP group [0, {self.dcp_size})")
         if self.page_size % self.interleave != 0:

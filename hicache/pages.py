@@ -23,6 +23,7 @@ from typing import Iterable, Optional, Union
 import numpy as np
 import torch
 
+from hicache.checks import check_int
 from hicache.errors import DeviceFullError, UsageError
 from hicache.ids import page_ids
 
@@ -35,8 +36,7 @@ class PageAllocator:
     """Free list over page ids ``[0, num_pages)``; alloc/free are all-or-nothing."""
 
     def __init__(self, num_pages: int) -> None:
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
-            raise UsageError(f"num_pages must be an int >= 0, got {num_pages!r}")
+        check_int(num_pages, "num_pages", 0, error=UsageError)
         self._n = num_pages
         # stack: entries [0, _top) are the free ids, the end is handed out first
         self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
@@ -85,8 +85,7 @@ class PageAllocator:
 
     def alloc_array(self, n: int) -> np.ndarray:
         """``n`` free page ids as a fresh int64 array [n] (see ``alloc``)."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise UsageError(f"number of pages to allocate must be an int >= 0, got {n!r}")
+        check_int(n, "number of pages to allocate", 0, error=UsageError)
         top = self._top
         if n > top:
             raise DeviceFullError(n, top, self._n)

@@ -23,6 +23,7 @@ from hicache.controller.order import EvictionOrder
 from hicache.controller.policy import controller_policy
 from hicache.controller.tree import Node, RadixTree, chain_pages
 from hicache.controller.types import BackupOp, ControllerStats, InsertResult, LoadOp, Match
+from hicache.checks import check_int
 from hicache.errors import DeviceFullError, InvariantError, UsageError
 from hicache.ids import as_tokens, page_ids
 from hicache.pages import PageAllocator
@@ -186,8 +187,7 @@ class CacheController:
         """``n`` device pages for new tokens, evicting unlocked leaves if needed; as a list of
         ints, or with ``as_array`` as a fresh int64 array (no Python int per page: with
         ``np.concatenate`` after ``Match.device_pages``, what ``insert`` takes fastest)."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise UsageError(f"number of device pages must be an int >= 0, got {n!r}")
+        check_int(n, "number of device pages", 0, error=UsageError)
         if not n:
             return np.zeros(0, np.int64) if as_array else []
         pages = self._take(self.device, self.evict_device, n)

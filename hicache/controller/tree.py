@@ -15,6 +15,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from hicache.checks import check_int
+from hicache.errors import UsageError
 from hicache.ids import as_tokens  # noqa: F401  (the one token coercion; re-exported)
 
 
@@ -75,8 +77,7 @@ class RadixTree:
     """Structure of the page radix tree. Not thread-safe; deterministic."""
 
     def __init__(self, page_tokens: int) -> None:
-        if isinstance(page_tokens, bool) or not isinstance(page_tokens, int) or page_tokens < 1:
-            raise ValueError(f"page_tokens must be an int >= 1, got {page_tokens!r}")
+        check_int(page_tokens, "page_tokens", error=UsageError)
         self.page_tokens = page_tokens
         self._next_id = 1
         self.root = Node(0, None, b"", 0)

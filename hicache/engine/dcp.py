@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from hicache.checks import check_int
 from hicache.errors import TopologyError
 from hicache import distributed as hd
 from hicache.engine.merge import merge_attn_states, merge_weights
@@ -42,8 +43,7 @@ class DCPComm:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise TopologyError(f"unknown DCP backend {self.backend!r}; choose one of {BACKENDS}")
-        if not isinstance(self.size, int) or self.size < 1:
-            raise TopologyError(f"DCP size must be a positive int, got {self.size!r}")
+        check_int(self.size, "DCP size", error=TopologyError)
         if not 0 <= self.rank < self.size:
             raise TopologyError(f"rank {self.rank} is outside the DCP group [0, {self.size})")
         if self.num_heads % self.size:

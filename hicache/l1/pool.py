@@ -15,6 +15,7 @@ from typing import Union
 import numpy as np
 import torch
 
+from hicache.checks import check_int
 from hicache.errors import UsageError
 from hicache.kvport import RowWrite, Slots
 from hicache.layout import DCPLayout
@@ -64,10 +65,8 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
 
 def check_shape_args(num_layers: int, kv_dim: int, num_pages: int, dtype: torch.dtype) -> None:
     for name, v in (("num_layers", num_layers), ("kv_dim", kv_dim)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise UsageError(f"{name} must be a positive int, got {v!r}")
-    if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
-        raise UsageError(f"num_pages must be an int >= 0, got {num_pages!r}")
+        check_int(v, name, error=UsageError)
+    check_int(num_pages, "num_pages", 0, error=UsageError)
     if not isinstance(dtype, torch.dtype):
         raise UsageError(f"dtype must be a torch.dtype, got {dtype!r}")
 
