@@ -17,19 +17,16 @@ from hicache.serving import Server, model_config
 from hicache.service import HiCache
 from hicache.workloads import Request
 
+from helpers import tiny_sections
+
 P = 4  # tokens per page (dcp 1)
 
 
 def make_cfg(tmp_path, l1_pages=20) -> HiCacheConfig:
-    return HiCacheConfig.from_dict({
-        "model": {"num_layers": 2, "kv_lora_rank": 32, "rope_dim": 8, "hidden_size": 64,
-                  "num_heads": 4, "vocab_size": 128, "signature": "test-weights"},
-        "cache": {"page_size": P},
-        "l1": {"num_pages": l1_pages},
-        "l2": {"ratio": 2.0},
-        "l3": {"enabled": False, "path": str(tmp_path / "l3")},
-        "policy": {"l3_cost_model": False},
-    })
+    """The tiny model without L3 (``tmp_path`` unused: L3 is off)."""
+    return HiCacheConfig.from_dict(tiny_sections(
+        page_size=P, l1_pages=l1_pages, l2_ratio=2.0, model={"signature": "test-weights"},
+        policy={"l3_cost_model": False}))
 
 
 def req(i, tokens, out):
