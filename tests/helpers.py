@@ -5,7 +5,9 @@ in one place."""
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
+from unittest.mock import patch
 
 from hicache.config import HiCacheConfig
 
@@ -69,3 +71,20 @@ def admit_ready(cache, request_id, prompt, alloc: bool = True):
     if alloc:
         cache.alloc(request_id, len(prompt))
     return p
+
+
+@contextmanager
+def l3_writes_land_at_once():
+    """Each L3 write-back submission is stored before the step that made it returns. A test
+    that counts L3 hits on a revisit must not race the background writer, which on a loaded
+    machine can lag several requests behind (the hit is then a correct, but uncounted, miss)."""
+    from hicache.l3.prefetch import AsyncWriter
+    real = AsyncWriter.submit
+
+    def submit(self, keys, shards):
+        done = real(self, keys, shards)
+        done.result(60)
+        return done
+
+    with patch.object(AsyncWriter, "submit", submit):
+        yield

@@ -13,7 +13,7 @@ from hicache.serving import Server, model_config
 from hicache.service import HiCache, MODES
 from hicache.workloads import Request
 
-from helpers import admit_ready, make_cfg
+from helpers import admit_ready, l3_writes_land_at_once, make_cfg
 
 
 def req(i, tokens, out=4):
@@ -63,7 +63,8 @@ def test_every_mode_gives_the_same_tokens_and_each_tier_serves(tmp_path):
     for mode in MODES:
         cfg = make_cfg(tmp_path / mode / "l3", l1_pages=24, l2_ratio=1.0 if "l3" in mode else 3.0,
                        prefetch="wait_complete")
-        results, stats = serve(cfg, mode, jobs)
+        with l3_writes_land_at_once():
+            results, stats = serve(cfg, mode, jobs)
         outs[mode] = {r.request_id: r.output for r in results}  # completion order may differ
         hits = stats["hit_tokens"]
         assert sum(hits.values()) + stats["miss_tokens"] == stats["prompt_tokens"]
@@ -205,8 +206,9 @@ def _two_rank(rank, world, cfg_dict, jobs):
     cfg = HiCacheConfig.from_dict(cfg_dict)
     out = {}
     for mode in ("recompute", "l1+l2+l3"):
-        results, stats = serve(cfg.replace(l3={"path": cfg.l3.path + mode}), mode, jobs, rank,
-                               dist.group.WORLD)
+        with l3_writes_land_at_once():
+            results, stats = serve(cfg.replace(l3={"path": cfg.l3.path + mode}), mode, jobs,
+                                   rank, dist.group.WORLD)
         out[mode] = ({r.request_id: r.output for r in results}, stats)
     return out
 
