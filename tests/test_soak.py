@@ -118,8 +118,10 @@ def test_short_fault_soak_on_two_ranks(tmp_path, capsys):
     cfg = tmp_path / "policy.toml"
     cfg.write_text(bench_config(tmp_path / "unused", SOAK_L1_PAGES))
     out = tmp_path / "soak.json"
+    # 12 s: an armed h2d_fail fires only at the target rank's next load-back, and a loaded
+    # machine serves few revisits in 8 s (seen once with no h2d fault injected)
     rc = bench_cli.main(["--config", str(cfg), "--workload", "chat", "--scale", "0.01",
-                         "--max-output", "3", "--max-running", "2", "--duration", "8", "--faults", "3",
+                         "--max-output", "3", "--max-running", "2", "--duration", "12", "--faults", "3",
                          "--fault-every", "3", "--no-progress", "--out", str(out)])
     text = capsys.readouterr()
     f = json.loads(out.read_text())["faults"]
