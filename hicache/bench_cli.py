@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -60,6 +61,9 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
         bar = None
         if rank == 0 and opts["progress"]:
             from tqdm import tqdm
+            # a thread lock: tqdm's default makes a named semaphore, which a rank (it exits
+            # without interpreter teardown) would leave to the parent's resource tracker
+            tqdm.set_lock(threading.RLock())
             bar = tqdm(total=len(jobs), desc=f"{opts['workload']}:{mode}", unit="req",
                        leave=False, file=sys.stderr)
         t0 = time.perf_counter()

@@ -219,3 +219,20 @@ def test_write_policies_and_admission_rules_side_by_side(cfg_file, tmp_path, cap
     assert wt["copies"]["d2h_s"] > 0
     text = capsys.readouterr().out
     assert "l1+l2 write_back overtake=0" in text and "medians of 2 interleaved runs" in text
+
+
+def test_progress_bars_leave_no_semaphore_behind(tmp_path):
+    """With progress on, rank 0 draws a tqdm bar; its lock must not be a named semaphore left to
+    the parent's resource tracker (the ranks exit without interpreter teardown), which printed
+    'leaked semaphore objects' at the end of every `make bench`."""
+    import subprocess
+    import sys
+    cfg_file = tmp_path / "policy.toml"
+    cfg_file.write_text(policy_toml(dcp=2, page_size=8))
+    proc = subprocess.run([sys.executable, "-m", "hicache.bench_cli", "--config", str(cfg_file),
+                           "--workload", "chat", "--scale", "0.01", "--max-output", "2",
+                           "--modes", "l1"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "chat:l1" in proc.stderr  # the bar was drawn
+    assert "leaked semaphore" not in proc.stderr
