@@ -67,6 +67,14 @@ def test_registry_picks_a_backend_per_device_type():
         assert type(eng.backend) is CpuBackend
 
 
+def test_a_backend_without_copy_is_refused_when_built():
+    class SubmitOnly(CopyBackend):
+        def submit(self, job):
+            pass
+    with pytest.raises(TypeError, match="copy"):
+        SubmitOnly(None)
+
+
 @pytest.mark.parametrize("kind", ["page_first", "layer_first"])
 def test_a_new_backend_is_a_class_not_an_engine_branch(kind):
     d, h = pools(kind)

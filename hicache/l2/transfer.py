@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+from abc import ABC, abstractmethod
 import time
 from dataclasses import dataclass
 from typing import Sequence, Union
@@ -330,7 +331,7 @@ class TransferJob:
 
 
 # ---- copy backends ----------------------------------------------------------------------------
-class CopyBackend:
+class CopyBackend(ABC):
     """Runs the copies of one engine's jobs. ``submit`` starts a job (it then completes layer by
     layer: ``job._layer_done`` / ``_layer_landed``, then ``_succeed`` or ``_fail``, and
     ``engine.account(job)`` on success); ``copy`` moves a job's bytes, the one call in which a
@@ -341,11 +342,13 @@ class CopyBackend:
     def __init__(self, engine: "TransferEngine") -> None:
         self.engine = engine
 
+    @abstractmethod
     def submit(self, job: TransferJob) -> None:
-        raise NotImplementedError
+        """Start ``job``; it completes layer by layer (see the class docstring)."""
 
+    @abstractmethod
     def copy(self, job: TransferJob) -> None:
-        raise NotImplementedError
+        """Move ``job``'s bytes (raises when the copy fails)."""
 
     def close(self) -> None:
         pass
