@@ -186,7 +186,9 @@ def run_variants(cfg: HiCacheConfig, vs: list[Variant], jobs: list, opts: dict,
     for _ in range(reps):
         for i, v in enumerate(vs):
             c = cfg if v.write == cfg.policy.write else cfg.replace(policy={"write": v.write})
-            runs[i].append(run_mode(c, v.mode, jobs, {**opts, "max_overtakes": v.max_overtakes}))
+            with _cold_l3(c, opts.get("cold_l3") and "l3" in MODES[v.mode]) as c:
+                runs[i].append(run_mode(c, v.mode, jobs,
+                                        {**opts, "max_overtakes": v.max_overtakes}))
     rows = []
     for v, rs in zip(vs, runs):
         row = dict(rs[0], name=v.name, mode=v.mode, write=v.write, max_overtakes=v.max_overtakes)
@@ -199,6 +201,24 @@ def run_variants(cfg: HiCacheConfig, vs: list[Variant], jobs: list, opts: dict,
                                               "serving_s", "copies")} for r in rs]
         rows.append(row)
     return rows
+
+
+@contextmanager
+def _cold_l3(cfg: HiCacheConfig, cold: bool):
+    """``--cold-l3``: the run gets an empty L3 store of its own, in a fresh directory beside
+    ``l3.path`` (removed afterwards), so every rep of an L3 mode starts cold."""
+    if not cold:
+        yield cfg
+        return
+    import shutil
+    import tempfile
+    base = Path(cfg.l3.path)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    d = tempfile.mkdtemp(prefix=base.name + ".cold-", dir=base.parent)
+    try:
+        yield cfg.replace(l3={"path": d})
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def summarize(mode: str, ranks: list[dict], opts: dict) -> dict:
@@ -338,7 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=1,
                    help="run every row this many times, interleaved, and report the median "
                         "timings (use on a busy machine; l1+l2+l3 reps after the first start "
-                        "warm)")
+                        "warm unless --cold-l3)")
+    p.add_argument("--cold-l3", action="store_true",
+                   help="every run of an L3 mode starts on an empty store of its own (a fresh "
+                        "directory beside the LMDB l3.path, removed after the run): cold reps")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk tokens")
     p.add_argument("--backend", default="a2a", choices=("a2a", "ag_rs"))
     p.add_argument("--verify", action="store_true",
@@ -445,6 +468,9 @@ def _resolve(args) -> tuple[HiCacheConfig, list[Variant], list[str]]:
         if heads % cfg.parallel.dcp:
             raise UsageError(f"dcp {cfg.parallel.dcp} does not divide the {heads} attention heads "
                              f"of {cfg.model.path}")
+    if args.cold_l3 and cfg.l3.backend != "lmdb":
+        raise UsageError(f"--cold-l3 needs the lmdb L3 backend (a directory per run); "
+                         f"l3.backend is {cfg.l3.backend!r}")
     if "l1+l2+l3" in modes and not cfg.l3.enabled:
         cfg = cfg.replace(l3={"enabled": True})
     if args.trace:
@@ -526,7 +552,8 @@ def _main(args) -> int:
         jobs = all_jobs[w]
         opts = {"seed": args.seed, "backend": args.backend, "chunk": args.chunk,
                 "max_running": args.max_running, "progress": not args.no_progress,
-                "duration": args.duration, "workload": w, "metrics_port": args.metrics_port}
+                "duration": args.duration, "workload": w, "metrics_port": args.metrics_port,
+                "cold_l3": args.cold_l3}
         rows = run_variants(cfg, vs, jobs, opts, args.reps)
         entry = {"workload": w, "trace": trace_summary(jobs), "modes": rows,
                  "ideal_hit_ratio": ideal_hit_ratio(jobs, rows[0]["outputs"],

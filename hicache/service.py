@@ -224,6 +224,18 @@ class HiCache:
             self._count_hits(prefix)
         return prefix
 
+    def l1_hit_now(self, request_id) -> int:
+        """Tokens of the admitted request's prompt that L1 holds from its start now (what
+        ``admit`` would find on the device if called again; its last token is never a hit).
+        Replicated like the controller: every rank returns the same. A request waiting for L1
+        room is worth re-admitting (``abort`` then ``admit``) when this exceeds its
+        ``prefix.hit_len``: a request that finished meanwhile put its prefix on the device."""
+        self._check_usable("l1_hit_now")
+        req = self._req(request_id)
+        if not self.tiers:
+            return 0
+        return self._ctl(self.ctrl.match, req.tokens[:-1]).device_len
+
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine reports prefill speed; with the store's read speed it decides whether an
         L3 hit is worth loading (a disk-backed hit can be slower than recomputing)."""

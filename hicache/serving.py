@@ -18,13 +18,17 @@ admission, and when nothing else progresses the youngest request that has not st
 preempted (re-queued), never the oldest: locked hits of active requests cannot starve every
 restore. One exception keeps what finished requests left in L1 from being evicted by the
 waiting request when the next queued request would hit it: after a request finished, the head
-of the queue is matched, and it stays admitted ("overtakes") only when its hit is ready and its
-new pages fit in L1's free pages (no eviction). It then returns all it takes when it finishes,
+of the queue is matched, and it stays admitted ("overtakes") only when its new pages fit in
+L1's free pages (no eviction), whether or not its L3 lookup is agreed yet (a page restored from
+L3 takes the L1 page its prefill would have). It then returns all it takes when it finishes,
 so the waiter loses no room, only time, and a waiting request is overtaken at most
-``max_overtakes`` times (0: strict hold). Preemptions, overtakes and steps without progress are
-counted (``preemptions``, ``overtakes``, ``blocked_steps``, ``longest_stall``), and so is the
-time spent in each cache call (``cache_s``: admit, step, finish, wait_layer, and re-matches),
-which is where issuing, running inline and waiting on copies shows up on the scheduler thread.
+``max_overtakes`` times (0: strict hold). And when requests finish, a request still waiting on
+L3 (its read, or L1 room for its agreed restore) whose prompt they put in L1 beyond its hit is
+matched again: it takes that L1 hit instead of evicting it to restore the same tokens from L3.
+Preemptions, overtakes, re-matches and steps without progress are counted (``preemptions``,
+``overtakes``, ``rematches``, ``blocked_steps``, ``longest_stall``), and so is the time spent
+in each cache call (``cache_s``: admit, step, finish, wait_layer, and re-matches), which is
+where issuing, running inline and waiting on copies shows up on the scheduler thread.
 """
 
 from __future__ import annotations
@@ -203,6 +207,13 @@ class Server:
                 finished.append(Result(a.job.request_id, len(a.job.tokens), a.output, a.ttft,
                                        {"l1": p.device_len, "l2": p.host_len,
                                         "l3": p.storage_len}))
+            if finished:
+                # What they inserted may be in L1 now what a request still waiting on L3 (its
+                # read, or room for its restore) is about to restore or read: match it again
+                # before the next step restores it (evicting that very prefix to make room).
+                for a in [a for a in active if not a.prefix.ready]:
+                    if self._hit_grew(a):
+                        self._rematch(a)
             progress = started or decoding or emitted or finished
             if room and not progress:
                 self.blocked_steps += 1
@@ -233,12 +244,12 @@ class Server:
         return a
 
     def _overtakes(self, a: _Active) -> bool:
-        """May ``a`` run before a request waiting for L1 room? Only if its hit is ready and its
-        new pages fit in L1's free pages: it evicts nothing the waiter could use, and once it
-        finished its pages (hit and new) are evictable again, so the waiter lost no room."""
+        """May ``a`` run before a request waiting for L1 room? Only if its new pages fit in L1's
+        free pages: it evicts nothing the waiter could use, and once it finished its pages (hit
+        and new) are evictable again, so the waiter lost no room. Its L3 lookup may still be in
+        flight: what it restores from L3 takes pages its prefill would take otherwise, so the
+        count is the same (the prompt's and output's pages less its L1 and L2 hit)."""
         cache = self.cache
-        if not a.prefix.ready:
-            return False
         need = -(-(len(a.job.tokens) + a.job.output_len) // cache.page_tokens)
         free = cache.config.l1.num_pages - cache.stats()["pages"]["l1"]
         return need - len(a.prefix.page_table) <= free
@@ -262,6 +273,16 @@ class Server:
         active.remove(victim)
         waiting.appendleft(victim.job)
         self.preemptions += 1
+
+    def _hit_grew(self, a: _Active) -> bool:
+        """Does L1 now hold more of ``a``'s prompt than its hit? (Only then is matching a
+        request that waits on L3 again worth it: its L3 read starts afresh.) Replicated: the
+        same answer on every rank."""
+        t0 = time.perf_counter()
+        try:
+            return self.cache.l1_hit_now(a.job.request_id) > a.prefix.hit_len
+        finally:
+            self.cache_s["rematch"] += time.perf_counter() - t0
 
     def _rematch(self, a: _Active) -> bool:
         """A request that waited for L1 room while others finished matches again: what they

@@ -162,6 +162,7 @@ def test_trace_replay_soak_and_plot(cfg_file, tmp_path):
     (["--max-overtakes", "x"], "--max-overtakes: 'x' is not an integer"),
     (["--max-overtakes", "-1"], "--max-overtakes must be in [0,"),
     (["--reps", "0"], "--reps must be in [1, 1000]"),
+    (["--cold-l3", "--l3-url", "redis://127.0.0.1:1/0"], "--cold-l3 needs the lmdb"),
 ])
 def test_bad_input_is_one_line_and_exit_2(cfg_file, args, words, capsys):
     argv = ["--config", str(cfg_file), "--no-progress", *args]
@@ -219,6 +220,23 @@ def test_write_policies_and_admission_rules_side_by_side(cfg_file, tmp_path, cap
     assert wt["copies"]["d2h_s"] > 0
     text = capsys.readouterr().out
     assert "l1+l2 write_back overtake=0" in text and "medians of 2 interleaved runs" in text
+
+
+def test_cold_l3_starts_every_rep_on_an_empty_store(cfg_file, tmp_path):
+    """Without --cold-l3 the second rep of l1+l2+l3 starts on what the first wrote (its first
+    request hits L3); with it, each rep gets an empty store of its own, removed afterwards."""
+    rc, warm = bench(cfg_file, tmp_path, "--modes", "l1+l2+l3", "--reps", "2", name="warm")
+    assert rc == 0 and (tmp_path / "l3").exists()
+    w = warm["modes"][0]["reps"]
+    assert w[1]["hit_ratio"] > w[0]["hit_ratio"]
+    (tmp_path / "l3").rename(tmp_path / "l3.old")  # the configured path, left alone below
+    rc, cold = bench(cfg_file, tmp_path, "--modes", "l1+l2+l3", "--reps", "2", "--cold-l3",
+                     name="cold")
+    assert rc == 0
+    c = cold["modes"][0]["reps"]
+    assert c[0]["hit_ratio"] == c[1]["hit_ratio"] == w[0]["hit_ratio"]
+    assert cold["modes"][0]["bytes"]["l3_write"] > 0  # L3 was on, in a store of its own
+    assert not (tmp_path / "l3").exists() and not list(tmp_path.glob("l3.cold-*"))
 
 
 def test_progress_bars_leave_no_semaphore_behind(tmp_path):
