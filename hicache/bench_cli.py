@@ -75,6 +75,7 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
                             "blocked_steps": server.blocked_steps,
                             "longest_stall": server.longest_stall,
                             "overtakes": server.overtakes, "rematches": server.rematches,
+                            "probes_returned": server.probes_returned,
                             "cache_s": dict(server.cache_s), "prefill_s": server.prefill_s}
         prefill = (server.prefill_tokens, server.prefill_s)
         passes, soak = 1, []
@@ -271,7 +272,7 @@ def stall_summary(stats: dict) -> dict:
     sv = stats.get("serving", {})
     out = {"preemptions": sv.get("preemptions", 0), "blocked_steps": sv.get("blocked_steps", 0),
            "longest_stall": sv.get("longest_stall", 0), "overtakes": sv.get("overtakes", 0),
-           "rematches": sv.get("rematches", 0),
+           "rematches": sv.get("rematches", 0), "probes_returned": sv.get("probes_returned", 0),
            "restore_wait_steps": stats.get("restore_wait_steps", 0),
            "restore_fallbacks": stats.get("restore_fallbacks", 0)}
     out["stalled"] = bool(out["restore_fallbacks"] or out["longest_stall"] > RESTORE_RETRIES)

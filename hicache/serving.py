@@ -107,6 +107,7 @@ class Server:
         self.longest_stall = 0  # the longest run of such steps
         self.inserted = 0       # requests finished into the cache so far (the tree grew)
         self.overtakes = 0      # requests admitted past one waiting for L1 room
+        self.probes_returned = 0  # queue heads tried past a waiter and sent back (no room)
         # seconds in each cache call on the scheduler thread (copies issued, run inline or
         # waited for land in admit / finish / step / wait_layer)
         self.cache_s = {"admit": 0.0, "step": 0.0, "finish": 0.0, "wait_layer": 0.0,
@@ -158,6 +159,7 @@ class Server:
                 elif self.inserted > probed and all(a.overtaken < self.max_overtakes
                                                     for a in waiters):
                     probed = self.inserted
+                    first = waiting[0].request_id not in admitted_at
                     new = self._admit(waiting, active, admitted_at, capacity)
                     if self._overtakes(new):
                         self.overtakes += 1
@@ -167,6 +169,9 @@ class Server:
                         cache.abort(new.job.request_id)
                         active.remove(new)
                         waiting.appendleft(new.job)
+                        self.probes_returned += 1
+                        if first:  # it was never admitted: its TTFT starts when it is
+                            del admitted_at[new.job.request_id]
             # The step's one collective right after admission: a request whose L3 lookup found
             # nothing on any rank is ready in this same iteration. It raises on every rank if
             # any rank failed, before the tokens finished in the last iteration are returned.

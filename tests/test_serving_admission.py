@@ -104,3 +104,31 @@ def test_max_overtakes_is_checked(tmp_path):
         for bad in (-1, 1.5, True):
             with pytest.raises(ConfigError, match="max_overtakes"):
                 Server(model, cache, max_overtakes=bad)
+
+
+def test_a_queue_head_sent_back_starts_its_ttft_when_admitted(tmp_path, monkeypatch):
+    """C is tried past W and sent back (it would evict): it was never admitted then, so its
+    TTFT counts from its real admission, as for any request that waited in the queue. The
+    clock here ticks once per scheduler step: a TTFT is a number of steps."""
+    import types
+
+    import hicache.serving as serving
+    clock = [0.0]
+    monkeypatch.setattr(serving, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    cfg = make_cfg(tmp_path)
+    rng = np.random.default_rng(4)
+    jobs = chain_trace(0) + [req("C", rng.integers(0, 128, 40), out=1)]
+    torch.manual_seed(0)
+    with HiCache(cfg, mode="l1") as cache:
+        step = cache.step
+
+        def ticking_step():
+            clock[0] += 1.0
+            return step()
+        cache.step = ticking_step
+        server = Server(MLAModel(model_config(cfg)), cache, chunk_tokens=16, max_running=2)
+        res = {r.request_id: r for r in server.run(jobs)}
+    assert server.probes_returned == 1 and server.overtakes == 0
+    # admitted, then the step's agreement, then its prefill in the same iteration: one step
+    assert res["C"].ttft_s == 1.0
+    assert res["W"].ttft_s > 1.0  # W did wait for room after its admission
