@@ -241,6 +241,13 @@ class HiCache:
         L3 hit is worth loading (a disk-backed hit can be slower than recomputing)."""
         self.io.observe_prefill(tokens, seconds)
 
+    def observe_step(self, seconds: float) -> None:
+        """The engine reports how long a scheduler step took. A request whose L3 read is in
+        flight at its admission starts its prefill a step later than a recompute would (its
+        read is agreed at the next step): the cost model counts that step in a load's cost, so
+        a short L3 hit is recomputed rather than waited for."""
+        self.io.observe_step(seconds)
+
     def alloc(self, request_id, n_tokens: int) -> list[int]:
         """Grow the request's page table to hold ``n_tokens`` tokens in all; the new pages.
         Raises DeviceFullError (retry after a ``step``) when L1 has no room even after eviction."""

@@ -149,7 +149,12 @@ class Server:
         stalled = run = 0
         room: list[_Active] = []  # requests that found no L1 room at the last step
         probed = -1  # self.inserted when the queue head was last tried past a waiting request
+        t_step = None
         while waiting or active or finished:
+            now = time.perf_counter()
+            if t_step is not None:  # what a request waiting for its L3 read waits at least
+                cache.observe_step(now - t_step)
+            t_step = now
             if waiting and len(active) < self.max_running:
                 # A request waits for L1 room: admit nobody until it got it, except a request
                 # that overtakes it (see the module docstring). Every input is replicated.

@@ -179,3 +179,54 @@ def test_the_service_feeds_the_cost_model(tmp_path):
         assert cache.io.worth_loading(4)  # nothing measured: try the store
         cache.observe_prefill(4000, 2.0)
         assert cache.io.cost.prefill_tokens_per_s == 2000.0
+
+
+def test_a_load_costs_a_scheduler_step_more_than_its_read(tmp_path):
+    """An L3 hit is usable a step after its admission (its read is agreed then) while its
+    recompute starts at once: the step the engine reports is the cost model's load overhead,
+    so a short hit is recomputed and a long one still loaded. The serving loop reports it."""
+    cfg = make_cfg(tmp_path / "l3", l3_cost_model=True)
+    with HiCache(cfg, mode="l1+l2+l3") as cache:
+        io = cache.io
+        io.cost.observe_read(1 << 30, 1.0)  # 1 GB/s: reading a page costs about nothing
+        cache.observe_prefill(1000, 1.0)    # 1000 tokens/s: a page (4 tokens) costs 4 ms
+        assert io.worth_loading(1)
+        cache.observe_step(0.0)             # nothing measured: ignored
+        cache.observe_step(0.05)            # a step takes 50 ms
+        assert io.cost.overhead_s == 0.05
+        assert not io.worth_loading(1)      # 4 ms of prefill < 50 ms of waiting
+        assert io.worth_loading(100)        # 400 ms of prefill > 50 ms
+        cache.observe_step(0.15)            # a running average, like the rates
+        assert io.cost.overhead_s == pytest.approx(0.07)
+    with HiCache(make_cfg(tmp_path / "s" / "l3"), mode="l1+l2+l3") as cache:
+        Server(MLAModel(model_config(cfg)), cache, chunk_tokens=16).run(
+            [req(i, list(range(i, i + 20)), out=3) for i in range(2)])
+        assert cache.io.cost.overhead_s > 0  # the loop measured its steps
+
+
+def test_a_short_l3_read_is_agreed_in_the_step_right_after_admission(tmp_path, monkeypatch):
+    """A read of at most SHORT_READ_PAGES pages is waited for at admission (bounded), so the
+    step right after admission agrees on it; a longer read is never waited for there."""
+    import hicache.tier_io as tier_io
+    cfg = make_cfg(tmp_path / "l3", prefetch="wait_complete")
+    prompt = list(range(3, 43))  # 40 tokens: 9 whole pages of 4 before its last token
+    with HiCache(cfg, mode="l1+l2+l3") as cache:  # L3 holds the prompt once closed (drained)
+        Server(MLAModel(model_config(cfg)), cache, chunk_tokens=16).run([req("w", prompt)])
+    monkeypatch.setattr(tier_io, "SHORT_READ_WAIT_S", 60.0)  # deterministic on a busy machine
+    with HiCache(cfg, mode="l1+l2+l3") as cache:
+        short = cache.admit("short", prompt[:20] + [99])  # 5 pages in L3, L1 empty
+        assert cache._reqs["short"].prefetch.handle.finished
+        cache.step()
+        assert short.ready and short.storage_len == 20
+        cache.abort("short")
+        gate = threading.Event()
+        real_get = type(cache.l3).get
+        monkeypatch.setattr(type(cache.l3), "get",
+                            lambda self, *a, **k: gate.wait(60) and real_get(self, *a, **k))
+        long = cache.admit("long", prompt)  # 9 pages: its admission does not wait for them
+        assert not cache._reqs["long"].prefetch.handle.finished and not long.ready
+        gate.set()
+        while not long.ready:
+            cache.step()
+        assert long.storage_len == 36
+        cache.abort("long")
