@@ -12,9 +12,12 @@ Each scenario runs on one rank and on 2 gloo ranks (one group for both), whose d
 agree; token ids always equal recompute's.
 """
 
+from unittest.mock import patch
+
 import numpy as np
 import torch
 
+import hicache.tier_io as tier_io
 from hicache.config import HiCacheConfig
 from hicache.distributed import launch
 from hicache.engine.model import MLAModel
@@ -39,10 +42,13 @@ def req(i, tokens, out):
 
 
 def serve(cfg, jobs, mode, rank=0, group=None, **kw):
-    """Run ``jobs``; the server's counters, results by id, finishing order, cache stats."""
+    """Run ``jobs``; the server's counters, results by id, finishing order, cache stats. Every
+    L3 read is waited for at its admission (as short reads are), so what is agreed at which
+    step does not depend on how fast this machine reads."""
     torch.manual_seed(0)
     model = MLAModel(model_config(cfg))
-    with HiCache(cfg, rank, group, mode=mode) as cache:
+    with patch.multiple(tier_io, SHORT_READ_PAGES=1 << 20, SHORT_READ_WAIT_S=60.0), \
+            HiCache(cfg, rank, group, mode=mode) as cache:
         server = Server(model, cache, group=group, chunk_tokens=16, **kw)
         order = []
         results = server.run(jobs, on_done=lambda r: order.append(r.request_id))
