@@ -178,6 +178,13 @@ class PolicySection:
                                            min=0.0, max=3600.0, type=(int, float))
     prefetch_min_tokens: int = opt(0, "storage hits shorter than this are not prefetched", min=0,
                                    max=1 << 40)
+    prefetch_wait_pages: int = opt(8, "an L3 read of at most this many pages is waited for at "
+                                      "admission (up to prefetch_wait_s) so the step after "
+                                      "admission agrees on it (0: never wait there)",
+                                   min=0, max=1 << 20)
+    prefetch_wait_s: float = opt(0.01, "the longest admission waits for such a read (on the "
+                                       "scheduler thread), in seconds", min=0.0, max=60.0,
+                                 type=(int, float))
     load_back_threshold: int = opt(0, "host hits shorter than this many tokens are recomputed",
                                    min=0, max=1 << 40)
     l3_cost_model: bool = opt(True, "decide per L3 hit whether loading beats recomputing, from "

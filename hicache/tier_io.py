@@ -40,11 +40,6 @@ DIRECTIONS = ("d2h", "h2d")
 # error: the read raised (a shorter hit); below_threshold: fewer than prefetch_min_tokens to read;
 # recompute: the cost model said prefill is faster; cancelled: the request ended first.
 PREFETCH_OUTCOMES = ("done", "timeout", "error", "below_threshold", "recompute", "cancelled")
-# A short L3 read is waited for at admission (up to SHORT_READ_WAIT_S): done before the step
-# right after admission, it is agreed there, and its request starts in that same step instead
-# of one step later (on a warm store most hits end in a few L3 pages past a long L1 hit).
-SHORT_READ_PAGES = 8
-SHORT_READ_WAIT_S = 0.01
 
 
 class FailedJob:
@@ -302,8 +297,13 @@ class TierIO:
             n = 0
         staging = torch.empty((n, *self.namespace.shard_shape), dtype=self.l1.dtype)
         read = L3Read(self.prefetcher.start(request_id, keys[:n], list(staging)), staging)
-        if n <= SHORT_READ_PAGES:  # a late read is simply agreed a step later, as any read
-            read.handle.wait(SHORT_READ_WAIT_S)
+        # A short read (policy prefetch_wait_pages / prefetch_wait_s) is waited for here: done
+        # before the step right after admission, it is agreed there and its request starts a
+        # step sooner (on a warm store most hits end in a few L3 pages past a long L1 hit). A
+        # late read is simply agreed a step later, as any read.
+        p = self.config.policy
+        if n <= p.prefetch_wait_pages and p.prefetch_wait_s > 0:
+            read.handle.wait(p.prefetch_wait_s)
         return read
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
@@ -313,10 +313,7 @@ class TierIO:
         """A scheduler step took ``seconds``: what an L3 load waits at least beyond its read
         (it is usable once agreed, a step later), as the cost model's fixed load overhead (a
         running average like its rates)."""
-        if seconds > 0:
-            c = self.cost
-            c.overhead_s = seconds if c.overhead_s == 0 else \
-                c.overhead_s + c.alpha * (seconds - c.overhead_s)
+        self.cost.observe_overhead(seconds)
 
     def worth_loading(self, pages: int) -> bool:
         """Load ``pages`` L3 pages rather than prefill them? (Always, with the cost model off

@@ -12,12 +12,10 @@ Each scenario runs on one rank and on 2 gloo ranks (one group for both), whose d
 agree; token ids always equal recompute's.
 """
 
-from unittest.mock import patch
 
 import numpy as np
 import torch
 
-import hicache.tier_io as tier_io
 from hicache.config import HiCacheConfig
 from hicache.distributed import launch
 from hicache.engine.model import MLAModel
@@ -34,7 +32,9 @@ def make_cfg(l3_path, dcp: int = 1, l1_pages: int = 20) -> HiCacheConfig:
     return HiCacheConfig.from_dict(tiny_sections(
         l3_path, dcp=dcp if dcp > 1 else None, page_size=TOKENS // dcp, l1_pages=l1_pages,
         l2_ratio=2.0, model={"signature": "test-weights"}, l3={"size_bytes": 64 << 20},
-        policy={"l3_cost_model": False, "prefetch": "wait_complete"}))
+        policy={"l3_cost_model": False, "prefetch": "wait_complete",
+                # every read waited for at admission (bounded): see serve()
+                "prefetch_wait_pages": 1 << 20, "prefetch_wait_s": 60.0}))
 
 
 def req(i, tokens, out):
@@ -47,8 +47,7 @@ def serve(cfg, jobs, mode, rank=0, group=None, **kw):
     step does not depend on how fast this machine reads."""
     torch.manual_seed(0)
     model = MLAModel(model_config(cfg))
-    with patch.multiple(tier_io, SHORT_READ_PAGES=1 << 20, SHORT_READ_WAIT_S=60.0), \
-            HiCache(cfg, rank, group, mode=mode) as cache:
+    with HiCache(cfg, rank, group, mode=mode) as cache:
         server = Server(model, cache, group=group, chunk_tokens=16, **kw)
         order = []
         results = server.run(jobs, on_done=lambda r: order.append(r.request_id))

@@ -205,14 +205,14 @@ def test_a_load_costs_a_scheduler_step_more_than_its_read(tmp_path):
 
 
 def test_a_short_l3_read_is_agreed_in_the_step_right_after_admission(tmp_path, monkeypatch):
-    """A read of at most SHORT_READ_PAGES pages is waited for at admission (bounded), so the
-    step right after admission agrees on it; a longer read is never waited for there."""
-    import hicache.tier_io as tier_io
-    cfg = make_cfg(tmp_path / "l3", prefetch="wait_complete")
+    """A read of at most ``prefetch_wait_pages`` pages is waited for at admission (bounded),
+    so the step right after admission agrees on it; a longer read is never waited for there,
+    nor any read with ``prefetch_wait_pages = 0``."""
+    # a long bound keeps it deterministic on a busy machine
+    cfg = make_cfg(tmp_path / "l3", prefetch="wait_complete", prefetch_wait_s=60.0)
     prompt = list(range(3, 43))  # 40 tokens: 9 whole pages of 4 before its last token
     with HiCache(cfg, mode="l1+l2+l3") as cache:  # L3 holds the prompt once closed (drained)
         Server(MLAModel(model_config(cfg)), cache, chunk_tokens=16).run([req("w", prompt)])
-    monkeypatch.setattr(tier_io, "SHORT_READ_WAIT_S", 60.0)  # deterministic on a busy machine
     with HiCache(cfg, mode="l1+l2+l3") as cache:
         short = cache.admit("short", prompt[:20] + [99])  # 5 pages in L3, L1 empty
         assert cache._reqs["short"].prefetch.handle.finished
@@ -230,3 +230,13 @@ def test_a_short_l3_read_is_agreed_in_the_step_right_after_admission(tmp_path, m
             cache.step()
         assert long.storage_len == 36
         cache.abort("long")
+    cfg = make_cfg(tmp_path / "l3", prefetch="wait_complete", prefetch_wait_pages=0)
+    gate.clear()  # the store's get still waits for this gate
+    with HiCache(cfg, mode="l1+l2+l3") as cache:  # never wait: even a short read is not
+        short = cache.admit("short", prompt[:20] + [99])
+        assert not cache._reqs["short"].prefetch.handle.finished and not short.ready
+        gate.set()
+        while not short.ready:
+            cache.step()
+        assert short.storage_len == 20
+        cache.abort("short")

@@ -53,6 +53,12 @@ class CostModel:
         if nbytes > 0 and seconds > 0:
             self.read_bytes_per_s = self._average(self.read_bytes_per_s, nbytes / seconds)
 
+    def observe_overhead(self, seconds: float) -> None:
+        """A load's fixed cost beyond its read (e.g. the scheduler step it waits to be agreed)."""
+        if seconds > 0:
+            self.overhead_s = seconds if self.overhead_s == 0 else \
+                self.overhead_s + self.alpha * (seconds - self.overhead_s)
+
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             self.prefill_tokens_per_s = self._average(self.prefill_tokens_per_s,
