@@ -1,6 +1,7 @@
 """Controller benchmark: hit tokens and microseconds per request against reference trees.
 
     python bench/controller.py [--json] [--quick] [--seed N] [--inflight K] [--sglang PYTHON]
+                               [--workloads chat agentic] [--pages 16 64] [--capacities ...]
 
 Replays the seeded ``chat`` and ``agentic`` traces through ``CacheController`` (one widened page
 = ``--page`` tokens, page sizes 16 and 64) with ``--inflight`` requests admitted before the
@@ -473,8 +474,8 @@ def unique_pages(reqs, page) -> int:
 def run(args) -> dict:
     scales = {"chat": 0.1 if args.quick else 1.0, "agentic": 0.03 if args.quick else 0.3}
     rows = []
-    cases = [(w, p, cap) for w in ("chat", "agentic") for p in (16, 64)
-             for cap in ("ample", "budget", "budget+l2")]
+    scales = {w: scales[w] for w in args.workloads}
+    cases = [(w, p, cap) for w in args.workloads for p in args.pages for cap in args.capacities]
     traces = {w: (chat_trace if w == "chat" else agentic_trace)(args.seed, scales[w])
               for w in scales}
     lists = {w: [r.tokens.tolist() for r in traces[w]] for w in traces}
@@ -568,6 +569,12 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=0.25,
                     help="L1 share of the trace's unique pages in the budget runs")
     ap.add_argument("--reps", type=int, default=2, help="repetitions; the best time counts")
+    ap.add_argument("--workloads", nargs="+", choices=("chat", "agentic"),
+                    default=["chat", "agentic"], help="the traces to replay (default: both)")
+    ap.add_argument("--pages", nargs="+", type=int, choices=(16, 64), default=[16, 64],
+                    help="widened page sizes in tokens (default: 16 64)")
+    ap.add_argument("--capacities", nargs="+", choices=("ample", "budget", "budget+l2"),
+                    default=["ample", "budget", "budget+l2"], help="capacities (default: all)")
     ap.add_argument("--sglang", default=None, metavar="PYTHON",
                     help="Python of an environment with SGLang, whose compiled (Rust) tree core "
                          "is replayed as a third reference (default: HICACHE_ENGINES_PYTHON or "

@@ -38,9 +38,10 @@ class PageAllocator:
     def __init__(self, num_pages: int) -> None:
         check_int(num_pages, "num_pages", 0, error=UsageError)
         self._n = num_pages
-        # stack: entries [0, _top) are the free ids, the end is handed out first
-        self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
-        self._top = num_pages
+        # the free ids are _stack[_bot:], handed out from _bot on; a free puts its ids just
+        # below _bot in their order (forward slices on both sides: no reversed copies)
+        self._stack = np.arange(num_pages, dtype=np.int64)
+        self._bot = 0
         self._used = np.zeros(num_pages, np.bool_)  # [num_pages] True = allocated
         self._mark = np.zeros(num_pages, np.int64)  # scratch for duplicate detection
         self._iota = np.arange(0, dtype=np.int64)
@@ -51,11 +52,11 @@ class PageAllocator:
 
     @property
     def num_free(self) -> int:
-        return self._top
+        return self._n - self._bot
 
     @property
     def num_used(self) -> int:
-        return self._n - self._top
+        return self._bot
 
     def is_allocated(self, page: int) -> bool:
         self._check_id(page)
@@ -86,11 +87,11 @@ class PageAllocator:
     def alloc_array(self, n: int) -> np.ndarray:
         """``n`` free page ids as a fresh int64 array [n] (see ``alloc``)."""
         check_int(n, "number of pages to allocate", 0, error=UsageError)
-        top = self._top
-        if n > top:
-            raise DeviceFullError(n, top, self._n)
-        out = self._stack[top - n:top][::-1].copy()
-        self._top = top - n
+        b = self._bot
+        if n > self._n - b:
+            raise DeviceFullError(n, self._n - b, self._n)
+        out = self._stack[b:b + n].copy()
+        self._bot = b + n
         self._used[out] = True
         return out
 
@@ -140,9 +141,9 @@ class PageAllocator:
         if not trusted:
             self._check_free(idx)
         self._used[idx] = False
-        top = self._top
-        self._stack[top:top + k] = idx[::-1]
-        self._top = top + k
+        b = self._bot - k
+        self._stack[b:b + k] = idx
+        self._bot = b
 
     def _check_free(self, idx: np.ndarray) -> None:
         if not self.in_range(idx):

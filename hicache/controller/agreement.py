@@ -14,8 +14,7 @@ is also gathered and compared; a difference raises ``DivergenceError`` naming th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, NamedTuple, Sequence
 
 import torch.distributed as dist
 
@@ -25,8 +24,7 @@ from hicache import distributed as hd
 _SIG_MOD = (1 << 61) - 1
 
 
-@dataclass(frozen=True)
-class AgreedStep:
+class AgreedStep(NamedTuple):  # immutable, and cheap to make once per scheduler step
     done_ops: tuple[int, ...]   # op ids finished on every rank
     extras: tuple[int, ...]     # MIN over ranks of each extra
     step: int

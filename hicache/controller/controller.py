@@ -25,7 +25,7 @@ from hicache.controller.tree import Node, RadixTree, chain_pages
 from hicache.controller.types import BackupOp, ControllerStats, InsertResult, LoadOp, Match
 from hicache.checks import check_int
 from hicache.errors import DeviceFullError, InvariantError, UsageError
-from hicache.ids import as_tokens, page_ids
+from hicache.ids import as_tokens, join_ids, page_ids
 from hicache.pages import PageAllocator
 
 Op = Union[BackupOp, LoadOp]
@@ -58,10 +58,15 @@ class _InsertPlan(NamedTuple):
     taken: np.ndarray                    # int64: every request page the insert takes
 
 
+def _all_set(flags: np.ndarray) -> bool:
+    """Whether every entry of the bool array ``flags`` is True (a byte scan: a fraction of
+    the fixed cost of ``ndarray.all``)."""
+    return b"\0" not in flags.tobytes()
+
+
 def _concat(parts: list[np.ndarray]) -> np.ndarray:
-    if len(parts) == 1:
-        return parts[0]
-    return np.concatenate(parts) if parts else _NO_IDS
+    """The int64 arrays end to end: the one part itself, or a new array."""
+    return parts[0] if len(parts) == 1 else join_ids(parts)
 
 
 class CacheController:
@@ -115,12 +120,13 @@ class CacheController:
             if n.device is None:
                 break
             k += 1
-        dev = path if k == len(path) else path[:k]
-        hst: list[Node] = []  # then the host-only part (host copies agreed complete)
-        for n in path[k:]:
-            if n.device is not None or not n.host_valid:
-                break
-            hst.append(n)
+        dev, hst = path, []
+        if k < len(path):
+            dev = path[:k]
+            for n in path[k:]:  # then the host-only part (host copies agreed complete)
+                if n.device is not None or not n.host_valid:
+                    break
+                hst.append(n)
         waits: tuple[int, ...] = ()
         if self._ops:  # matched pages still being loaded
             waits = tuple(sorted({o for n in dev for o in n.pending
@@ -130,9 +136,8 @@ class CacheController:
         dpages = chain_pages(dev, "device")
         hpages = chain_pages(hst, "host") if hst else _NO_IDS
         pt = self.page_tokens
-        last = used[-1] if used else self.tree.root
         return Match(pt * len(dpages), pt * len(hpages), dpages, hpages, tuple(dev), tuple(hst),
-                     last, waits)
+                     used[-1] if used else self.tree.root, waits)
 
     def _touch(self, nodes: Iterable[Node], clock: int) -> None:
         """Mark ``nodes`` used now; pass a path leaf first (a parent then follows its children
@@ -222,7 +227,7 @@ class CacheController:
         if not len(idx):
             return
         try:
-            ok = int(idx.min()) >= 0 and bool(self._request_page[idx].all())
+            ok = int(idx.min()) >= 0 and _all_set(self._request_page[idx])
         except IndexError:
             ok = False
         if not ok:
@@ -286,28 +291,30 @@ class CacheController:
         caller's page is the cached node's own page there, or a request page the insert takes:
         one duplicating a cached page (freed), one for a host-only node the caller recomputed
         (adopted), a new page or the tail's. No request page may repeat."""
-        cached = 0
+        raw = pages.tobytes()  # the caller's pages as bytes: compares without numpy calls
+        try:  # the common case: the path's own pages, then new pages (and a tail) only
+            held = b"".join([n.device for n in path])
+        except TypeError:  # a host-only node on the path (no device pages)
+            held = None
+        if held is not None and len(raw) > len(held) and raw.startswith(held):
+            grant = raw[len(held):]
+            if grant in self._grants:  # one allocation's pages: in range, distinct
+                self._grants.discard(grant)
+                cached = len(held) // 8
+                idx = pages[cached:]
+                if _all_set(self._request_page[idx]):
+                    return _InsertPlan(cached, _NO_IDS, [], idx)
+        cached = 0  # node by node
         dups: list[np.ndarray] = []
         adopt: list[tuple[Node, int, int]] = []
-        raw = None  # the caller's pages as bytes: one compare per node, no numpy call
         for node in path:
             end = cached + node.npages
             if node.device is None:
                 adopt.append((node, cached, end))
-            else:
-                if raw is None:
-                    raw = pages.tobytes()
-                if raw[8 * cached:8 * end] != node.device.tobytes():
-                    part = pages[cached:end]
-                    dups.append(part[part != node.device])
+            elif raw[8 * cached:8 * end] != node.device.tobytes():
+                part = pages[cached:end]
+                dups.append(part[part != node.device])
             cached = end
-        if not dups and not adopt and len(pages) > cached:  # new pages (and a tail) only
-            idx = pages[cached:]
-            grant = raw[8 * cached:] if raw is not None else idx.tobytes()
-            if grant in self._grants:  # one allocation's pages: in range, distinct
-                self._grants.discard(grant)
-                if self._request_page[idx].all():
-                    return _InsertPlan(cached, _NO_IDS, adopt, idx)
         taken = dups + [pages[a:b] for _, a, b in adopt]
         if len(pages) > cached:
             taken.append(pages[cached:])
@@ -322,30 +329,27 @@ class CacheController:
         self._request_page[plan.taken] = False  # every request page is now placed or freed
         for node, a, b in plan.adopt:
             self._attach_device(node, pages[a:b].copy())
-        last = path[-1] if path else self.tree.root
-        touched = path[::-1]  # leaf first
         new_pages = whole - plan.cached
         if new_pages:
             pt = self.page_tokens
-            leaf = self.tree.add_child(last, arr[plan.cached * pt:whole * pt])
-            leaf.hits = 0  # +1 below
+            leaf = self.tree.add_child(path[-1] if path else self.tree.root,
+                                       arr[plan.cached * pt:whole * pt])
             self._attach_device(leaf, pages[plan.cached:whole].copy())
-            touched.insert(0, leaf)
             path.append(leaf)
-            last = leaf
         for node in path:
             node.hits += 1
-        self._touch(touched, self._clock)
+        self._touch(path[::-1], self._clock)  # counted first: LFU files a node by its count
         if self.host.num_pages:
             for node in path:
                 self._maybe_backup(node)
         freed = plan.dup
         if len(pages) > whole:
-            freed = np.concatenate([freed, pages[whole:]])
+            freed = join_ids([freed, pages[whole:]])
         if len(freed):
             freed = freed.copy()
             self.device.free_array(freed, trusted=True)
-        return InsertResult(freed, [n.device for n in path], last, new_pages)
+        return InsertResult(freed, [n.device for n in path], path[-1] if path else self.tree.root,
+                            new_pages)
 
     def _maybe_backup(self, node: Node) -> None:
         if (node.host is not None or node.device is None or node.pending

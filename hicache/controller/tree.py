@@ -17,7 +17,8 @@ import numpy as np
 
 from hicache.checks import check_int
 from hicache.errors import UsageError
-from hicache.ids import as_tokens  # noqa: F401  (the one token coercion; re-exported)
+from hicache.ids import INT64, as_tokens, join_ids  # noqa: F401  (as_tokens: the one token
+                                                     # coercion; re-exported)
 
 
 class Node:
@@ -61,7 +62,7 @@ class Node:
 
 
 def _i64(x: np.ndarray) -> np.ndarray:
-    return x if x.dtype == np.int64 else x.astype(np.int64)
+    return x if x.dtype is INT64 else x.astype(INT64)
 
 
 _FIRST_BYTES = 64 * 1024  # a walk first converts this much of the query (a miss costs no more)
@@ -102,10 +103,10 @@ class RadixTree:
         w = pt * 8  # bytes per page
         n_pages = len(arr) // pt
         total = n_pages * w  # bytes of the whole pages
-        if arr.dtype != np.int64:  # (np.int64 is native-endian)
+        if arr.dtype is not INT64:
             q, flat, hi = b"", True, 0  # converted as the walk goes
-        elif total <= _FIRST_BYTES:
-            q, flat, hi = arr[:total // 8].tobytes(), True, total
+        elif total <= _FIRST_BYTES:  # (a partial tail's bytes follow: no compare reaches them)
+            q, flat, hi = arr.tobytes(), True, total
         elif arr.flags.c_contiguous:
             q, flat, hi = memoryview(arr).cast("B"), False, total
         else:
@@ -217,9 +218,5 @@ class RadixTree:
 
 
 def chain_pages(nodes: Sequence[Node], attr: str) -> np.ndarray:
-    """The nodes' page ids of one tier, concatenated (a new int64 array)."""
-    if len(nodes) == 1:
-        return getattr(nodes[0], attr).copy()
-    if not nodes:
-        return np.zeros(0, np.int64)
-    return np.concatenate([getattr(n, attr) for n in nodes])
+    """The nodes' page ids of one tier, end to end (a new int64 array)."""
+    return join_ids([getattr(n, attr) for n in nodes])

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hicache.ids import join_ids
 
 if TYPE_CHECKING:  # pragma: no cover
     from hicache.controller.tree import Node
@@ -73,9 +74,7 @@ class InsertResult:
     def device_pages(self) -> np.ndarray:
         """int64 [whole pages]: the tree's page of each inserted whole page."""
         if self._pages is None:
-            parts = self._parts
-            self._pages = (parts[0].copy() if len(parts) == 1 else
-                           np.concatenate(parts) if parts else np.zeros(0, np.int64))
+            self._pages = join_ids(self._parts)
         return self._pages
 
 
