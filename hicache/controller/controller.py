@@ -25,7 +25,7 @@ from hicache.controller.tree import Node, RadixTree, chain_pages
 from hicache.controller.types import BackupOp, ControllerStats, InsertResult, LoadOp, Match
 from hicache.checks import check_int
 from hicache.errors import DeviceFullError, InvariantError, UsageError
-from hicache.ids import as_tokens, join_ids, page_ids
+from hicache.ids import INT64, as_tokens, join_ids, page_ids
 from hicache.pages import PageAllocator
 
 Op = Union[BackupOp, LoadOp]
@@ -92,10 +92,11 @@ class CacheController:
         # per device page: True while it is a request page, i.e. handed out by alloc_device and
         # not yet inserted or freed (the only pages insert and free_device take from a caller)
         self._request_page = np.zeros(self.device.num_pages, np.bool_)
-        # the bytes of alloc_device results not yet seen again: request pages given back as
-        # exactly one of them (the common insert) skip the range and duplicate checks, which an
-        # allocation guarantees. An entry outlives its pages only when they were given back
-        # another way; it then costs memory alone (bounded by _MAX_GRANTS)
+        # the bytes of alloc_device results not yet seen again: request pages taken by an
+        # insert (after any cached ones) or freed as exactly one of them skip the range and
+        # duplicate checks, which an allocation guarantees. An entry outlives its pages only
+        # when they were given back another way; it then costs memory alone (bounded by
+        # _MAX_GRANTS)
         self._grants: set[bytes] = set()
         lfu = self.policy.eviction == "lfu"
         self._dev = EvictionOrder(lfu)  # nodes with device pages, eviction order
@@ -223,9 +224,16 @@ class CacheController:
         return pool.alloc_array(n)
 
     def _check_request_pages(self, idx: np.ndarray, what: str) -> None:
-        """UsageError unless the ids of ``idx`` (int64 [k]) are distinct request pages."""
+        """UsageError unless the ids of ``idx`` (int64 [k]) are distinct request pages. Exactly
+        one ``alloc_device`` result, as it was handed out, skips the range and duplicate checks
+        (the allocation guarantees them); the grant is used up either way."""
         if not len(idx):
             return
+        grant = idx.tobytes()
+        if grant in self._grants:
+            self._grants.discard(grant)
+            if _all_set(self._request_page[idx]):  # still request pages: not given back since
+                return
         try:
             ok = int(idx.min()) >= 0 and _all_set(self._request_page[idx])
         except IndexError:
@@ -292,19 +300,24 @@ class CacheController:
         one duplicating a cached page (freed), one for a host-only node the caller recomputed
         (adopted), a new page or the tail's. No request page may repeat."""
         raw = pages.tobytes()  # the caller's pages as bytes: compares without numpy calls
-        try:  # the common case: the path's own pages, then new pages (and a tail) only
+        try:  # the common case, every path node on the device: the path's pages in one join
             held = b"".join([n.device for n in path])
         except TypeError:  # a host-only node on the path (no device pages)
-            held = None
-        if held is not None and len(raw) > len(held) and raw.startswith(held):
-            grant = raw[len(held):]
-            if grant in self._grants:  # one allocation's pages: in range, distinct
-                self._grants.discard(grant)
-                cached = len(held) // 8
-                idx = pages[cached:]
-                if _all_set(self._request_page[idx]):
-                    return _InsertPlan(cached, _NO_IDS, [], idx)
-        cached = 0  # node by node
+            return self._check_insert_nodes(path, pages, raw)
+        cached = len(held) // 8
+        if raw.startswith(held):  # the cached pages are the caller's own: new pages only
+            dup, taken = _NO_IDS, pages[cached:]
+        else:  # the caller computed some cached pages itself (e.g. a concurrent request's)
+            part = pages[:cached]
+            dup = part[part != np.frombuffer(held, INT64)]
+            taken = join_ids([dup, pages[cached:]])  # in position order
+        self._check_request_pages(taken, "insert")
+        return _InsertPlan(cached, dup, [], taken)
+
+    def _check_insert_nodes(self, path: list[Node], pages: np.ndarray,
+                            raw: bytes) -> "_InsertPlan":
+        """``_check_insert`` node by node, for a path with host-only nodes."""
+        cached = 0
         dups: list[np.ndarray] = []
         adopt: list[tuple[Node, int, int]] = []
         for node in path:
@@ -318,9 +331,9 @@ class CacheController:
         taken = dups + [pages[a:b] for _, a, b in adopt]
         if len(pages) > cached:
             taken.append(pages[cached:])
-        idx = _concat(taken)
+        idx = _concat(taken) if taken else _NO_IDS
         self._check_request_pages(idx, "insert")
-        return _InsertPlan(cached, _concat(dups), adopt, idx)
+        return _InsertPlan(cached, _concat(dups) if dups else _NO_IDS, adopt, idx)
 
     def _adopt(self, arr: np.ndarray, pages: np.ndarray, whole: int, path: list[Node],
                plan: "_InsertPlan") -> InsertResult:
