@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from hicache.controller import CacheController
 from hicache.errors import DeviceFullError, UsageError
+from hicache.ids import join_ids
 from hicache.ids import page_ids as id_array
 from hicache.pages import PageAllocator
 
@@ -155,3 +156,121 @@ def test_insert_validation_matches_a_set_model(steps):
                     c.insert(toks, pages)
         assert c.request_pages == frozenset(req)
         c.check()
+
+
+class _NoGrants(set):
+    """A grant set that never holds one: every request-page check takes the general path."""
+
+    def add(self, item) -> None:
+        pass
+
+
+def _general_only(c: CacheController) -> CacheController:
+    """``c`` with insert's one-join check and the grant shortcut off (node by node, full
+    range and duplicate checks): the reference for the fast paths."""
+    c._grants = _NoGrants()
+    c._check_insert = lambda path, pages: c._check_insert_nodes(path, pages, pages.tobytes())
+    return c
+
+
+def _outcome(fn):
+    try:
+        r = fn()
+    except UsageError as e:
+        return ("error", str(e))
+    if r is None:
+        return None
+    return (r.freed.tolist(), r.device_pages.tolist(), r.new_pages)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=6),
+                          st.integers(0, 5)), min_size=1, max_size=30),
+       st.integers(1, 4), st.sampled_from([(40, 0, 0), (9, 0, 0), (9, 12, 0), (9, 12, 10 ** 6)]))
+def test_fast_paths_give_what_the_general_check_gives(reqs, inflight, caps):
+    """Requests sharing prefixes run concurrently (so inserts meet pages another request
+    cached meanwhile: duplicates), with host-tier load-backs (host-only nodes adopted) and
+    pages handed back whole, cut, reordered, repeated or foreign. The controller with its fast
+    paths returns, refuses and caches exactly what the general node-by-node check does."""
+    dev, host, threshold = caps  # a threshold past every hit: host hits are recomputed
+    fast = CacheController(PT, dev, host, load_back_threshold=threshold)
+    slow = _general_only(CacheController(PT, dev, host, load_back_threshold=threshold))
+    q = []
+
+    def finish():
+        toks, hf, hs, pages, mode = q.pop(0)
+        if pages is not None:
+            if mode == 1 and len(pages) > 1:            # reordered
+                pages = pages[::-1].copy()
+            elif mode == 2 and len(pages):              # a page repeated
+                pages = np.concatenate([pages[:-1], pages[:1]])
+            elif mode == 3 and len(pages):              # a foreign page
+                pages = pages.copy()
+                pages[-1] = (pages[-1] + 1) % dev
+            elif mode == 4 and len(pages) > 1 and int(pages[-1]) in fast.request_pages:
+                # the last page of the grant given back, and its page's tokens not inserted
+                fast.free_device(pages[-1:]), slow.free_device(pages[-1:])
+                pages, toks = pages[:-1], toks[:(len(pages) - 1) * PT]
+            got = _outcome(lambda: fast.insert(toks, pages))
+            assert got == _outcome(lambda: slow.insert(toks, pages))
+            if got[0] == "error":                      # give the request pages back
+                mine = [p for p in set(pages.tolist()) if p in fast.request_pages]
+                fast.free_device(mine), slow.free_device(mine)
+        fast.unlock(hf), slow.unlock(hs)
+        for c in (fast, slow):
+            c.take_ops()
+            c.complete(c.inflight_ops())
+
+    for page_keys, mode in reqs:
+        toks = np.array([k * 10 + i for k in page_keys for i in range(PT)], np.int64)
+        mf, ms = fast.match(toks), slow.match(toks)
+        assert mf.device_pages.tolist() == ms.device_pages.tolist()
+        hf, hs = fast.lock(mf), slow.lock(ms)
+        lf, ls = fast.load_back(mf), slow.load_back(ms)
+        assert lf == ls
+        have = len(mf.device_pages) + (len(lf.device_pages) if lf else 0)
+        pages = None
+        try:
+            new = fast.alloc_device(len(page_keys) - have, as_array=True)
+        except DeviceFullError:
+            with pytest.raises(DeviceFullError):
+                slow.alloc_device(len(page_keys) - have, as_array=True)
+        else:
+            assert slow.alloc_device(len(page_keys) - have, as_array=True).tolist() == new.tolist()
+            loaded = np.array(lf.device_pages if lf else [], np.int64)
+            pages = np.concatenate([mf.device_pages, loaded, new])
+        q.append((toks, hf, hs, pages, mode))
+        if len(q) >= inflight:
+            finish()
+        assert fast.digest() == slow.digest()
+        fast.check()
+    while q:
+        finish()
+    assert fast.digest() == slow.digest() and fast.request_pages == slow.request_pages
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 3), st.booleans()), max_size=6))
+def test_join_ids_is_concatenate(parts):
+    """Page arrays joined as bytes: the same ids as np.concatenate, int64, a new writable array
+    (strided parts included)."""
+    arrays = [np.arange(n * (2 if strided else 1), dtype=np.int64)[::2 if strided else 1] + s
+              for n, s, strided in parts]
+    got = join_ids(arrays)
+    want = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+    assert got.dtype == np.int64 and got.tolist() == want.tolist()
+    assert got.flags.writeable and not any(np.shares_memory(got, a) for a in arrays)
+
+
+def test_non_native_int64_tokens_take_the_general_path():
+    """A big-endian int64 prompt is not the native dtype the fast paths test by identity: it
+    is converted, and matches and inserts as the native one does."""
+    c = CacheController(PT, 16, 0)
+    toks = fresh_tokens(0, 3)
+    be = toks.astype(">i8")
+    assert be.dtype.kind == "i" and be.dtype.itemsize == 8 and be.dtype is not np.dtype(np.int64)
+    r = c.insert(be, c.alloc_device(3))
+    assert r.new_pages == 3
+    assert c.match(toks).device_len == 3 * PT and c.match(be).device_len == 3 * PT
+    assert c.insert(toks, c.match(be).device_pages).new_pages == 0
+    c.check()

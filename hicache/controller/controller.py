@@ -358,8 +358,7 @@ class CacheController:
         freed = plan.dup
         if len(pages) > whole:
             freed = join_ids([freed, pages[whole:]])
-        if len(freed):
-            freed = freed.copy()
+        if len(freed):  # (a new array: the caller's pages stay the caller's)
             self.device.free_array(freed, trusted=True)
         return InsertResult(freed, [n.device for n in path], path[-1] if path else self.tree.root,
                             new_pages)

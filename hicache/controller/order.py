@@ -29,14 +29,10 @@ class EvictionOrder:
         self._where: dict[Node, int] = {}      # LFU: node -> the count whose list holds it
         if lfu:
             self.touch, self.add, self.remove = self._lfu_touch, self._lfu_add, self._lfu_remove
-        else:  # bound C methods: no Python frame per touch
+        else:  # bound C methods: no Python frame per call (a node is added only when absent)
             self.touch = self._lru.move_to_end
-            self.add = self._lru_add
+            self.add = self._lru.setdefault
             self.remove = self._lru.__delitem__
-
-    # ---- LRU -------------------------------------------------------------------------------
-    def _lru_add(self, n: Node) -> None:
-        self._lru[n] = None
 
     # ---- LFU -------------------------------------------------------------------------------
     def _lfu_add(self, n: Node) -> None:
