@@ -99,51 +99,72 @@ class RadixTree:
         query is compared as bytes, made lazily (a prefix at least twice what was compared, at
         least ``_FIRST_BYTES``: a miss does not convert a long prompt), except a long native
         int64 query, which is compared in place (a memoryview: no copy of the prompt)."""
-        pt = self.page_tokens
-        w = pt * 8  # bytes per page
-        n_pages = len(arr) // pt
-        total = n_pages * w  # bytes of the whole pages
-        if arr.dtype is not INT64:
-            q, flat, hi = b"", True, 0  # converted as the walk goes
-        elif total <= _FIRST_BYTES:  # (a partial tail's bytes follow: no compare reaches them)
-            q, flat, hi = arr.tobytes(), True, total
-        elif arr.flags.c_contiguous:
-            q, flat, hi = memoryview(arr).cast("B"), False, total
+        total = len(arr) // self.page_tokens * self.page_tokens * 8  # bytes of the whole pages
+        if arr.dtype is INT64 and total > _FIRST_BYTES and arr.flags.c_contiguous:
+            return self._walk_view(memoryview(arr).cast("B"), total)
+        return self._walk_bytes(arr, total)
+
+    def _walk_bytes(self, arr: np.ndarray, total: int) -> list[Node]:
+        """``walk`` on the query's bytes: the first ``hi`` of ``total``, more when a compare
+        reaches past them (the hot loop is a dict lookup and a memcmp per node)."""
+        w = self.page_tokens * 8
+        if arr.dtype is INT64 and total <= _FIRST_BYTES:  # (a partial tail's bytes follow:
+            q, hi = arr.tobytes(), total                  # no compare reaches them)
         else:
-            q, flat, hi = b"", True, 0
-        pos, path = 0, []
-        children = self.root.children
-        while pos < n_pages and children:
-            a = pos * w
-            if a + w > hi:
-                hi, q = _query_bytes(arr, max(a + w, 2 * hi, _FIRST_BYTES), total)
-            child = children.get(q[a:a + w] if flat else q[a:a + w].tobytes())
+            hi, q = _query_bytes(arr, _FIRST_BYTES, total)
+        a, path, children = 0, [], self.root.children  # a: bytes matched
+        while a < total and children:
+            child = children.get(q[a:a + w])
+            if child is None:
+                if a + w <= hi:
+                    break
+                hi, q = _query_bytes(arr, max(a + w, 2 * hi), total)  # the key was cut short
+                continue
+            ct = child.tokens
+            if q.startswith(ct, a):  # the whole node matches
+                path.append(child)
+                a += len(ct)
+                children = child.children
+                continue
+            e = min(a + len(ct), total)  # the query ends inside the node or differs in it
+            if e > hi:
+                hi, q = _query_bytes(arr, max(e, 2 * hi), total)
+                continue
+            path.append(self._cut(child, q, a, e))
+            break
+        return path
+
+    def _walk_view(self, q: memoryview, total: int) -> list[Node]:
+        """``walk`` on a long native int64 query in place (``q``: its bytes, not copied)."""
+        w = self.page_tokens * 8
+        a, path, children = 0, [], self.root.children
+        while a < total and children:
+            child = children.get(q[a:a + w].tobytes())
             if child is None:
                 break
             ct = child.tokens
-            if (q.startswith(ct, a) if flat else  # memcmp: the whole node matches
-                    a + len(ct) <= total and ct.startswith(q[a:a + len(ct)])):
+            e = a + len(ct)
+            if e <= total and ct.startswith(q[a:e]):  # the whole node matches
                 path.append(child)
-                pos += child.npages
+                a = e
                 children = child.children
                 continue
-            # the query ends inside the node or differs in it: find the first page that differs
-            m = min(child.npages, n_pages - pos)  # pages of the node the query can cover
-            k = 1  # the lookup matched the first page
-            if m > 1:
-                e = a + m * w
-                if e > hi:
-                    hi, q = _query_bytes(arr, max(e, 2 * hi), total)
-                ne = np.frombuffer(q, np.int64, m * pt, a) != np.frombuffer(ct, np.int64, m * pt)
-                k = int(ne.argmax()) // pt if ne.any() else m
-            if k < child.npages:
-                child = self.split(child, k)
-            path.append(child)
-            pos += k
-            if k < m:
-                break
-            children = child.children
+            path.append(self._cut(child, q, a, min(e, total)))
+            break
         return path
+
+    def _cut(self, child: Node, q, a: int, e: int) -> Node:
+        """``child`` matched by its first page at query byte ``a``, but not whole: the query
+        (bytes-like ``q``) ends at byte ``e`` inside it or differs before. Returns the child
+        split after the pages that match."""
+        pt = self.page_tokens
+        m = (e - a) // (pt * 8)  # pages of the node the query covers
+        k = 1  # the lookup matched the first page
+        if m > 1:
+            ne = (np.frombuffer(q, np.int64, m * pt, a)
+                  != np.frombuffer(child.tokens, np.int64, m * pt))
+            k = int(ne.argmax()) // pt if ne.any() else m
+        return self.split(child, k) if k < child.npages else child
 
     def split(self, node: Node, k: int) -> Node:
         """Split ``node`` after ``k`` pages; returns the new upper node (the original object
