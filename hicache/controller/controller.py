@@ -21,7 +21,7 @@ import numpy as np
 
 from hicache.controller.order import EvictionOrder
 from hicache.controller.policy import controller_policy
-from hicache.controller.tree import Node, RadixTree, chain_pages
+from hicache.controller.tree import DEVICE_PAGES, HOST_PAGES, Node, RadixTree, chain_pages
 from hicache.controller.types import BackupOp, ControllerStats, InsertResult, LoadOp, Match
 from hicache.checks import check_int
 from hicache.errors import DeviceFullError, InvariantError, UsageError
@@ -133,18 +133,20 @@ class CacheController:
             waits = tuple(sorted({o for n in dev for o in n.pending
                                   if isinstance(self._ops[o].op, LoadOp)}))
         used = dev + hst if hst else dev
-        self._touch(used[::-1], self._clock)
-        dpages = chain_pages(dev, "device")
-        hpages = chain_pages(hst, "host") if hst else _NO_IDS
+        self._touch(reversed(used), self._clock)
+        dpages = chain_pages(dev, DEVICE_PAGES)
+        hpages = chain_pages(hst, HOST_PAGES) if hst else _NO_IDS
         pt = self.page_tokens
         return Match(pt * len(dpages), pt * len(hpages), dpages, hpages, tuple(dev), tuple(hst),
                      used[-1] if used else self.tree.root, waits)
 
-    def _touch(self, nodes: Iterable[Node], clock: int) -> None:
-        """Mark ``nodes`` used now; pass a path leaf first (a parent then follows its children
-        in the eviction order)."""
+    def _touch(self, nodes: Iterable[Node], clock: int, hits: int = 0) -> None:
+        """Mark ``nodes`` used now and add ``hits`` to their use counts (first: LFU files a node
+        by its count); pass a path leaf first (a parent then follows its children in the
+        eviction order)."""
         dtouch, htouch = self._dev.touch, self._hst.touch
         for n in nodes:
+            n.hits += hits
             n.last_access = clock
             if n.device is not None:
                 dtouch(n)
@@ -159,12 +161,13 @@ class CacheController:
             raise UsageError(f"lock() takes a Match or a Node, got {type(target).__name__}")
         if not node.alive:
             raise UsageError(f"cannot lock node {node.nid}: it was evicted after the match")
-        n = node
+        n, newly = node, 0  # newly: device pages of nodes this lock is the first on
         while n.parent is not None:
             if not n.lock_ref and n.device is not None:
-                self._locked_dev_pages += n.npages
+                newly += n.npages
             n.lock_ref += 1
             n = n.parent
+        self._locked_dev_pages += newly
         return LockHandle(node)
 
     def unlock(self, handle: "LockHandle | Node") -> None:
@@ -179,12 +182,13 @@ class CacheController:
             raise UsageError(f"unlock() takes a LockHandle or Node, got {type(handle).__name__}")
         if node.parent is not None and node.lock_ref <= 0:
             raise UsageError(f"unlock of node {node.nid} without a matching lock")
-        n = node
+        n, last = node, 0  # last: device pages of nodes this was the last lock on
         while n.parent is not None:
             n.lock_ref -= 1
             if not n.lock_ref and n.device is not None:
-                self._locked_dev_pages -= n.npages
+                last += n.npages
             n = n.parent
+        self._locked_dev_pages -= last
         if isinstance(handle, LockHandle):
             handle.released = True
 
@@ -301,7 +305,7 @@ class CacheController:
         (adopted), a new page or the tail's. No request page may repeat."""
         raw = pages.tobytes()  # the caller's pages as bytes: compares without numpy calls
         try:  # the common case, every path node on the device: the path's pages in one join
-            held = b"".join([n.device for n in path])
+            held = b"".join(map(DEVICE_PAGES, path))
         except TypeError:  # a host-only node on the path (no device pages)
             return self._check_insert_nodes(path, pages, raw)
         cached = len(held) // 8
@@ -349,9 +353,7 @@ class CacheController:
                                        arr[plan.cached * pt:whole * pt])
             self._attach_device(leaf, pages[plan.cached:whole].copy())
             path.append(leaf)
-        for node in path:
-            node.hits += 1
-        self._touch(path[::-1], self._clock)  # counted first: LFU files a node by its count
+        self._touch(reversed(path), self._clock, 1)
         if self.host.num_pages:
             for node in path:
                 self._maybe_backup(node)
@@ -360,8 +362,8 @@ class CacheController:
             freed = join_ids([freed, pages[whole:]])
         if len(freed):  # (a new array: the caller's pages stay the caller's)
             self.device.free_array(freed, trusted=True)
-        return InsertResult(freed, [n.device for n in path], path[-1] if path else self.tree.root,
-                            new_pages)
+        return InsertResult(freed, list(map(DEVICE_PAGES, path)),
+                            path[-1] if path else self.tree.root, new_pages)
 
     def _maybe_backup(self, node: Node) -> None:
         if (node.host is not None or node.device is None or node.pending
@@ -421,7 +423,7 @@ class CacheController:
             if p.device is not None:
                 self._dev.touch(p)
             p = p.parent
-        op = LoadOp(op_id, tuple(chain_pages(nodes, "host").tolist()), tuple(pages.tolist()))
+        op = LoadOp(op_id, tuple(chain_pages(nodes, HOST_PAGES).tolist()), tuple(pages.tolist()))
         self._ops[op_id] = _OpRecord(op, nodes)
         self._new_ops.append(op)
         self.stats.loads += 1

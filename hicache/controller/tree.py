@@ -11,6 +11,7 @@ here (walk, split, add, remove, digest); policies live in ``controller.py``.
 from __future__ import annotations
 
 import hashlib
+import operator
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -238,6 +239,11 @@ class RadixTree:
         return out
 
 
-def chain_pages(nodes: Sequence[Node], attr: str) -> np.ndarray:
-    """The nodes' page ids of one tier, end to end (a new int64 array)."""
-    return join_ids([getattr(n, attr) for n in nodes])
+DEVICE_PAGES = operator.attrgetter("device")  # node -> its device page ids (C calls in map:
+HOST_PAGES = operator.attrgetter("host")      # no Python frame per node)
+
+
+def chain_pages(nodes: Sequence[Node], tier: "operator.attrgetter") -> np.ndarray:
+    """The nodes' page ids of one tier (``DEVICE_PAGES`` or ``HOST_PAGES``), end to end (a new
+    int64 array)."""
+    return join_ids(list(map(tier, nodes)))
