@@ -140,13 +140,11 @@ class CacheController:
         return Match(pt * len(dpages), pt * len(hpages), dpages, hpages, tuple(dev), tuple(hst),
                      used[-1] if used else self.tree.root, waits)
 
-    def _touch(self, nodes: Iterable[Node], clock: int, hits: int = 0) -> None:
-        """Mark ``nodes`` used now and add ``hits`` to their use counts (first: LFU files a node
-        by its count); pass a path leaf first (a parent then follows its children in the
-        eviction order)."""
+    def _touch(self, nodes: Iterable[Node], clock: int) -> None:
+        """Mark ``nodes`` used now; pass a path leaf first (a parent then follows its children
+        in the eviction order)."""
         dtouch, htouch = self._dev.touch, self._hst.touch
         for n in nodes:
-            n.hits += hits
             n.last_access = clock
             if n.device is not None:
                 dtouch(n)
@@ -227,13 +225,15 @@ class CacheController:
                 return None
         return pool.alloc_array(n)
 
-    def _check_request_pages(self, idx: np.ndarray, what: str) -> None:
-        """UsageError unless the ids of ``idx`` (int64 [k]) are distinct request pages. Exactly
-        one ``alloc_device`` result, as it was handed out, skips the range and duplicate checks
-        (the allocation guarantees them); the grant is used up either way."""
+    def _check_request_pages(self, idx: np.ndarray, what: str, grant: bytes | None = None) -> None:
+        """UsageError unless the ids of ``idx`` (int64 [k]; ``grant``: its bytes, if at hand)
+        are distinct request pages. Exactly one ``alloc_device`` result, as it was handed out,
+        skips the range and duplicate checks (the allocation guarantees them); the grant is
+        used up either way."""
         if not len(idx):
             return
-        grant = idx.tobytes()
+        if grant is None:
+            grant = idx.tobytes()
         if grant in self._grants:
             self._grants.discard(grant)
             if _all_set(self._request_page[idx]):  # still request pages: not given back since
@@ -310,12 +310,13 @@ class CacheController:
             return self._check_insert_nodes(path, pages, raw)
         cached = len(held) // 8
         if raw.startswith(held):  # the cached pages are the caller's own: new pages only
-            dup, taken = _NO_IDS, pages[cached:]
+            dup, taken, key = _NO_IDS, pages[cached:], raw[len(held):]
         else:  # the caller computed some cached pages itself (e.g. a concurrent request's)
             part = pages[:cached]
             dup = part[part != np.frombuffer(held, INT64)]
             taken = join_ids([dup, pages[cached:]])  # in position order
-        self._check_request_pages(taken, "insert")
+            key = taken.tobytes()
+        self._check_request_pages(taken, "insert", key)
         return _InsertPlan(cached, dup, [], taken)
 
     def _check_insert_nodes(self, path: list[Node], pages: np.ndarray,
@@ -353,7 +354,9 @@ class CacheController:
                                        arr[plan.cached * pt:whole * pt])
             self._attach_device(leaf, pages[plan.cached:whole].copy())
             path.append(leaf)
-        self._touch(reversed(path), self._clock, 1)
+        for node in path:
+            node.hits += 1
+        self._touch(reversed(path), self._clock)  # counted first: LFU files a node by its count
         if self.host.num_pages:
             for node in path:
                 self._maybe_backup(node)

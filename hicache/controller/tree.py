@@ -62,10 +62,6 @@ class Node:
                 f"host={self.host}, valid={self.host_valid}, lock={self.lock_ref})")
 
 
-def _i64(x: np.ndarray) -> np.ndarray:
-    return x if x.dtype is INT64 else x.astype(INT64)
-
-
 _FIRST_BYTES = 64 * 1024  # a walk first converts this much of the query (a miss costs no more)
 
 
@@ -194,8 +190,9 @@ class RadixTree:
     def add_child(self, parent: Node, tokens: np.ndarray) -> Node:
         """New leaf under ``parent`` for ``tokens`` (ints, whole pages)."""
         pt = self.page_tokens
-        kb = _i64(tokens).tobytes()
-        node = Node(self._new_id(), parent, kb, len(tokens) // pt)
+        kb = (tokens if tokens.dtype is INT64 else tokens.astype(INT64)).tobytes()
+        node = Node(self._next_id, parent, kb, len(tokens) // pt)
+        self._next_id += 1
         parent.children[kb[:pt * 8]] = node
         self.num_nodes += 1
         return node
