@@ -260,6 +260,8 @@ def test_join_ids_is_concatenate(parts):
     want = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
     assert got.dtype == np.int64 and got.tolist() == want.tolist()
     assert got.flags.writeable and not any(np.shares_memory(got, a) for a in arrays)
+    with pytest.raises(TypeError):                    # a node not on the tier has None pages
+        join_ids(arrays + [None])
 
 
 def test_non_native_int64_tokens_take_the_general_path():

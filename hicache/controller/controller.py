@@ -116,26 +116,27 @@ class CacheController:
         self._clock += 1
         self.stats.matches += 1
         path = self.tree.walk(arr)
-        k = 0  # the device part: nodes on the device from the root on
-        for n in path:
-            if n.device is None:
-                break
-            k += 1
-        dev, hst = path, []
-        if k < len(path):
+        dev, hst, hpages = path, [], _NO_IDS
+        try:  # the common case, every node on the device: its pages in one join
+            dpages = chain_pages(path, DEVICE_PAGES)
+        except TypeError:  # a host-only node (no device pages) ends the device part
+            k = 0
+            while path[k].device is not None:
+                k += 1
             dev = path[:k]
             for n in path[k:]:  # then the host-only part (host copies agreed complete)
                 if n.device is not None or not n.host_valid:
                     break
                 hst.append(n)
+            dpages = chain_pages(dev, DEVICE_PAGES)
+            if hst:
+                hpages = chain_pages(hst, HOST_PAGES)
         waits: tuple[int, ...] = ()
         if self._ops:  # matched pages still being loaded
             waits = tuple(sorted({o for n in dev for o in n.pending
                                   if isinstance(self._ops[o].op, LoadOp)}))
         used = dev + hst if hst else dev
         self._touch(reversed(used), self._clock)
-        dpages = chain_pages(dev, DEVICE_PAGES)
-        hpages = chain_pages(hst, HOST_PAGES) if hst else _NO_IDS
         pt = self.page_tokens
         return Match(pt * len(dpages), pt * len(hpages), dpages, hpages, tuple(dev), tuple(hst),
                      used[-1] if used else self.tree.root, waits)

@@ -242,5 +242,5 @@ HOST_PAGES = operator.attrgetter("host")      # no Python frame per node)
 
 def chain_pages(nodes: Sequence[Node], tier: "operator.attrgetter") -> np.ndarray:
     """The nodes' page ids of one tier (``DEVICE_PAGES`` or ``HOST_PAGES``), end to end (a new
-    int64 array)."""
+    int64 array); TypeError if a node is not on that tier."""
     return join_ids(list(map(tier, nodes)))
