@@ -383,7 +383,7 @@ def replay_controller(arrays, page, device_pages, host_pages, inflight, write="w
     controller, as the references get Python lists: each its own form, made before timing)."""
     ctrl = CacheController(page, device_pages, host_pages, write=write)
     agree = StepAgreement(local=True)
-    hits = {"l1": 0, "l2": 0}
+    l1 = l2 = 0
     q = deque()
     t0 = time.process_time()
     for toks in arrays:
@@ -393,13 +393,12 @@ def replay_controller(arrays, page, device_pages, host_pages, inflight, write="w
         have = m.device_len // page + (len(ld.device_pages) if ld else 0)
         try:
             new = ctrl.alloc_device(len(toks) // page - have, as_array=True)
-            parts = [m.device_pages, np.array(ld.device_pages, np.int64)] if ld else [
-                m.device_pages]
-            pages = np.concatenate(parts + [new]) if ld or len(new) else m.device_pages
+            pages = (np.concatenate((m.device_pages, np.array(ld.device_pages, np.int64), new))
+                     if ld else np.concatenate((m.device_pages, new)))
         except DeviceFullError:
             pages = None
-        hits["l1"] += m.device_len
-        hits["l2"] += m.host_len if ld else 0
+        l1 += m.device_len
+        l2 += m.host_len if ld else 0
         q.append((toks, h, pages))
         if len(q) >= inflight:
             _finish(ctrl, agree, q.popleft())
@@ -407,7 +406,7 @@ def replay_controller(arrays, page, device_pages, host_pages, inflight, write="w
         _finish(ctrl, agree, q.popleft())
     dt = time.process_time() - t0
     ctrl.check()
-    return hits, dt, ctrl
+    return {"l1": l1, "l2": l2}, dt, ctrl
 
 
 def _finish(ctrl, agree, item):
