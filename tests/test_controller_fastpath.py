@@ -276,3 +276,24 @@ def test_non_native_int64_tokens_take_the_general_path():
     assert c.match(toks).device_len == 3 * PT and c.match(be).device_len == 3 * PT
     assert c.insert(toks, c.match(be).device_pages).new_pages == 0
     c.check()
+
+
+def test_grants_hold_only_request_pages():
+    """A grant passes an insert unchecked, so every grant kept holds only request pages: pages
+    given back any other way empty the set; the next inserts take the general check."""
+    c = CacheController(PT, 32, 0)
+    a, b = c.alloc_device(3, as_array=True), c.alloc_device(2, as_array=True)
+    assert {a.tobytes(), b.tobytes()} == c._grants
+    c.free_device(a[2:])                              # part of a grant: not one of them
+    assert not c._grants
+    c.free_device(a[:1])
+    with pytest.raises(UsageError, match="not allocated"):
+        c.insert(fresh_tokens(0, 2), a[:2])           # a[0] went back: refused, nothing kept
+    assert c.request_pages == frozenset([int(a[1])] + b.tolist())
+    r = c.insert(fresh_tokens(1, 2), b)               # general check: accepted all the same
+    assert r.device_pages.tolist() == b.tolist()
+    d = c.alloc_device(2, as_array=True)
+    c.insert(fresh_tokens(2, 2), d)                   # a grant: used up
+    assert not c._grants
+    c.free_device(a[1:2])
+    c.check()

@@ -92,11 +92,11 @@ class CacheController:
         # per device page: True while it is a request page, i.e. handed out by alloc_device and
         # not yet inserted or freed (the only pages insert and free_device take from a caller)
         self._request_page = np.zeros(self.device.num_pages, np.bool_)
-        # the bytes of alloc_device results not yet seen again: request pages taken by an
-        # insert (after any cached ones) or freed as exactly one of them skip the range and
-        # duplicate checks, which an allocation guarantees. An entry outlives its pages only
-        # when they were given back another way; it then costs memory alone (bounded by
-        # _MAX_GRANTS)
+        # the bytes of alloc_device results ("grants") whose pages are all still request pages:
+        # request pages taken by an insert (after any cached ones) or freed as exactly one of
+        # them skip every check, which the allocation and this set guarantee. Request pages
+        # given back any other way empty the set (a grant may hold some of them; the next
+        # inserts then take the general check), so does passing _MAX_GRANTS
         self._grants: set[bytes] = set()
         lfu = self.policy.eviction == "lfu"
         self._dev = EvictionOrder(lfu)  # nodes with device pages, eviction order
@@ -228,17 +228,16 @@ class CacheController:
 
     def _check_request_pages(self, idx: np.ndarray, what: str, grant: bytes | None = None) -> None:
         """UsageError unless the ids of ``idx`` (int64 [k]; ``grant``: its bytes, if at hand)
-        are distinct request pages. Exactly one ``alloc_device`` result, as it was handed out,
-        skips the range and duplicate checks (the allocation guarantees them); the grant is
-        used up either way."""
+        are distinct request pages, which the caller then gives back. Exactly one grant (an
+        ``alloc_device`` result, as handed out) passes at once and is used up."""
         if not len(idx):
             return
         if grant is None:
             grant = idx.tobytes()
         if grant in self._grants:
-            self._grants.discard(grant)
-            if _all_set(self._request_page[idx]):  # still request pages: not given back since
-                return
+            self._grants.remove(grant)
+            return
+        self._grants.clear()  # idx may hold some grant's pages
         try:
             ok = int(idx.min()) >= 0 and _all_set(self._request_page[idx])
         except IndexError:
@@ -652,6 +651,9 @@ class CacheController:
     def check(self) -> None:
         """Raise InvariantError if the bookkeeping is inconsistent (tests, debug)."""
         dev_seen: set[int] = set(np.flatnonzero(self._request_page).tolist())
+        for g in self._grants:
+            if not set(np.frombuffer(g, np.int64).tolist()) <= dev_seen:
+                raise InvariantError("a grant holds pages that are not request pages")
         host_seen: set[int] = set()
         dev_nodes, host_nodes = set(), set()
         evicting = dev_pages = locked = host_valid = 0
