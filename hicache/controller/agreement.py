@@ -67,7 +67,7 @@ class StepAgreement:
         if self.debug and digest is None:
             raise DivergenceError("debug agreement needs a digest (pass controller.digest())")
         if self.local:  # no collective: this rank's view is the agreed one
-            out = AgreedStep(tuple(o for o, f in zip(op_ids, flags) if f), tuple(extras),
+            out = AgreedStep(tuple([o for o, f in zip(op_ids, flags) if f]), tuple(extras),
                              self.steps)
             self.steps += 1
             return out
@@ -80,7 +80,7 @@ class StepAgreement:
                 f"extras {v[4]}/{-v[5]}); the controllers diverged")
         if self.debug:
             self._compare(digest)
-        agreed = tuple(o for o, f in zip(op_ids, v[6:6 + n]) if f == 1)
+        agreed = tuple([o for o, f in zip(op_ids, v[6:6 + n]) if f == 1])
         out = AgreedStep(agreed, tuple(v[6 + n:]), self.steps)
         self.steps += 1
         return out
@@ -97,7 +97,7 @@ class StepAgreement:
             if len(done) != len(op_ids):
                 raise DivergenceError(f"{len(done)} done flags for {len(op_ids)} in-flight ops")
             return [1 if d else 0 for d in done]
-        return StepAgreement._flags(op_ids, set(int(d) for d in done))
+        return StepAgreement._flags(op_ids, {int(d) for d in done})
 
     def _compare(self, digest: Any) -> None:
         allg = hd.all_gather_object(digest, self.world_size, group=self.group)

@@ -446,7 +446,7 @@ class CacheController:
         evicted under write_back free their device pages."""
         if type(op_ids) in (tuple, list) and not op_ids:
             return
-        ids = sorted(set(int(o) for o in op_ids))
+        ids = sorted({int(o) for o in op_ids})
         for o in ids:
             if o not in self._ops:
                 raise UsageError(f"op {o} is not in flight (in flight: {self.inflight_ops()})")
