@@ -139,8 +139,11 @@ def test_names_follow_prometheus_conventions():
 
 
 def bench_config(l3, l1_pages: int = 48) -> str:
-    """Two DCP ranks of the tiny model, L2 as large as L1, L3 at ``l3``."""
-    return policy_toml(l3, dcp=2, l1_pages=l1_pages, l2_ratio=1.0)
+    """Two DCP ranks of the tiny model, L2 as large as L1, L3 at ``l3``. L3 hits are always
+    loaded (``l3_cost_model`` off): the soak counts them, and on a loaded machine the measured
+    step time would make short hits recompute."""
+    return policy_toml(l3, dcp=2, l1_pages=l1_pages, l2_ratio=1.0,
+                       policy={"l3_cost_model": False})
 
 
 def _free_pair() -> int:
