@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from hicache.l1.pool import DeviceKVPool, zeroed  # noqa: E402
 from hicache.l2.pool import HostKVPool  # noqa: E402
-from hicache.l2.transfer import TransferEngine  # noqa: E402
+from hicache.l2.transfer import COPY_THREADS, TransferEngine  # noqa: E402
 from hicache.layout import DCPLayout  # noqa: E402
 
 KV_DIM, PAGE = 576, 16
@@ -130,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--io", choices=("direct", "kernel"), default="direct")
     ap.add_argument("--pattern", choices=("contiguous", "scattered", "both"), default="both")
     ap.add_argument("--dcp", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--copy-threads", type=int, default=1,
-                    help="CPU threads per transfer job (the memcpy baseline stays one thread)")
+    ap.add_argument("--copy-threads", type=int, default=COPY_THREADS,
+                    help="CPU threads that copy one big job together (default: the engine's, "
+                         f"{COPY_THREADS}; the memcpy baseline stays one thread)")
     args = ap.parse_args(argv)
     tokens = args.tokens or (8192 if args.quick else 16384)
     reps = args.reps or (4 if args.quick else 11)

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from hicache.l2.blocks import (BlockPlan, block_view, page_view, plan_blocks, run_block_plan,
-                               run_page_runs, split_block_plan)
+                               run_page_runs, split_block_plan, split_runs)
 from hicache.l2.transfer import CopyBackend, PageSide, TransferJob, register_backend
 
 # A job of at most this many runs of consecutive (src, dst) pages is copied run by run
@@ -53,8 +53,9 @@ class CpuBackend(CopyBackend):
         self._blocks = {id(s): block_view(s.base, s.block_elems) for s in sides}
         self._pages = {id(s): page_view(s.base, s.num_layers, s.num_pages, s.page_major)
                        for s in sides}
-        # threads that each copy a share of a job (the worker itself is one of them)
-        T = engine.copy_threads
+        # threads that each copy a share of a big job (the thread running the job is one of
+        # them; two workers may split jobs at once)
+        T = self._threads = engine.copy_threads
         self._helpers = ThreadPoolExecutor(2 * (T - 1), "hicache-copy") if T > 1 else None
         self._workers: dict[str, tuple[queue.SimpleQueue, threading.Thread]] = {}
         for direction in ("d2h", "h2d"):
@@ -128,41 +129,82 @@ class CpuBackend(CopyBackend):
                 job._layer_done(layer)
             return
         bp = job.prepared if job.prepared is not None else self.plan(job)
+        T = self._threads if job.nbytes >= self.engine.split_bytes else 1
+        load = job.direction != "d2h"
         if type(bp) is list:  # page runs: a group of layers per call
             src, dst = self._page_side(src_side), self._page_side(dst_side)
-            k = L if job.direction == "d2h" else layer_group(L, job.nbytes)
-            for l0 in range(0, L, k):
-                run_page_runs(bp, src[l0:l0 + k], dst[l0:l0 + k])
-                job._layer_done(min(L, l0 + k) - 1)
+            k = layer_group(L, job.nbytes) if load else L
+            if T == 1:
+                for l0 in range(0, L, k):
+                    run_page_runs(bp, src[l0:l0 + k], dst[l0:l0 + k])
+                    job._layer_done(min(L, l0 + k) - 1)
+                return
+
+            def piece(runs, stop: list) -> None:
+                for l0 in range(0, L, k):
+                    if stop:
+                        return
+                    run_page_runs(runs, src[l0:l0 + k], dst[l0:l0 + k])
+                    job._layers_landed(l0, min(L, l0 + k))
+
+            self._run_pieces(job, piece, split_runs(bp, T))
             return
         (src, (s_l, _)), (dst, (d_l, _)) = self._side(src_side), self._side(dst_side)
-        T = self.engine.copy_threads
-        if job.direction == "d2h":  # all layers in one plan (split across the copy threads)
-            parts = split_block_plan(bp, T)
-            futs = [self._helpers.submit(run_block_plan, p, src, dst) for p in parts[1:]]
-            run_block_plan(parts[0], src, dst)
-            for f in futs:
-                f.result()
-            job._layer_done(L - 1)
-            return
-        # Into the device: the layer-0 plan replayed per layer, layer i usable early. With T
-        # threads, thread t copies layers t, t + T, ...; a layer arrives once all before it
-        # landed.
-        def layers(first: int) -> None:
-            for layer in range(first, L, T):
+        if T == 1:
+            if not load:  # a backup: all layers in one plan
+                run_block_plan(bp, src, dst)
+                job._layer_done(L - 1)
+                return
+            for layer in range(L):  # the layer-0 plan replayed per layer, layer i usable early
                 run_block_plan(bp, src, dst, layer * s_l, layer * d_l)
-                job._layer_landed(layer)
+                job._layer_done(layer)
+            return
 
-        futs = [self._helpers.submit(layers, t) for t in range(1, min(T, L))]
-        layers(0)
+        def piece(part: BlockPlan, stop: list) -> None:
+            if not load:
+                run_block_plan(part, src, dst)
+                job._layers_landed(0, L)
+                return
+            for layer in range(L):
+                if stop:
+                    return
+                run_block_plan(part, src, dst, layer * s_l, layer * d_l)
+                job._layers_landed(layer, layer + 1)
+
+        self._run_pieces(job, piece, split_block_plan(bp, T))
+
+    def _run_pieces(self, job: TransferJob, piece, parts: list) -> None:
+        """Run ``piece(part, stop)`` for every part at once: the first on this thread, the others
+        on the helper threads. Each lands its share of each layer (``job._layers_landed``), so a
+        layer arrives once every part has copied it. Returns once every part has stopped (a
+        failed job never has a copy still writing), raising the first failure; ``stop`` tells
+        the other parts to end early after one failed."""
+        job._pieces = len(parts)
+        stop: list[BaseException] = []
+
+        def run(part) -> None:
+            try:
+                piece(part, stop)
+            except BaseException as err:  # reported below, once every part has stopped
+                stop.append(err)
+
+        futs = []
+        try:
+            for p in parts[1:]:
+                futs.append(self._helpers.submit(run, p))
+        except BaseException as err:  # no helper to take a part (shut down): the job fails
+            stop.append(err)
+        if not stop:
+            run(parts[0])
         for f in futs:
             f.result()
+        if stop:
+            raise stop[0]
 
     def plan(self, job: TransferJob) -> BlockPlan | list[tuple[int, int, int]]:
-        """What a direct job runs: its page runs when they are few (one thread, no forced copy
-        kind), else a block plan."""
-        e = self.engine
-        if e.cpu_copy is None and e.copy_threads == 1 and job.plan.num_runs <= PAGE_RUNS_MAX:
+        """What a direct job runs: its page runs when they are few (and no copy kind is forced),
+        else a block plan."""
+        if self.engine.cpu_copy is None and job.plan.num_runs <= PAGE_RUNS_MAX:
             return job.plan.runs
         return self.plan_blocks(job)
 

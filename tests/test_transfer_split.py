@@ -1,0 +1,241 @@
+"""Big CPU jobs split across copy threads (``TransferEngine.copy_threads``, jobs of at least
+``split_bytes``): the same bytes as one thread for every layout, direction and page pattern,
+loads still arriving layer by layer in order (a layer once every piece of it landed), one
+failing piece failing the whole job only after every piece stopped, and no thread left behind
+at close. ``split_bytes = 0`` splits the tiny jobs of these tests."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.errors import TransferError, UsageError
+from hicache.l1.pool import DeviceKVPool
+from hicache.l2 import copy_cpu
+from hicache.l2.blocks import split_runs
+from hicache.l2.pool import HostKVPool
+from hicache.l2.transfer import COPY_THREADS, DONE, FAILED, PENDING, TransferEngine
+from hicache.layout import DCPLayout
+
+L, P, D = 5, 4, 8
+PAGES = 48
+
+
+def pools(kind, dtype=torch.bfloat16):
+    lay = DCPLayout(1, 0, P)
+    return (DeviceKVPool(lay, L, D, dtype, PAGES),
+            HostKVPool(lay, L, D, dtype, PAGES, layout_kind=kind))
+
+
+def dev_page(d, p):
+    return d.kv[:, p * P:(p + 1) * P]
+
+
+PATTERNS = {
+    "contiguous": (list(range(PAGES)), list(range(PAGES))),       # one run: page runs
+    "few_runs": ([9, 3, 4, 5, 17, 30, 31], [0, 1, 2, 3, 4, 40, 41]),  # page runs, cut by pieces
+    "scattered": (np.random.default_rng(0).permutation(PAGES).tolist(),  # block plans
+                  list(range(PAGES))),
+}
+
+
+def split_engine(d, h, threads=2):
+    eng = TransferEngine(d, h, copy_threads=threads)
+    eng.split_bytes = 0  # split every job, however small
+    eng.inline_bytes = 0  # through the copy threads
+    return eng
+
+
+def test_default_copy_threads_and_limits():
+    d, h = pools("page_first")
+    with TransferEngine(d, h) as eng:
+        assert eng.copy_threads == COPY_THREADS == 2 and eng.split_bytes == 8 << 20
+    for bad in (0, 17, 2.0, True):
+        with pytest.raises(UsageError, match="copy_threads"):
+            TransferEngine(d, h, copy_threads=bad)
+
+
+def test_split_runs_cover_every_page_once_in_order():
+    runs = [(9, 0, 1), (3, 1, 3), (17, 4, 1), (30, 40, 2)]
+    for parts in (1, 2, 3, 7, 20):
+        pieces = split_runs(runs, parts)
+        assert 1 <= len(pieces) <= parts and all(pieces)
+        flat = [(s + i, t + i) for piece in pieces for s, t, n in piece for i in range(n)]
+        assert flat == [(s + i, t + i) for s, t, n in runs for i in range(n)]
+        sizes = [sum(n for *_, n in piece) for piece in pieces]
+        assert max(sizes) - min(sizes) <= -(-7 // parts)
+    assert split_runs([(0, 0, 1)], 4) == [[(0, 0, 1)]]
+
+
+@pytest.mark.parametrize("kind", ["page_first", "layer_first"])
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+@pytest.mark.parametrize("threads", [2, 3])
+def test_split_jobs_are_bit_exact_both_ways(kind, pattern, threads):
+    d, h = pools(kind)
+    d.kv.normal_()
+    ref = d.kv.clone()
+    dev_pages, host_pages = PATTERNS[pattern]
+    with split_engine(d, h, threads) as eng:
+        back = eng.backup(dev_pages, host_pages)
+        assert (type(back.prepared) is list) == (pattern != "scattered")
+        back.wait(timeout=30)
+        assert back.status() == DONE
+        for s, t in zip(dev_pages, host_pages):
+            assert torch.equal(h.page_view(t), ref[:, s * P:(s + 1) * P])
+        d.kv.zero_()
+        targets = list(reversed(dev_pages))  # back into other device pages
+        load = eng.load(host_pages, targets)
+        for layer in range(L):
+            load.wait_layer(layer, timeout=30)
+            for s, t in zip(dev_pages, targets):  # layer `layer` whole on every target
+                assert torch.equal(d.kv[layer, t * P:(t + 1) * P], ref[layer, s * P:(s + 1) * P])
+        load.wait(timeout=30)
+        assert load.status() == DONE and load._pieces == min(threads, len(dev_pages))
+        for p in set(range(PAGES)) - set(targets):
+            assert not dev_page(d, p).any()  # nothing written outside the job
+        staging = torch.randn(3, L, P, D).to(torch.bfloat16)
+        eng.restore(staging, [7, 0, 44]).wait(timeout=30)
+        for i, t in enumerate([7, 0, 44]):
+            assert torch.equal(dev_page(d, t), staging[i])
+        assert eng.stats.jobs_d2h == 1 and eng.stats.jobs_h2d == 2
+        assert eng.stats.bytes_d2h == len(dev_pages) * d.bytes_per_page
+
+
+@pytest.mark.parametrize("block_plan", [False, True])
+def test_a_split_load_arrives_layer_by_layer_only_once_every_piece_landed(monkeypatch,
+                                                                          block_plan):
+    """The helper thread copies its piece of every layer while the thread running the job is
+    held before its first: no layer may arrive; released, layers arrive in order, each whole."""
+    d, h = pools("page_first")
+    d.kv.normal_()
+    ref = d.kv.clone()
+    monkeypatch.setattr(copy_cpu, "LAYER_GROUP_BYTES", 1)  # page runs: one layer a group
+    name = "run_block_plan" if block_plan else "run_page_runs"
+    real = getattr(copy_cpu, name)
+    gate, helper_calls = threading.Event(), []
+
+    def gated(*args):
+        if threading.current_thread().name.startswith("hicache-copy"):
+            helper_calls.append(1)
+        else:
+            gate.wait(30)
+        real(*args)
+    pages = PATTERNS["scattered" if block_plan else "contiguous"][0]
+    with split_engine(d, h) as eng:
+        eng.backup(pages, list(range(PAGES))).wait(timeout=30)
+        d.kv.zero_()
+        monkeypatch.setattr(copy_cpu, name, gated)
+        job = eng.load(list(range(PAGES)), pages)
+        arrivals = []
+        real_landed = job._layers_landed
+
+        def landed(first, end):
+            real_landed(first, end)
+            arrivals.append(job._arrived)
+        job._layers_landed = landed
+        for _ in range(3000):  # the helper lands its piece of all L layers
+            if int(sum(job._landed)) == L:
+                break
+            threading.Event().wait(0.01)
+        assert len(helper_calls) == L and list(job._landed) == [1] * L
+        assert job._arrived == 0 and job.status() == PENDING
+        with pytest.raises(TransferError, match="layer 0 .* did not arrive"):
+            job.wait_layer(0, timeout=0.05)
+        gate.set()
+        for layer in range(L):
+            job.wait_layer(layer, timeout=30)
+            assert torch.equal(d.kv[layer], ref[layer])  # whole once it arrived
+        job.wait(timeout=30)
+    assert arrivals == sorted(arrivals) and arrivals[-1] == L
+    assert torch.equal(d.kv, ref)
+
+
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+@pytest.mark.parametrize("block_plan", [False, True])
+def test_one_failing_piece_fails_the_job_after_every_piece_stopped(monkeypatch, direction,
+                                                                   block_plan):
+    d, h = pools("layer_first")
+    name = "run_block_plan" if block_plan else "run_page_runs"
+    real = getattr(copy_cpu, name)
+    failed, calls, late = threading.Event(), [], []
+    job_box = []
+
+    def broken(*args):
+        if job_box and job_box[0].status() != PENDING:
+            late.append(1)  # a copy after the job was marked failed: must never happen
+        if threading.current_thread().name.startswith("hicache-copy"):
+            failed.set()
+            raise OSError("piece broke")
+        failed.wait(30)  # the thread running the job copies once the helper has failed
+        calls.append(1)
+        real(*args)
+    pages = PATTERNS["scattered" if block_plan else "contiguous"][0]
+    with split_engine(d, h) as eng:
+        monkeypatch.setattr(copy_cpu, "LAYER_GROUP_BYTES", 1)
+        monkeypatch.setattr(copy_cpu, name, broken)
+        submit = eng.backup if direction == "d2h" else eng.load
+        job_box.append(submit(pages, list(range(PAGES))))
+        job = job_box[0]
+        with pytest.raises(TransferError, match="piece broke"):
+            job.wait(timeout=30)
+        assert job.status() == FAILED and job.failed
+        with pytest.raises(TransferError, match="piece broke"):
+            job.wait_layer(L - 1, timeout=30)
+        assert eng.stats.jobs_d2h + eng.stats.jobs_h2d == 0  # a failed job is not counted
+        # the other piece stopped before its next layer (it copies at most the one it was at,
+        # or none when the failure came first), never all L
+        assert len(calls) <= 1
+        assert not late
+        monkeypatch.setattr(copy_cpu, name, real)
+        eng.backup([0], [0]).wait(timeout=30)  # the engine still works
+
+
+def test_a_split_backup_failing_in_one_piece_is_never_agreed(tmp_path, monkeypatch):
+    """Through the service: the failure of a helper's piece is the job's failure, raised at the
+    next step like any copy failure; the host copy is never made valid."""
+    from helpers import admit_ready, make_cfg
+    from hicache.service import HiCache
+    from test_service import _fill
+
+    cfg = make_cfg(tmp_path / "l3", l1_pages=8)
+    tokens = np.random.default_rng(0).integers(0, 128, 8)
+    cache = HiCache(cfg, mode="l1+l2")
+    assert cache.transfer.copy_threads == COPY_THREADS
+    cache.transfer.split_bytes = 0
+    cache.transfer.inline_bytes = 0
+    p = admit_ready(cache, "a", np.concatenate([tokens, [1]]))
+    _fill(cache, p.page_table, 1.0)
+    real = copy_cpu.run_page_runs
+
+    def broken(*args):
+        if threading.current_thread().name.startswith("hicache-copy"):
+            raise OSError("simulated piece failure")
+        real(*args)
+    monkeypatch.setattr(copy_cpu, "run_page_runs", broken)
+    cache.finish("a", tokens)
+    recs = list(cache.io.inflight.values())
+    assert recs
+    for rec in recs:
+        with pytest.raises(TransferError):
+            rec.job.wait(timeout=30)
+        assert rec.job._pieces == 2
+    with pytest.raises(TransferError, match="simulated piece failure"):
+        cache.step()
+    node = next(n for n in cache.ctrl.iter_nodes() if n.parent is not None)
+    assert not node.host_valid
+    assert cache.stats()["failed_copies"]["d2h"] == 1
+    cache.close(flush=False)
+
+
+def test_no_copy_thread_outlives_close():
+    before = set(threading.enumerate())
+    for threads in (1, 2, 4):
+        d, h = pools("page_first")
+        eng = split_engine(d, h, threads)
+        jobs = [eng.backup(list(range(PAGES)), list(range(PAGES))) for _ in range(3)]
+        jobs += [eng.load(list(range(PAGES)), list(range(PAGES))) for _ in range(3)]
+        eng.close()
+        assert all(j.status() == DONE for j in jobs)  # close finished the queued jobs
+        left = [t for t in set(threading.enumerate()) - before if t.is_alive()]
+        assert left == [], left
