@@ -155,7 +155,7 @@ def test_a_split_load_arrives_layer_by_layer_only_once_every_piece_landed(monkey
 @pytest.mark.parametrize("block_plan", [False, True])
 def test_one_failing_piece_fails_the_job_after_every_piece_stopped(monkeypatch, direction,
                                                                    block_plan):
-    d, h = pools("layer_first")
+    d, h = pools("page_first")
     name = "run_block_plan" if block_plan else "run_page_runs"
     real = getattr(copy_cpu, name)
     failed, calls, late = threading.Event(), [], []
@@ -239,3 +239,28 @@ def test_no_copy_thread_outlives_close():
         assert all(j.status() == DONE for j in jobs)  # close finished the queued jobs
         left = [t for t in set(threading.enumerate()) - before if t.is_alive()]
         assert left == [], left
+
+
+def test_one_contiguous_copy_is_not_split(monkeypatch):
+    """A backup contiguous on both sides (layer_first host, consecutive pages of every layer)
+    stays one memmove, as fast as the memcpy it is (libc streams a big one); loads copied layer
+    by layer, other layouts and parts of a layer are split."""
+    monkeypatch.setattr(copy_cpu, "LAYER_GROUP_BYTES", 1)  # loads: one layer at a time
+    calls = []
+    real = copy_cpu.run_page_runs
+    monkeypatch.setattr(copy_cpu, "run_page_runs", lambda *a: (calls.append(a[0]), real(*a)))
+    for kind, whole in (("layer_first", True), ("page_first", False)):
+        d, h = pools(kind)
+        d.kv.normal_()
+        with split_engine(d, h) as eng:
+            calls.clear()
+            job = eng.backup(list(range(PAGES)), list(range(PAGES)))
+            job.wait(timeout=30)
+            assert (job._pieces, len(calls)) == ((1, 1) if whole else (2, 2))
+            assert torch.equal(h.page_view(PAGES - 1), dev_page(d, PAGES - 1))
+            load = eng.load(list(range(PAGES)), list(range(PAGES)))
+            load.wait(timeout=30)
+            assert load._pieces == 2
+            part = eng.backup(list(range(8)), list(range(8)))  # not the whole layer
+            part.wait(timeout=30)
+            assert part._pieces == 2

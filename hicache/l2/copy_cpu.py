@@ -13,10 +13,15 @@ for a load (or restore) groups of about ``LAYER_GROUP_BYTES`` that arrive in ord
 per group once a layer is that big), so layer i is usable while later ones copy. Any other job
 views both sides as flat arrays of page-layer blocks and runs the block plan made at submit
 (``hicache/l2/blocks.py``). A backup plans all layers at once (a page_first host page is then
-one destination run); a load (or restore) plans layer 0 and replays it per layer. ``copy_threads > 1``
-splits a job across that many threads (layers round-robin for a load). ``kernel`` uses the
-page-copy kernel's torch reference (or the Triton kernel itself when it was imported under
-``TRITON_INTERPRET=1``).
+one destination run); a load (or restore) plans layer 0 and replays it per layer.
+
+A job of at least ``engine.split_bytes`` is copied by ``engine.copy_threads`` threads at once:
+the thread running it and helpers (``_run_pieces``), each copying its share of the pages (or
+blocks) of every layer, in layer order; a load's layer arrives once every share of it landed.
+One thread copying a few MB at a time reaches only part of the memory bandwidth (6-7 GB/s on the
+2-core CI box, where two reach about 12); a job that is one contiguous copy on both sides stays
+one memmove. ``kernel`` uses the page-copy kernel's torch reference (or the Triton kernel itself
+when it was imported under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -134,6 +139,8 @@ class CpuBackend(CopyBackend):
         if type(bp) is list:  # page runs: a group of layers per call
             src, dst = self._page_side(src_side), self._page_side(dst_side)
             k = layer_group(L, job.nbytes) if load else L
+            if T > 1 and k == L and len(bp) == 1 and _one_memmove(bp[0], src, dst):
+                T = 1  # one contiguous copy stays one memmove (libc streams a big one)
             if T == 1:
                 for l0 in range(0, L, k):
                     run_page_runs(bp, src[l0:l0 + k], dst[l0:l0 + k])
@@ -226,6 +233,13 @@ class CpuBackend(CopyBackend):
             layers = layers[:, None]
         return plan_blocks((layers * s_l + ps * s_p).reshape(-1),
                            (layers * d_l + pd * d_p).reshape(-1), s_p, kind)
+
+
+def _one_memmove(run: tuple[int, int, int], src: np.ndarray, dst: np.ndarray) -> bool:
+    """Whether page run ``run`` of every layer is contiguous on both ``page_view``s (a layer_first
+    or staging side holding all its pages, or a single layer): one memmove copies it all."""
+    s0, d0, n = run
+    return src[:, s0:s0 + n].flags.c_contiguous and dst[:, d0:d0 + n].flags.c_contiguous
 
 
 def layer_group(num_layers: int, nbytes: int) -> int:
