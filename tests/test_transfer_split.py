@@ -226,6 +226,8 @@ def test_a_split_backup_failing_in_one_piece_is_never_agreed(tmp_path, monkeypat
     assert not node.host_valid
     assert cache.stats()["failed_copies"]["d2h"] == 1
     cache.close(flush=False)
+    with HiCache(cfg.replace(io={"copy_threads": 1}), mode="l1+l2") as one:
+        assert one.transfer.copy_threads == 1  # io.copy_threads reaches the engine
 
 
 def test_no_copy_thread_outlives_close():
