@@ -266,3 +266,21 @@ def test_one_contiguous_copy_is_not_split(monkeypatch):
             part = eng.backup(list(range(8)), list(range(8)))  # not the whole layer
             part.wait(timeout=30)
             assert part._pieces == 2
+
+
+def test_transfer_bench_times_memcpy_pieces():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "bench" / "transfer.py"), "--memcpy-pieces",
+                        "--json", "--tokens", "2048", "--dcp", "2", "--reps", "1"],
+                       capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["memcpy_pieces"]
+    nbytes = 2048 // 2 * 8 * 576 * 2  # 1024 rows of 8 layers of kv_dim 576, bf16
+    assert [x["way"] for x in rows] == ["one memmove", "pieces of 1.2 MB", "pieces of 2.4 MB",
+                                        "pieces of 4.7 MB",
+                                        "2 threads, pieces of half a layer"]
+    assert all(x["bytes"] == nbytes and x["gbps"] > 0 and x["dcp"] == 2 for x in rows)
