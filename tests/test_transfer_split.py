@@ -71,7 +71,8 @@ def test_split_runs_cover_every_page_once_in_order():
 @pytest.mark.parametrize("kind", ["page_first", "layer_first"])
 @pytest.mark.parametrize("pattern", sorted(PATTERNS))
 @pytest.mark.parametrize("threads", [2, 3])
-def test_split_jobs_are_bit_exact_both_ways(kind, pattern, threads):
+def test_split_jobs_are_bit_exact_both_ways(monkeypatch, kind, pattern, threads):
+    monkeypatch.setattr(copy_cpu, "CHUNK_BYTES", 3 * P * D * 2)  # chunks of ~3 page-layers
     d, h = pools(kind)
     d.kv.normal_()
     ref = d.kv.clone()
@@ -91,7 +92,7 @@ def test_split_jobs_are_bit_exact_both_ways(kind, pattern, threads):
             for s, t in zip(dev_pages, targets):  # layer `layer` whole on every target
                 assert torch.equal(d.kv[layer, t * P:(t + 1) * P], ref[layer, s * P:(s + 1) * P])
         load.wait(timeout=30)
-        assert load.status() == DONE and load._pieces == min(threads, len(dev_pages))
+        assert load.status() == DONE and load._pieces > 1  # pieces of each layer
         for p in set(range(PAGES)) - set(targets):
             assert not dev_page(d, p).any()  # nothing written outside the job
         staging = torch.randn(3, L, P, D).to(torch.bfloat16)
@@ -105,12 +106,14 @@ def test_split_jobs_are_bit_exact_both_ways(kind, pattern, threads):
 @pytest.mark.parametrize("block_plan", [False, True])
 def test_a_split_load_arrives_layer_by_layer_only_once_every_piece_landed(monkeypatch,
                                                                           block_plan):
-    """The helper thread copies its piece of every layer while the thread running the job is
-    held before its first: no layer may arrive; released, layers arrive in order, each whole."""
+    """The thread running the job is held in its first chunk (piece 0 of layer 0) while the
+    helper copies every other chunk: no layer may arrive; released, layers arrive in order,
+    each whole."""
     d, h = pools("page_first")
     d.kv.normal_()
     ref = d.kv.clone()
     monkeypatch.setattr(copy_cpu, "LAYER_GROUP_BYTES", 1)  # page runs: one layer a group
+    monkeypatch.setattr(copy_cpu, "CHUNK_BYTES", PAGES * P * D * 2 // 3)  # 3 pieces a layer
     name = "run_block_plan" if block_plan else "run_page_runs"
     real = getattr(copy_cpu, name)
     gate, helper_calls = threading.Event(), []
@@ -134,11 +137,12 @@ def test_a_split_load_arrives_layer_by_layer_only_once_every_piece_landed(monkey
             real_landed(first, end)
             arrivals.append(job._arrived)
         job._layers_landed = landed
-        for _ in range(3000):  # the helper lands its piece of all L layers
-            if int(sum(job._landed)) == L:
+        for _ in range(3000):  # the helper lands every piece but the held one
+            if int(sum(job._landed)) == 3 * L - 1:
                 break
             threading.Event().wait(0.01)
-        assert len(helper_calls) == L and list(job._landed) == [1] * L
+        assert job._pieces == 3 and len(helper_calls) == 3 * L - 1
+        assert list(job._landed) == [2] + [3] * (L - 1)
         assert job._arrived == 0 and job.status() == PENDING
         with pytest.raises(TransferError, match="layer 0 .* did not arrive"):
             job.wait_layer(0, timeout=0.05)
@@ -153,40 +157,46 @@ def test_a_split_load_arrives_layer_by_layer_only_once_every_piece_landed(monkey
 
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
 @pytest.mark.parametrize("block_plan", [False, True])
-def test_one_failing_piece_fails_the_job_after_every_piece_stopped(monkeypatch, direction,
+def test_one_failing_chunk_fails_the_job_after_every_chunk_stopped(monkeypatch, direction,
                                                                    block_plan):
+    """The second chunk fails while the first is still copying: the job fails only once the
+    first has finished, no chunk is taken after the failure, and the engine goes on."""
     d, h = pools("page_first")
     name = "run_block_plan" if block_plan else "run_page_runs"
     real = getattr(copy_cpu, name)
-    failed, calls, late = threading.Event(), [], []
+    failed, copied, late, order = threading.Event(), [], [], []
     job_box = []
+    lock = threading.Lock()
 
     def broken(*args):
         if job_box and job_box[0].status() != PENDING:
             late.append(1)  # a copy after the job was marked failed: must never happen
-        if threading.current_thread().name.startswith("hicache-copy"):
+        with lock:
+            i = len(order)
+            order.append(i)
+        if i == 1:
             failed.set()
-            raise OSError("piece broke")
-        failed.wait(30)  # the thread running the job copies once the helper has failed
-        calls.append(1)
+            raise OSError("chunk broke")
+        if i == 0:
+            failed.wait(5)  # held until the other chunk failed (or copies on alone)
         real(*args)
+        copied.append(i)
     pages = PATTERNS["scattered" if block_plan else "contiguous"][0]
     with split_engine(d, h) as eng:
         monkeypatch.setattr(copy_cpu, "LAYER_GROUP_BYTES", 1)
+        monkeypatch.setattr(copy_cpu, "CHUNK_BYTES", PAGES * P * D * 2 // 2)
         monkeypatch.setattr(copy_cpu, name, broken)
         submit = eng.backup if direction == "d2h" else eng.load
         job_box.append(submit(pages, list(range(PAGES))))
         job = job_box[0]
-        with pytest.raises(TransferError, match="piece broke"):
+        with pytest.raises(TransferError, match="chunk broke"):
             job.wait(timeout=30)
         assert job.status() == FAILED and job.failed
-        with pytest.raises(TransferError, match="piece broke"):
+        with pytest.raises(TransferError, match="chunk broke"):
             job.wait_layer(L - 1, timeout=30)
         assert eng.stats.jobs_d2h + eng.stats.jobs_h2d == 0  # a failed job is not counted
-        # the other piece stopped before its next layer (it copies at most the one it was at,
-        # or none when the failure came first), never all L
-        assert len(calls) <= 1
-        assert not late
+        assert copied == [0]  # the chunk in flight finished; none was taken after the failure
+        assert order == [0, 1] and not late
         monkeypatch.setattr(copy_cpu, name, real)
         eng.backup([0], [0]).wait(timeout=30)  # the engine still works
 
@@ -206,12 +216,14 @@ def test_a_split_backup_failing_in_one_piece_is_never_agreed(tmp_path, monkeypat
     cache.transfer.inline_bytes = 0
     p = admit_ready(cache, "a", np.concatenate([tokens, [1]]))
     _fill(cache, p.page_table, 1.0)
-    real = copy_cpu.run_page_runs
+    real, calls = copy_cpu.run_page_runs, []
 
-    def broken(*args):
-        if threading.current_thread().name.startswith("hicache-copy"):
+    def broken(*args):  # the second chunk of the job fails
+        calls.append(1)
+        if len(calls) == 2:
             raise OSError("simulated piece failure")
         real(*args)
+    monkeypatch.setattr(copy_cpu, "CHUNK_BYTES", 1)  # a chunk a page
     monkeypatch.setattr(copy_cpu, "run_page_runs", broken)
     cache.finish("a", tokens)
     recs = list(cache.io.inflight.values())
@@ -219,12 +231,11 @@ def test_a_split_backup_failing_in_one_piece_is_never_agreed(tmp_path, monkeypat
     for rec in recs:
         with pytest.raises(TransferError):
             rec.job.wait(timeout=30)
-        assert rec.job._pieces == 2
     with pytest.raises(TransferError, match="simulated piece failure"):
         cache.step()
     node = next(n for n in cache.ctrl.iter_nodes() if n.parent is not None)
     assert not node.host_valid
-    assert cache.stats()["failed_copies"]["d2h"] == 1
+    assert cache.stats()["failed_copies"]["d2h"] == 1 and len(calls) >= 2
     cache.close(flush=False)
     with HiCache(cfg.replace(io={"copy_threads": 1}), mode="l1+l2") as one:
         assert one.transfer.copy_threads == 1  # io.copy_threads reaches the engine
@@ -248,6 +259,7 @@ def test_one_contiguous_copy_is_not_split(monkeypatch):
     stays one memmove, as fast as the memcpy it is (libc streams a big one); loads copied layer
     by layer, other layouts and parts of a layer are split."""
     monkeypatch.setattr(copy_cpu, "LAYER_GROUP_BYTES", 1)  # loads: one layer at a time
+    monkeypatch.setattr(copy_cpu, "CHUNK_BYTES", PAGES * P * D * 2 // 2)  # 2 pieces a layer
     calls = []
     real = copy_cpu.run_page_runs
     monkeypatch.setattr(copy_cpu, "run_page_runs", lambda *a: (calls.append(a[0]), real(*a)))
@@ -258,14 +270,14 @@ def test_one_contiguous_copy_is_not_split(monkeypatch):
             calls.clear()
             job = eng.backup(list(range(PAGES)), list(range(PAGES)))
             job.wait(timeout=30)
-            assert (job._pieces, len(calls)) == ((1, 1) if whole else (2, 2))
+            assert len(calls) == (1 if whole else 2 * L)  # one memmove, or chunks
             assert torch.equal(h.page_view(PAGES - 1), dev_page(d, PAGES - 1))
-            load = eng.load(list(range(PAGES)), list(range(PAGES)))
-            load.wait(timeout=30)
-            assert load._pieces == 2
-            part = eng.backup(list(range(8)), list(range(8)))  # not the whole layer
-            part.wait(timeout=30)
-            assert part._pieces == 2
+            calls.clear()
+            eng.load(list(range(PAGES)), list(range(PAGES))).wait(timeout=30)
+            assert len(calls) == 2 * L  # two pieces of each layer
+            calls.clear()
+            eng.backup(list(range(8)), list(range(8))).wait(timeout=30)  # part of each layer
+            assert len(calls) == 2
 
 
 def test_transfer_bench_times_memcpy_pieces():

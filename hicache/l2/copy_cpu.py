@@ -15,13 +15,14 @@ views both sides as flat arrays of page-layer blocks and runs the block plan mad
 (``hicache/l2/blocks.py``). A backup plans all layers at once (a page_first host page is then
 one destination run); a load (or restore) plans layer 0 and replays it per layer.
 
-A job of at least ``engine.split_bytes`` is copied by ``engine.copy_threads`` threads at once:
-the thread running it and helpers (``_run_pieces``), each copying its share of the pages (or
-blocks) of every layer, in layer order; a load's layer arrives once every share of it landed.
-One thread copying a few MB at a time reaches only part of the memory bandwidth (6-7 GB/s on the
-2-core CI box, where two reach about 12); a job that is one contiguous copy on both sides stays
-one memmove. ``kernel`` uses the page-copy kernel's torch reference (or the Triton kernel itself
-when it was imported under ``TRITON_INTERPRET=1``).
+A job of at least ``engine.split_bytes`` is copied by ``engine.copy_threads`` threads at once
+(``_share``): cut into chunks of about ``CHUNK_BYTES`` (a load: pieces of each layer, in layer
+order), each taken by whichever thread is free, the one running the job included, so a helper
+that gets no core leaves its chunks to the others; a load's layer arrives once every piece of
+it landed. One thread copying a few MB at a time reaches only part of the memory bandwidth
+(6-7 GB/s on the 2-core CI box, where two reach about 12); a job that is one contiguous copy
+on both sides stays one memmove. ``kernel`` uses the page-copy kernel's torch reference (or the
+Triton kernel itself when it was imported under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ PAGE_RUNS_MAX = 16
 # A page-run load completes in groups of layers of about this many bytes: per-layer calls and
 # wake-ups cost more than they save for a few small pages.
 LAYER_GROUP_BYTES = 256 << 10
+# A job split across the copy threads is cut into chunks of about this many bytes (a load: into
+# pieces of each layer), taken in order by whichever thread is free: the threads share the work
+# as they get cores, and a layer arrives early. At most MAX_PIECES pieces per layer (or backup).
+CHUNK_BYTES = 4 << 20
+MAX_PIECES = 64
 
 
 class CpuBackend(CopyBackend):
@@ -146,15 +152,16 @@ class CpuBackend(CopyBackend):
                     run_page_runs(bp, src[l0:l0 + k], dst[l0:l0 + k])
                     job._layer_done(min(L, l0 + k) - 1)
                 return
+            groups = range(0, L, k)
+            parts = split_runs(bp, _chunks(job.nbytes // len(groups)))
 
-            def piece(runs, stop: list) -> None:
-                for l0 in range(0, L, k):
-                    if stop:
-                        return
-                    run_page_runs(runs, src[l0:l0 + k], dst[l0:l0 + k])
+            def page_chunk(chunk) -> None:
+                l0, runs = chunk
+                run_page_runs(runs, src[l0:l0 + k], dst[l0:l0 + k])
+                if load:
                     job._layers_landed(l0, min(L, l0 + k))
 
-            self._run_pieces(job, piece, split_runs(bp, T))
+            self._share(job, [(l0, p) for l0 in groups for p in parts], page_chunk, len(parts))
             return
         (src, (s_l, _)), (dst, (d_l, _)) = self._side(src_side), self._side(dst_side)
         if T == 1:
@@ -166,47 +173,65 @@ class CpuBackend(CopyBackend):
                 run_block_plan(bp, src, dst, layer * s_l, layer * d_l)
                 job._layer_done(layer)
             return
+        if not load:
+            self._share(job, split_block_plan(bp, _chunks(job.nbytes)),
+                        lambda part: run_block_plan(part, src, dst), 1)
+            return
+        parts = split_block_plan(bp, _chunks(job.nbytes // L))
 
-        def piece(part: BlockPlan, stop: list) -> None:
-            if not load:
-                run_block_plan(part, src, dst)
-                job._layers_landed(0, L)
-                return
-            for layer in range(L):
-                if stop:
-                    return
-                run_block_plan(part, src, dst, layer * s_l, layer * d_l)
-                job._layers_landed(layer, layer + 1)
+        def block_chunk(chunk) -> None:
+            layer, part = chunk
+            run_block_plan(part, src, dst, layer * s_l, layer * d_l)
+            job._layers_landed(layer, layer + 1)
 
-        self._run_pieces(job, piece, split_block_plan(bp, T))
+        self._share(job, [(layer, p) for layer in range(L) for p in parts], block_chunk,
+                    len(parts))
 
-    def _run_pieces(self, job: TransferJob, piece, parts: list) -> None:
-        """Run ``piece(part, stop)`` for every part at once: the first on this thread, the others
-        on the helper threads. Each lands its share of each layer (``job._layers_landed``), so a
-        layer arrives once every part has copied it. Returns once every part has stopped (a
-        failed job never has a copy still writing), raising the first failure; ``stop`` tells
-        the other parts to end early after one failed."""
-        job._pieces = len(parts)
-        stop: list[BaseException] = []
+    def _share(self, job: TransferJob, chunks: list, copy_chunk, pieces: int) -> None:
+        """Copy ``chunks`` in order with the helper threads: whichever thread is free takes the
+        next one, this thread included, so a helper that gets no core leaves its share to this
+        thread instead of holding the job up. A load's chunk lands its piece of its layers
+        (``pieces`` per layer: a layer arrives once all landed); a backup's job is done at the
+        end. Returns once every chunk taken has finished (a failed job never has a copy still
+        writing), raising the first failure; after a failure no chunk is taken."""
+        job._pieces = pieces
+        n = len(chunks)
+        cond = threading.Condition(threading.Lock())
+        taken = [0, 0]  # chunks taken, chunks finished
+        failed: list[BaseException] = []
 
-        def run(part) -> None:
+        def work() -> None:
+            while True:
+                with cond:
+                    i = taken[0]
+                    if failed or i >= n:
+                        return
+                    taken[0] = i + 1
+                err = None
+                try:
+                    copy_chunk(chunks[i])
+                except BaseException as e:  # reported by the thread running the job
+                    err = e
+                with cond:
+                    if err is not None:
+                        failed.append(err)
+                    taken[1] += 1
+                    if taken[1] == taken[0]:
+                        cond.notify_all()
+
+        for _ in range(self._threads - 1):
             try:
-                piece(part, stop)
-            except BaseException as err:  # reported below, once every part has stopped
-                stop.append(err)
-
-        futs = []
-        try:
-            for p in parts[1:]:
-                futs.append(self._helpers.submit(run, p))
-        except BaseException as err:  # no helper to take a part (shut down): the job fails
-            stop.append(err)
-        if not stop:
-            run(parts[0])
-        for f in futs:
-            f.result()
-        if stop:
-            raise stop[0]
+                self._helpers.submit(work)
+            except RuntimeError:  # shut down: this thread copies every chunk
+                break
+        work()
+        with cond:
+            while taken[1] < taken[0]:
+                cond.wait()
+        if failed:
+            raise failed[0]
+        if job.direction == "d2h":
+            job._layer_done(self.engine.num_layers - 1)
 
     def plan(self, job: TransferJob) -> BlockPlan | list[tuple[int, int, int]]:
         """What a direct job runs: its page runs when they are few (and no copy kind is forced),
@@ -233,6 +258,12 @@ class CpuBackend(CopyBackend):
             layers = layers[:, None]
         return plan_blocks((layers * s_l + ps * s_p).reshape(-1),
                            (layers * d_l + pd * d_p).reshape(-1), s_p, kind)
+
+
+def _chunks(nbytes: int) -> int:
+    """Pieces to cut ``nbytes`` into for the copy threads: about ``CHUNK_BYTES`` each, at most
+    ``MAX_PIECES``."""
+    return max(1, min(MAX_PIECES, round(nbytes / CHUNK_BYTES)))
 
 
 def _one_memmove(run: tuple[int, int, int], src: np.ndarray, dst: np.ndarray) -> bool:
