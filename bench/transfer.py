@@ -1,11 +1,13 @@
 """L1 <-> L2 transfer benchmark: shard bytes per rank per second against a plain memcpy.
 
     python bench/transfer.py [--json] [--quick] [--io direct|kernel] [--pattern P]
-                             [--copy-threads N]
+                             [--copy-threads N] [--memcpy-pieces]
 
 For DCP sizes c in 1, 2, 4, 8, both host layouts and both directions, one rank's shard of a
 ``--tokens``-token sequence (MLA rows of kv_dim 576, bf16, ``--layers`` layers, physical page
-size 16) moves between its DeviceKVPool and HostKVPool through the TransferEngine. The baseline,
+size 16) moves between its DeviceKVPool and HostKVPool through the TransferEngine (its default
+``copy_threads``, 2: a job of 8 MiB or more is copied by two threads; ``--copy-threads 1`` for
+one). The baseline,
 measured in the same run and interleaved with each measurement, is one contiguous memcpy of
 the same number of bytes (libc ``memmove`` via ctypes on CPU, between buffers allocated and
 faulted in like the pools, huge pages included; a pinned ``copy_(non_blocking=True)``, i.e.
@@ -34,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from hicache.l1.pool import DeviceKVPool, zeroed  # noqa: E402
 from hicache.l2.pool import HostKVPool  # noqa: E402
-from hicache.l2.transfer import TransferEngine  # noqa: E402
+from hicache.l2.transfer import COPY_THREADS, TransferEngine  # noqa: E402
 from hicache.layout import DCPLayout  # noqa: E402
 
 KV_DIM, PAGE = 576, 16
@@ -119,6 +121,51 @@ def measure(c: int, kind: str, pattern: str, tokens: int, layers: int, reps: int
     return out
 
 
+def memcpy_pieces(c: int, tokens: int, layers: int, reps: int, dtype: torch.dtype) -> list[dict]:
+    """What a copy's size does to libc memmove on this machine: the bytes of one rank's c-way
+    shard moved by one memmove, in pieces of a layer (what a load copies at a time) up to half
+    the bytes, and in layer pieces by two threads, interleaved, best of ``reps``. glibc switches
+    to streaming (non-temporal) stores above a size threshold; run under
+    ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=...`` to move it."""
+    import ctypes
+    from concurrent.futures import ThreadPoolExecutor
+
+    lay = DCPLayout(c, 0, PAGE)
+    pages = -(-tokens // lay.page_tokens)
+    nbytes = pages * layers * PAGE * KV_DIM * torch.empty((), dtype=dtype).element_size()
+    src = zeroed((nbytes,), torch.uint8, torch.device("cpu")).fill_(1)
+    dst = zeroed((nbytes,), torch.uint8, torch.device("cpu"))
+    s0, d0, layer = src.data_ptr(), dst.data_ptr(), nbytes // layers
+    pool = ThreadPoolExecutor(1)
+
+    def pieces(size: int, lo: int = 0, hi: int = nbytes) -> None:
+        for o in range(lo, hi, size):
+            ctypes.memmove(d0 + o, s0 + o, min(size, hi - o))
+
+    def two_threads() -> None:
+        f = pool.submit(pieces, layer // 2, nbytes // 2, nbytes)
+        pieces(layer // 2, 0, nbytes // 2)
+        f.result()
+
+    ways = {"one memmove": lambda: pieces(nbytes)}
+    k = 1
+    while k * layer <= nbytes // 2:
+        ways[f"pieces of {k * layer / 1e6:.1f} MB"] = (lambda n=k * layer: pieces(n))
+        k *= 2
+    ways["2 threads, pieces of half a layer"] = two_threads
+    best = dict.fromkeys(ways, float("inf"))
+    names = list(ways)
+    for i in range(reps + 1):  # the first round warms up
+        for name in (names if i % 2 else names[::-1]):
+            t = time.perf_counter()
+            ways[name]()
+            if i:
+                best[name] = min(best[name], time.perf_counter() - t)
+    pool.shutdown()
+    return [dict(way=name, dcp=c, bytes=nbytes, gbps=round(nbytes / t / 1e9, 3))
+            for name, t in best.items()]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -130,11 +177,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--io", choices=("direct", "kernel"), default="direct")
     ap.add_argument("--pattern", choices=("contiguous", "scattered", "both"), default="both")
     ap.add_argument("--dcp", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--copy-threads", type=int, default=1,
-                    help="CPU threads per transfer job (the memcpy baseline stays one thread)")
+    ap.add_argument("--copy-threads", type=int, default=COPY_THREADS,
+                    help="CPU threads that copy one big job together (default: the engine's, "
+                         f"{COPY_THREADS}; the memcpy baseline stays one thread)")
+    ap.add_argument("--memcpy-pieces", action="store_true",
+                    help="only time libc memmove of the first --dcp size's bytes: one call, in "
+                         "pieces of a layer and more, and by two threads")
     args = ap.parse_args(argv)
     tokens = args.tokens or (8192 if args.quick else 16384)
     reps = args.reps or (4 if args.quick else 11)
+    if args.memcpy_pieces:
+        rows = memcpy_pieces(args.dcp[0], tokens, args.layers, reps, torch.bfloat16)
+        meta = dict(load=os.getloadavg()[0], glibc_tunables=os.environ.get("GLIBC_TUNABLES"))
+        if args.json:
+            print(json.dumps({"memcpy_pieces": rows, "meta": meta}))
+            return 0
+        print(f"libc memmove of {rows[0]['bytes'] / 1e6:.1f} MB (one rank's shard at "
+              f"c={args.dcp[0]}), best of {reps}, load average {meta['load']:.1f}, "
+              f"GLIBC_TUNABLES={meta['glibc_tunables'] or ''}")
+        for r in rows:
+            print(f"{r['way']:<36}{r['gbps']:>8.2f} GB/s")
+        return 0
     patterns = ("contiguous", "scattered") if args.pattern == "both" else (args.pattern,)
     dtype = torch.bfloat16
     combos = [(c, k, p) for p in patterns for k in ("page_first", "layer_first") for c in args.dcp]

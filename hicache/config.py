@@ -195,6 +195,9 @@ class PolicySection:
 class IOSection:
     backend: str = opt("direct", "copy engine: direct (torch copies) or kernel (Triton, CUDA)",
                        choices=("direct", "kernel"))
+    copy_threads: int = opt(2, "CPU copy backend (L1 in host memory): threads that copy one job "
+                               "of 8 MiB or more together, taking that many cores while it "
+                               "copies (1: the copy thread alone)", min=1, max=16)
 
 
 SECTIONS: dict[str, type] = {

@@ -138,7 +138,8 @@ class TierIO:
         self.config, self.rank, self.replica = config, rank, replica
         self.l1, self.l2, self.page_tokens = l1, l2, page_tokens
         self.record = record  # this rank failed: agreed at the service's next step
-        self.transfer = TransferEngine(l1, l2, io_backend=config.io.backend)
+        self.transfer = TransferEngine(l1, l2, io_backend=config.io.backend,
+                                       copy_threads=config.io.copy_threads)
         self.stats = IOStats()
         self.observer = None  # hicache.metrics.HiCacheMetrics: observe(name, seconds, label)
         self.inflight: dict[int, InFlight] = {}  # controller op id -> its transfer

@@ -131,15 +131,30 @@ def test_copy_threads_roundtrip_is_bit_identical(kind, threads):
 def test_layers_arrive_in_order_when_copied_out_of_order():
     plan = plan_transfer([0], [0], 1, 1)
     job = TransferJob("h2d", plan, 3, 0)
-    job._layer_landed(1)
+    job._layers_landed(1, 2)
     with pytest.raises(TransferError, match="layer 0 .* did not arrive"):
         job.wait_layer(0, timeout=0.01)
-    job._layer_landed(0)
+    job._layers_landed(0, 1)
     job.wait_layer(1, timeout=0)  # 0 and 1 have both landed
     with pytest.raises(TransferError, match="layer 2"):
         job.wait_layer(2, timeout=0.01)
-    job._layer_landed(2)
+    job._layers_landed(2, 3)
     job.wait_layer(2, timeout=0)
+
+
+def test_a_split_layer_arrives_once_every_piece_landed():
+    job = TransferJob("h2d", plan_transfer([0], [0], 1, 1), 4, 0)
+    job._pieces = 2
+    job._layers_landed(0, 2)  # piece 0 of layers 0, 1
+    assert job._arrived == 0
+    with pytest.raises(TransferError, match="layer 0 .* did not arrive"):
+        job.wait_layer(0, timeout=0.01)
+    job._layers_landed(1, 4)  # piece 1 of layers 1-3: layer 0 still lacks it
+    assert job._arrived == 0
+    job._layers_landed(0, 1)
+    assert job._arrived == 2  # layers 0, 1 whole; 2, 3 have one piece of two
+    job._layers_landed(2, 4)
+    job.wait_layer(3, timeout=0)
 
 
 def test_zeroed_pools_and_hugepage_advice():

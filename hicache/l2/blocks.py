@@ -177,6 +177,28 @@ def split_block_plan(plan: BlockPlan, parts: int) -> list[BlockPlan]:
     return res
 
 
+def split_runs(runs, parts: int) -> list[list[tuple[int, int, int]]]:
+    """Cut page runs ``(src page, dst page, pages)`` into at most ``parts`` lists of about equal
+    page counts, in order (a run may be cut in two)."""
+    total = sum(r[2] for r in runs)
+    if parts <= 1 or total < 2:
+        return [list(runs)]
+    target = -(-total // parts)
+    out: list[list[tuple[int, int, int]]] = [[]]
+    room = target
+    for s0, d0, n in runs:
+        a = 0
+        while a < n:
+            if room == 0:
+                out.append([])
+                room = target
+            b = min(n, a + room)
+            out[-1].append((s0 + a, d0 + a, b - a))
+            room -= b - a
+            a = b
+    return out
+
+
 def page_view(t: torch.Tensor, num_layers: int, num_pages: int, page_major: bool
               ) -> np.ndarray:
     """A contiguous CPU tensor of whole pages as uint8 ``[L, pages, page-layer bytes]`` (a view;

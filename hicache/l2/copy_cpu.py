@@ -13,10 +13,16 @@ for a load (or restore) groups of about ``LAYER_GROUP_BYTES`` that arrive in ord
 per group once a layer is that big), so layer i is usable while later ones copy. Any other job
 views both sides as flat arrays of page-layer blocks and runs the block plan made at submit
 (``hicache/l2/blocks.py``). A backup plans all layers at once (a page_first host page is then
-one destination run); a load (or restore) plans layer 0 and replays it per layer. ``copy_threads > 1``
-splits a job across that many threads (layers round-robin for a load). ``kernel`` uses the
-page-copy kernel's torch reference (or the Triton kernel itself when it was imported under
-``TRITON_INTERPRET=1``).
+one destination run); a load (or restore) plans layer 0 and replays it per layer.
+
+A job of at least ``engine.split_bytes`` is copied by ``engine.copy_threads`` threads at once
+(``_share``): cut into chunks of about ``CHUNK_BYTES`` (a load: pieces of each layer, in layer
+order), each taken by whichever thread is free, the one running the job included, so a helper
+that gets no core leaves its chunks to the others; a load's layer arrives once every piece of
+it landed. One thread copying a few MB at a time reaches only part of the memory bandwidth
+(6-7 GB/s on the 2-core CI box, where two reach about 12); a job that is one contiguous copy
+on both sides stays one memmove. ``kernel`` uses the page-copy kernel's torch reference (or the
+Triton kernel itself when it was imported under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from hicache.l2.blocks import (BlockPlan, block_view, page_view, plan_blocks, run_block_plan,
-                               run_page_runs, split_block_plan)
+                               run_page_runs, split_block_plan, split_runs)
 from hicache.l2.transfer import CopyBackend, PageSide, TransferJob, register_backend
 
 # A job of at most this many runs of consecutive (src, dst) pages is copied run by run
@@ -38,6 +44,11 @@ PAGE_RUNS_MAX = 16
 # A page-run load completes in groups of layers of about this many bytes: per-layer calls and
 # wake-ups cost more than they save for a few small pages.
 LAYER_GROUP_BYTES = 256 << 10
+# A job split across the copy threads is cut into chunks of about this many bytes (a load: into
+# pieces of each layer), taken in order by whichever thread is free: the threads share the work
+# as they get cores, and a layer arrives early. At most MAX_PIECES pieces per layer (or backup).
+CHUNK_BYTES = 4 << 20
+MAX_PIECES = 64
 
 
 class CpuBackend(CopyBackend):
@@ -53,8 +64,9 @@ class CpuBackend(CopyBackend):
         self._blocks = {id(s): block_view(s.base, s.block_elems) for s in sides}
         self._pages = {id(s): page_view(s.base, s.num_layers, s.num_pages, s.page_major)
                        for s in sides}
-        # threads that each copy a share of a job (the worker itself is one of them)
-        T = engine.copy_threads
+        # threads that each copy a share of a big job (the thread running the job is one of
+        # them; two workers may split jobs at once)
+        T = self._threads = engine.copy_threads
         self._helpers = ThreadPoolExecutor(2 * (T - 1), "hicache-copy") if T > 1 else None
         self._workers: dict[str, tuple[queue.SimpleQueue, threading.Thread]] = {}
         for direction in ("d2h", "h2d"):
@@ -128,41 +140,103 @@ class CpuBackend(CopyBackend):
                 job._layer_done(layer)
             return
         bp = job.prepared if job.prepared is not None else self.plan(job)
+        T = self._threads if job.nbytes >= self.engine.split_bytes else 1
+        load = job.direction != "d2h"
         if type(bp) is list:  # page runs: a group of layers per call
             src, dst = self._page_side(src_side), self._page_side(dst_side)
-            k = L if job.direction == "d2h" else layer_group(L, job.nbytes)
-            for l0 in range(0, L, k):
-                run_page_runs(bp, src[l0:l0 + k], dst[l0:l0 + k])
-                job._layer_done(min(L, l0 + k) - 1)
+            k = layer_group(L, job.nbytes) if load else L
+            if T > 1 and k == L and len(bp) == 1 and _one_memmove(bp[0], src, dst):
+                T = 1  # one contiguous copy stays one memmove (libc streams a big one)
+            if T == 1:
+                for l0 in range(0, L, k):
+                    run_page_runs(bp, src[l0:l0 + k], dst[l0:l0 + k])
+                    job._layer_done(min(L, l0 + k) - 1)
+                return
+            groups = range(0, L, k)
+            parts = split_runs(bp, _chunks(job.nbytes // len(groups)))
+
+            def page_chunk(chunk) -> None:
+                l0, runs = chunk
+                run_page_runs(runs, src[l0:l0 + k], dst[l0:l0 + k])
+                if load:
+                    job._layers_landed(l0, min(L, l0 + k))
+
+            self._share(job, [(l0, p) for l0 in groups for p in parts], page_chunk, len(parts))
             return
         (src, (s_l, _)), (dst, (d_l, _)) = self._side(src_side), self._side(dst_side)
-        T = self.engine.copy_threads
-        if job.direction == "d2h":  # all layers in one plan (split across the copy threads)
-            parts = split_block_plan(bp, T)
-            futs = [self._helpers.submit(run_block_plan, p, src, dst) for p in parts[1:]]
-            run_block_plan(parts[0], src, dst)
-            for f in futs:
-                f.result()
-            job._layer_done(L - 1)
-            return
-        # Into the device: the layer-0 plan replayed per layer, layer i usable early. With T
-        # threads, thread t copies layers t, t + T, ...; a layer arrives once all before it
-        # landed.
-        def layers(first: int) -> None:
-            for layer in range(first, L, T):
+        if T == 1:
+            if not load:  # a backup: all layers in one plan
+                run_block_plan(bp, src, dst)
+                job._layer_done(L - 1)
+                return
+            for layer in range(L):  # the layer-0 plan replayed per layer, layer i usable early
                 run_block_plan(bp, src, dst, layer * s_l, layer * d_l)
-                job._layer_landed(layer)
+                job._layer_done(layer)
+            return
+        if not load:
+            self._share(job, split_block_plan(bp, _chunks(job.nbytes)),
+                        lambda part: run_block_plan(part, src, dst), 1)
+            return
+        parts = split_block_plan(bp, _chunks(job.nbytes // L))
 
-        futs = [self._helpers.submit(layers, t) for t in range(1, min(T, L))]
-        layers(0)
-        for f in futs:
-            f.result()
+        def block_chunk(chunk) -> None:
+            layer, part = chunk
+            run_block_plan(part, src, dst, layer * s_l, layer * d_l)
+            job._layers_landed(layer, layer + 1)
+
+        self._share(job, [(layer, p) for layer in range(L) for p in parts], block_chunk,
+                    len(parts))
+
+    def _share(self, job: TransferJob, chunks: list, copy_chunk, pieces: int) -> None:
+        """Copy ``chunks`` in order with the helper threads: whichever thread is free takes the
+        next one, this thread included, so a helper that gets no core leaves its share to this
+        thread instead of holding the job up. A load's chunk lands its piece of its layers
+        (``pieces`` per layer: a layer arrives once all landed); a backup's job is done at the
+        end. Returns once every chunk taken has finished (a failed job never has a copy still
+        writing), raising the first failure; after a failure no chunk is taken."""
+        job._pieces = pieces
+        n = len(chunks)
+        cond = threading.Condition(threading.Lock())
+        taken = [0, 0]  # chunks taken, chunks finished
+        failed: list[BaseException] = []
+
+        def work() -> None:
+            while True:
+                with cond:
+                    i = taken[0]
+                    if failed or i >= n:
+                        return
+                    taken[0] = i + 1
+                err = None
+                try:
+                    copy_chunk(chunks[i])
+                except BaseException as e:  # reported by the thread running the job
+                    err = e
+                with cond:
+                    if err is not None:
+                        failed.append(err)
+                    taken[1] += 1
+                    if taken[1] == taken[0]:
+                        cond.notify_all()
+
+        for _ in range(self._threads - 1):
+            try:
+                self._helpers.submit(work)
+            except RuntimeError:  # shut down: this thread copies every chunk
+                break
+        work()
+        with cond:
+            while taken[1] < taken[0]:
+                cond.wait()
+        if failed:
+            raise failed[0]
+        if job.direction == "d2h":
+            job._layer_done(self.engine.num_layers - 1)
 
     def plan(self, job: TransferJob) -> BlockPlan | list[tuple[int, int, int]]:
-        """What a direct job runs: its page runs when they are few (one thread, no forced copy
-        kind), else a block plan."""
-        e = self.engine
-        if e.cpu_copy is None and e.copy_threads == 1 and job.plan.num_runs <= PAGE_RUNS_MAX:
+        """What a direct job runs: its page runs when they are few (and no copy kind is forced),
+        else a block plan."""
+        if self.engine.cpu_copy is None and job.plan.num_runs <= PAGE_RUNS_MAX:
             return job.plan.runs
         return self.plan_blocks(job)
 
@@ -184,6 +258,19 @@ class CpuBackend(CopyBackend):
             layers = layers[:, None]
         return plan_blocks((layers * s_l + ps * s_p).reshape(-1),
                            (layers * d_l + pd * d_p).reshape(-1), s_p, kind)
+
+
+def _chunks(nbytes: int) -> int:
+    """Pieces to cut ``nbytes`` into for the copy threads: about ``CHUNK_BYTES`` each, at most
+    ``MAX_PIECES``."""
+    return max(1, min(MAX_PIECES, round(nbytes / CHUNK_BYTES)))
+
+
+def _one_memmove(run: tuple[int, int, int], src: np.ndarray, dst: np.ndarray) -> bool:
+    """Whether page run ``run`` of every layer is contiguous on both ``page_view``s (a layer_first
+    or staging side holding all its pages, or a single layer): one memmove copies it all."""
+    s0, d0, n = run
+    return src[:, s0:s0 + n].flags.c_contiguous and dst[:, d0:d0 + n].flags.c_contiguous
 
 
 def layer_group(num_layers: int, nbytes: int) -> int:

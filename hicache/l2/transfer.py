@@ -41,6 +41,9 @@ from hicache.l2.pool import HostKVPool
 
 PageList = Union[Sequence[int], torch.Tensor]
 IO_BACKENDS = ("direct", "kernel")
+# CPU copy backend: threads that copy one big job together (see ``TransferEngine.split_bytes``)
+COPY_THREADS = 2
+MAX_COPY_THREADS = 16
 MEDIA = ("device", "host", "staging")  # L1 pool, L2 pool, an L3 read's staging buffer
 
 
@@ -221,7 +224,10 @@ class TransferJob:
         self._claim = threading.Lock()
         self._runner = None
         self._arrived = 0
-        self._landed = bytearray(num_layers)  # layers copied, possibly out of order
+        # pieces of each layer copied, possibly out of order (a job split across copy threads
+        # lands a layer once per piece, ``_pieces`` of them)
+        self._landed = bytearray(num_layers)
+        self._pieces = 1
         # guards _arrived, _landed, _want and _state changes; the engine's, or the job's own
         self._cond = cond if cond is not None else threading.Condition(threading.Lock())
         self._want = _NOBODY  # the fewest layers a sleeping waiter wants
@@ -305,13 +311,16 @@ class TransferJob:
             self._arrived = max(self._arrived, layer + 1)
             self._wake()
 
-    def _layer_landed(self, layer: int) -> None:
-        """``layer`` was copied (copy threads may finish layers out of order); layers arrive in
-        order, once every earlier one has landed too."""
+    def _layers_landed(self, first: int, end: int) -> None:
+        """One piece of each of layers ``first..end-1`` was copied (the copy threads of a split
+        job land their pieces independently); a layer arrives once all its ``_pieces`` pieces
+        and every earlier layer have landed, so layers still arrive in order."""
         with self._cond:
-            self._landed[layer] = 1
-            a = self._arrived
-            while a < self.num_layers and self._landed[a]:
+            landed = self._landed
+            for layer in range(first, end):
+                landed[layer] += 1
+            a, whole = self._arrived, self._pieces
+            while a < self.num_layers and landed[a] >= whole:
                 a += 1
             if a != self._arrived:
                 self._arrived = a
@@ -333,7 +342,7 @@ class TransferJob:
 # ---- copy backends ----------------------------------------------------------------------------
 class CopyBackend(ABC):
     """Runs the copies of one engine's jobs. ``submit`` starts a job (it then completes layer by
-    layer: ``job._layer_done`` / ``_layer_landed``, then ``_succeed`` or ``_fail``, and
+    layer: ``job._layer_done`` / ``_layers_landed``, then ``_succeed`` or ``_fail``, and
     ``engine.account(job)`` on success); ``copy`` moves a job's bytes, the one call in which a
     copy fails (``hicache.faults`` wraps it); ``close`` finishes queued jobs."""
 
@@ -388,15 +397,20 @@ class TransferEngine:
     # CPU: jobs of at most this many bytes are copied at submit on the calling thread (a
     # 256 KiB copy takes about as long as waking the copy thread); 0 = always hand off
     inline_bytes: int = 256 << 10
+    # CPU: jobs of at least this many bytes are split across ``copy_threads`` threads (byte
+    # ranges of every layer); smaller ones are copied by one thread
+    split_bytes: int = 8 << 20
 
     def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool,
                  io_backend: str = "direct", use_cupy: bool | None = None,
-                 copy_threads: int = 1, backend: type[CopyBackend] | None = None) -> None:
+                 copy_threads: int = COPY_THREADS, backend: type[CopyBackend] | None = None
+                 ) -> None:
         if io_backend not in IO_BACKENDS:
             raise UsageError(f"io_backend must be one of {IO_BACKENDS}, got {io_backend!r}")
         if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) \
-                or copy_threads < 1:
-            raise UsageError(f"copy_threads must be an int >= 1, got {copy_threads!r}")
+                or not 1 <= copy_threads <= MAX_COPY_THREADS:
+            raise UsageError(f"copy_threads must be an int in [1, {MAX_COPY_THREADS}], got "
+                             f"{copy_threads!r}")
         d, h = device_pool, host_pool
         for name in ("num_layers", "kv_dim", "dtype"):
             if getattr(d, name) != getattr(h, name):
