@@ -65,51 +65,78 @@ def _keys(workload: str, scale: float, seed: int, page: int) -> list:
     return [array("q", r.tokens[:len(r.tokens) // page * page].tolist()) for r in reqs]
 
 
-def replay(case: dict) -> dict:
+def _replay_sglang(keys: list, page: int, l1_pages: int, inflight: int) -> tuple:
+    """One replay through SGLang's cache; (hit tokens, process seconds, tree core backend)."""
     import torch
     from sglang.srt.mem_cache.base_prefix_cache import (EvictParams, InsertParams,
                                                         MatchPrefixParams)
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    page, inflight = case["page"], case["inflight"]
-    keys = _keys(case["workload"], case["scale"], case["seed"], page)
-    max_len = max(len(k) for k in keys)
-    best, hits = None, 0
-    for _ in range(case["reps"]):
-        cache, allocator = _build(page, case["l1_pages"], max_len)
-        q: deque = deque()
+    cache, allocator = _build(page, l1_pages, max(len(k) for k in keys))
+    q: deque = deque()
 
-        def finish(item):
-            key, lock, value, cached = item
-            if value is not None:  # the tree frees slots duplicating what others inserted
-                cache.insert(InsertParams(key=RadixKey(key), value=value, prev_prefix_len=cached))
-            cache.unlock(lock)
+    def finish(item):
+        key, lock, value, cached = item
+        if value is not None:  # the tree frees slots duplicating what others inserted
+            cache.insert(InsertParams(key=RadixKey(key), value=value, prev_prefix_len=cached))
+        cache.unlock(lock)
 
-        hits = 0
-        t0 = time.process_time()
-        for key in keys:
-            m = cache.match_prefix(MatchPrefixParams(key=RadixKey(key)))
-            lock = cache.lock(m.last_device_node)
-            cached = m.device_prefix_len
-            hits += cached
-            need = len(key) - cached
-            new = allocator.alloc(need) if need else None
-            if need and new is None:
-                cache.evict(EvictParams(num_tokens=need - allocator.available_size()))
-                new = allocator.alloc(need)
-            value = None
-            if new is not None or not need:  # the prefix's slots, read off the locked path
-                have = cache.path_device_indices(m.last_device_node)[:cached]
-                value = torch.cat([have, new]) if need else have
-            q.append((key, lock, value, cached))
-            if len(q) >= inflight:
-                finish(q.popleft())
-        while q:
+    hits = 0
+    t0 = time.process_time()
+    for key in keys:
+        m = cache.match_prefix(MatchPrefixParams(key=RadixKey(key)))
+        lock = cache.lock(m.last_device_node)
+        cached = m.device_prefix_len
+        hits += cached
+        need = len(key) - cached
+        new = allocator.alloc(need) if need else None
+        if need and new is None:
+            cache.evict(EvictParams(num_tokens=need - allocator.available_size()))
+            new = allocator.alloc(need)
+        value = None
+        if new is not None or not need:  # the prefix's slots, read off the locked path
+            have = cache.path_device_indices(m.last_device_node)[:cached]
+            value = torch.cat([have, new]) if need else have
+        q.append((key, lock, value, cached))
+        if len(q) >= inflight:
             finish(q.popleft())
-        dt = time.process_time() - t0
+    while q:
+        finish(q.popleft())
+    return hits, time.process_time() - t0, cache._tree_core_backend
+
+
+@functools.lru_cache(maxsize=4)
+def _arrays(workload: str, scale: float, seed: int) -> list:
+    """The trace's prompts as int64 arrays (ours' form, as ``bench/controller.py`` makes it)."""
+    import numpy as np
+    from hicache.workloads import agentic_trace, chat_trace
+    reqs = (chat_trace if workload == "chat" else agentic_trace)(seed, scale)
+    return [r.tokens.astype(np.int64) for r in reqs]
+
+
+def replay(case: dict) -> dict:
+    """SGLang's replay, best of ``reps``; with ``"ours": true`` each rep first replays ours
+    (``bench/controller.py``'s L1 loop) in this same process, so the two are timed under the
+    same process state (allocator, caches), interleaved."""
+    page, inflight, l1_pages = case["page"], case["inflight"], case["l1_pages"]
+    keys = _keys(case["workload"], case["scale"], case["seed"], page)
+    best = ours_best = None
+    hits = ours_hits = 0
+    for _ in range(case["reps"]):
+        if case.get("ours"):
+            import controller as bench_controller  # bench/controller.py (this folder)
+            got, dt, _ = bench_controller.replay_controller(
+                _arrays(case["workload"], case["scale"], case["seed"]), page, l1_pages, 0,
+                inflight)
+            ours_hits = got["l1"] + got["l2"]
+            ours_best = dt if ours_best is None else min(ours_best, dt)
+        hits, dt, backend = _replay_sglang(keys, page, l1_pages, inflight)
         best = dt if best is None else min(best, dt)
-    return {**case, "hit_tokens": hits, "us_per_request": 1e6 * best / len(keys),
-            "backend": cache._tree_core_backend}
+    out = {**case, "hit_tokens": hits, "us_per_request": 1e6 * best / len(keys),
+           "backend": backend}
+    if ours_best is not None:
+        out.update(ours_hit_tokens=ours_hits, ours_us_per_request=1e6 * ours_best / len(keys))
+    return out
 
 
 def main() -> int:

@@ -1,0 +1,39 @@
+"""``bench/sglang_tree.py`` (SGLang's compiled tree core on the controller bench's traces) answers
+the bench's protocol with real SGLang: the same hit tokens as ours, replayed in its process."""
+
+import os
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+
+
+@pytest.fixture(scope="module")
+def replayer():
+    sys.path.insert(0, BENCH)
+    import controller as bench_controller
+    r = bench_controller.SGLangReplayer(sys.executable)
+    yield r
+    r.close()
+
+
+@pytest.mark.parametrize("page,budget", [(16, None), (16, 0.3), (64, None)])
+def test_sglang_replay_hits_equal_ours_in_its_process_and_in_the_bench(replayer, page, budget):
+    import numpy as np
+
+    import controller as bench_controller
+    from hicache.workloads import chat_trace
+    reqs = chat_trace(0, 0.05)
+    uniq = bench_controller.unique_pages(reqs, page)
+    l1_pages = uniq + 64 if budget is None else max(
+        int(uniq * budget), 4 * max(len(r.tokens) for r in reqs) // page)  # as the bench sizes
+    case = {"workload": "chat", "scale": 0.05, "seed": 0, "page": page, "l1_pages": l1_pages,
+            "inflight": 4, "reps": 2, "ours": True}
+    got = replayer.replay(case)
+    assert got["backend"] and got["us_per_request"] > 0 and got["ours_us_per_request"] > 0
+    arrays = [r.tokens.astype(np.int64) for r in reqs]
+    hits, _, _ = bench_controller.replay_controller(arrays, page, l1_pages, 0, 4)
+    ours = hits["l1"] + hits["l2"]
+    assert ours > 0
+    assert got["hit_tokens"] == got["ours_hit_tokens"] == ours
