@@ -223,20 +223,21 @@ def test_a_short_l3_read_is_agreed_in_the_step_right_after_admission(tmp_path, m
         real_get = type(cache.l3).get
         monkeypatch.setattr(type(cache.l3), "get",
                             lambda self, *a, **k: gate.wait(60) and real_get(self, *a, **k))
-        long = cache.admit("long", prompt)  # 9 pages: its admission does not wait for them
-        assert not cache._reqs["long"].prefetch.handle.finished and not long.ready
-        gate.set()
-        while not long.ready:
-            cache.step()
-        assert long.storage_len == 36
-        cache.abort("long")
+        # 9 pages: its admission does not wait for them
+        _read_not_waited_for(cache, gate, "long", prompt, storage_len=36)
     cfg = make_cfg(tmp_path / "l3", prefetch="wait_complete", prefetch_wait_pages=0)
     gate.clear()  # the store's get still waits for this gate
     with HiCache(cfg, mode="l1+l2+l3") as cache:  # never wait: even a short read is not
-        short = cache.admit("short", prompt[:20] + [99])
-        assert not cache._reqs["short"].prefetch.handle.finished and not short.ready
-        gate.set()
-        while not short.ready:
-            cache.step()
-        assert short.storage_len == 20
-        cache.abort("short")
+        _read_not_waited_for(cache, gate, "short", prompt[:20] + [99], storage_len=20)
+
+
+def _read_not_waited_for(cache, gate, rid, tokens, storage_len):
+    """Admit ``rid`` while the store's reads wait for ``gate``: admission returns with the read
+    in flight; once released, steps agree on ``storage_len`` tokens."""
+    p = cache.admit(rid, tokens)
+    assert not cache._reqs[rid].prefetch.handle.finished and not p.ready
+    gate.set()
+    while not p.ready:
+        cache.step()
+    assert p.storage_len == storage_len
+    cache.abort(rid)
