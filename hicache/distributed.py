@@ -261,9 +261,11 @@ def min_across_ranks(values: Sequence[int], group=None) -> list[int]:
 
 
 def all_gather_object(obj: Any, world_size: int, group=None) -> list:
+    """Every rank's ``obj``, gathered over :func:`control_group` (pickled control data: a CPU
+    collective with the group's timeout, never a device round trip through NCCL)."""
     CollectiveCounter.bump()
     out: list = [None] * world_size
-    dist.all_gather_object(out, obj, group=group)
+    dist.all_gather_object(out, obj, group=control_group(group))
     return out
 
 
