@@ -40,7 +40,7 @@ from torch import nn
 
 from hicache.checks import check_int
 from hicache.engine.attention import attend_latent
-from hicache.errors import CheckpointError, ConfigError
+from hicache.errors import CheckpointError, ConfigError, UsageError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -234,13 +234,16 @@ class Rotary:
                 torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d))
             self.scale = 1.0
         self.interleave = cfg.rope_interleave
+        self._on: dict = {}  # device -> inv_freq there (uploaded once, not per layer and step)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate the last dim of x [T, ..., D] at int64 positions [T] (fp32 out). Interleaved
         pairs come out as (rotated evens | rotated odds): the same for q and k, so the scores
         are those of the interleaved layout."""
         d = x.shape[-1]
-        inv = self.inv_freq.to(x.device)
+        inv = self._on.get(x.device)
+        if inv is None:
+            inv = self._on[x.device] = self.inv_freq.to(x.device)
         ang = positions.to(torch.float64)[:, None] * inv[None, :]  # [T, D/2]
         shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (d // 2,)
         cos, sin = ang.cos(), ang.sin()
@@ -470,10 +473,12 @@ class MLAModel(nn.Module):
         tokens = torch.as_tensor(tokens, dtype=torch.int64)
         host = tokens.numpy() if tokens.device.type == "cpu" else tokens.cpu().numpy()
         if host.size and (host.min() < 0 or host.max() >= self.cfg.vocab_size):
-            raise ValueError(
+            raise UsageError(
                 f"token ids must be in [0, {self.cfg.vocab_size}); got range "
                 f"[{int(host.min())}, {int(host.max())}]")
-        return self.embed_tokens[tokens.to(self.embed_tokens.device)].float()  # [T, hidden]
+        # host ids: an async upload (a blocking one would wait for the device)
+        ids = tokens.to(self.embed_tokens.device, non_blocking=True)
+        return self.embed_tokens[ids].float()  # [T, hidden]
 
     @property
     def head(self) -> torch.Tensor:
