@@ -144,37 +144,29 @@ def split_block_plan(plan: BlockPlan, parts: int) -> list[BlockPlan]:
     n = plan.num_blocks
     if parts <= 1 or n < 2:
         return [plan]
+    if plan.kind == "memmove":  # (src, dst, count) runs: cut as page runs are
+        return [BlockPlan("memmove", np.asarray(p, dtype=np.int64).reshape(-1, 3),
+                          sum(c for _, _, c in p)) for p in split_runs(plan.ops.tolist(), parts)]
     target = -(-n // parts)
     out: list[list] = [[]]
     room = target
-    if plan.kind == "memmove":
-        items = [(s0, d0, c) for s0, d0, c in plan.ops.tolist()]
-    elif plan.kind == "take":
-        items = [(d0, ids) for d0, ids in plan.ops]
-    else:
-        items = [(s0, st, ids) for s0, st, ids in plan.ops]
+    take = plan.kind == "take"
+    items = [(d0, ids) for d0, ids in plan.ops] if take else list(plan.ops)
     for it in items:
-        cnt = it[2] if plan.kind == "memmove" else it[-1].size
+        cnt = it[-1].size
         a = 0
         while a < cnt:
             if room == 0:
                 out.append([])
                 room = target
             b = min(cnt, a + room)
-            if plan.kind == "memmove":
-                out[-1].append((it[0] + a, it[1] + a, b - a))
-            elif plan.kind == "take":
+            if take:
                 out[-1].append((it[0] + a, it[1][a:b]))
             else:
                 out[-1].append((it[0] + a * it[1], it[1], it[2][a:b]))
             room -= b - a
             a = b
-    res = []
-    for ops in out:
-        blocks = sum(o[2] if plan.kind == "memmove" else o[-1].size for o in ops)
-        res.append(BlockPlan(plan.kind, np.asarray(ops, dtype=np.int64).reshape(-1, 3)
-                             if plan.kind == "memmove" else tuple(ops), blocks))
-    return res
+    return [BlockPlan(plan.kind, tuple(ops), sum(o[-1].size for o in ops)) for ops in out]
 
 
 def split_runs(runs, parts: int) -> list[list[tuple[int, int, int]]]:

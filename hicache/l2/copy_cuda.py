@@ -53,7 +53,7 @@ def plan_device_copy(plan: TransferPlan, num_layers: int, direction: str, contig
     layer is at most ``max_runs`` contiguous copies, else the kernel (O(layers) launches, not
     O(pages x layers)), else 2D copies, else runs or pages. ``prefer_copy2d`` (CuPy asked for
     explicitly) puts 2D copies before the kernel."""
-    runs = len(plan.run_len)
+    runs = plan.num_runs
     per_layer = 1 if direction == "h2d" else 0
     if contiguous and runs <= max_runs:
         return DeviceCopyPlan("runs", runs * num_layers)
@@ -135,7 +135,7 @@ class CudaBackend(CopyBackend):
         host = dst_side if job.direction == "d2h" else src_side
         L = self.engine.num_layers
         if host.medium == "staging" and not host.pinned:  # no kernel reads pageable memory
-            return DeviceCopyPlan("runs", len(job.plan.run_len) * L)
+            return DeviceCopyPlan("runs", job.plan.num_runs * L)
         if self._kernel is not None:
             return DeviceCopyPlan("kernel", L if job.direction == "h2d" else 1)
         return plan_device_copy(job.plan, L, job.direction, contiguous,
@@ -191,7 +191,7 @@ class CudaBackend(CopyBackend):
                 kernel(src[layer:layer + 1], si, dst[layer:layer + 1], di)
                 layer_done(layer)
             return L
-        runs = list(zip(plan.run_src.tolist(), plan.run_dst.tolist(), plan.run_len.tolist()))
+        runs = plan.runs
         W = self.engine.block_elems
         for layer in range(L):
             s, d = src[layer], dst[layer]  # [pages, W]
