@@ -36,7 +36,7 @@ from .errors import ConfigError, DeviceFullError, TransferError, UsageError
 from .ids import as_tokens
 from .kvport import CheckedPort
 from .l1.pool import DeviceKVPool, pick_device
-from .l2.pool import HostKVPool, check_host_memory
+from .l2.pool import HostKVPool
 from .l3 import agree_prefetch, prefetch_signals
 from .tier_io import PREFETCH_OUTCOMES, Job, L3Read, TierIO, Waits, join
 
@@ -140,8 +140,6 @@ class HiCache:
         preflight.check_node_memory(need, machine.host_total, "is the node's total")
         self.l1 = DeviceKVPool(self.layout, m.num_layers, m.kv_dim, m.torch_dtype,
                                config.l1.num_pages, device=device)
-        if host_pages:
-            check_host_memory(host_pages * self.l1.bytes_per_page)
         self.l2 = HostKVPool(self.layout, m.num_layers, m.kv_dim, m.torch_dtype,
                              max(host_pages, 1), layout_kind=config.l2.layout, pin=config.l2.pin)
         p = config.policy

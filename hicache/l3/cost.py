@@ -56,8 +56,7 @@ class CostModel:
     def observe_overhead(self, seconds: float) -> None:
         """A load's fixed cost beyond its read (e.g. the scheduler step it waits to be agreed)."""
         if seconds > 0:
-            self.overhead_s = seconds if self.overhead_s == 0 else \
-                self.overhead_s + self.alpha * (seconds - self.overhead_s)
+            self.overhead_s = self._average(self.overhead_s or None, seconds)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
