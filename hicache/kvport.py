@@ -105,6 +105,10 @@ class KVPort(Protocol):
     def write(self, layer: int, where: Union[RowWrite, Slots], rows: torch.Tensor) -> int:
         """Store this rank's rows among ``rows`` [n, kv_dim]; the number stored."""
 
+    def check_pages(self, pages: np.ndarray) -> None:
+        """Raise (one line) unless a write may touch every widened page in ``pages`` (host
+        int64): what ``write`` checks, for callers that must refuse on every rank alike."""
+
     def layer_view(self, layer: int) -> torch.Tensor:
         """One layer's rows [pool rows, kv_dim] (a view; attention reads it)."""
 
@@ -128,9 +132,12 @@ class CheckedPort:
     def write(self, layer: int, where: Union[RowWrite, Slots], rows: torch.Tensor) -> int:
         if not isinstance(where, RowWrite):
             where = self._pool.plan_write(where)
-        self._pool.check_pages(where.pages)
-        self._check(where.pages)
+        self.check_pages(where.pages)
         return self._pool.write(layer, where, rows)
+
+    def check_pages(self, pages: np.ndarray) -> None:
+        self._pool.check_pages(pages)  # in the pool first: the port's check indexes by page
+        self._check(pages)
 
     def layer_view(self, layer: int) -> torch.Tensor:
         return self._pool.layer_view(layer)

@@ -239,6 +239,12 @@ def relayout_worker(rank, c, lengths):
         assert torch.allclose(last, ref_logits, atol=1e-4, rtol=1e-4)
         pcp_tokens = greedy(DCPRunner(model, pcp_pool), pcp_state, last, NEW)
         assert pcp_tokens == ref_tokens
+        # a page the port refuses (here: outside the pool) is refused on every rank before any
+        # collective, even one whose rows only some ranks would receive
+        bogus = list(ref_pages[:-(-length // pcp_pool.layout.page_tokens)])
+        bogus[-1] = 10**6  # the prompt's last page
+        with pytest.raises(UsageError, match="outside the pool"):
+            pcp_prefill_request(model, pcp_pool, RequestState(bogus), prompt, mode="ring")
         # PCP N = c/2 ranks (a subgroup) into DCP-c pools: ranks outside PCP only receive rows
         sub_pool = DeviceKVPool(DCPLayout(c, rank, P), cfg.num_layers, cfg.kv_dim,
                                 cfg.torch_dtype, need, device="cpu")

@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -248,6 +249,10 @@ def pcp_prefill_request(model, kv, state, prompt, mode: str = "ring", group=None
     length = len(prompt)
     if length == 0:
         raise UsageError("cannot prefill an empty prompt")
+    if kv is not None:  # refused on every rank before any collective (ranks receive
+        # different rows, so a refusal at the write would stop some ranks and not others)
+        kv.check_pages(np.asarray(state.page_table[:-(-length // layout.page_tokens)],
+                                  dtype=np.int64))
     cfg = model.cfg
     member = _member(pcp_group)
     if member:
