@@ -42,6 +42,7 @@ import json
 import os
 import platform
 import subprocess
+import tempfile
 import sys
 import time
 from collections import deque
@@ -438,15 +439,18 @@ class SGLangReplayer:
     def __init__(self, python: str) -> None:
         here = os.path.dirname(os.path.abspath(__file__))
         env = dict(os.environ, PYTHONPATH=os.path.join(here, ".."))
+        # its warnings go to a file: a pipe nobody reads would fill and stall both processes
+        self._err = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen([python, os.path.join(here, "sglang_tree.py")],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env)
+                                     stderr=self._err, text=True, env=env)
         self._expect("ready")
 
     def _expect(self, what: str) -> str:
         line = self.proc.stdout.readline()
         if not line or (what == "ready" and line.strip() != "ready"):
-            err = self.proc.stderr.read() if self.proc.poll() is not None else ""
+            self._err.seek(0)
+            err = self._err.read() if self.proc.poll() is not None else ""
             raise RuntimeError(f"bench/sglang_tree.py: no {what} ({line.strip()!r}; "
                                f"{err.strip()[-600:]})")
         return line
@@ -458,7 +462,12 @@ class SGLangReplayer:
 
     def close(self) -> None:
         self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._err.close()
 
 
 def unique_pages(reqs, page) -> int:
@@ -473,9 +482,9 @@ def unique_pages(reqs, page) -> int:
 
 
 def run(args) -> dict:
-    scales = {"chat": 0.1 if args.quick else 1.0, "agentic": 0.03 if args.quick else 0.3}
+    every = {"chat": 0.1 if args.quick else 1.0, "agentic": 0.03 if args.quick else 0.3}
     rows = []
-    scales = {w: scales[w] for w in args.workloads}
+    scales = {w: every[w] for w in args.workloads}
     cases = [(w, p, cap) for w in args.workloads for p in args.pages for cap in args.capacities]
     traces = {w: (chat_trace if w == "chat" else agentic_trace)(args.seed, scales[w])
               for w in scales}
@@ -495,63 +504,65 @@ def run(args) -> dict:
             why = str(e)
     gc.collect()
     gc.freeze()
-    for w, page, cap in tqdm(cases, desc="controller bench", disable=args.json):
-        reqs = traces[w]
-        uniq = unique_pages(reqs, page)
-        if cap == "ample":
-            dev, host = uniq + args.inflight * 64 + 64, 0
-        else:
-            dev = max(int(uniq * args.budget), 4 * max(len(r.tokens) for r in reqs) // page)
-            host = 4 * dev if cap == "budget+l2" else 0
-        ours_t, ref_t, page_t, sg = [], [], [], []
-        for _ in range(args.reps):
-            if sglang is not None and not host:  # its tree core, L1 only
-                sg.append(sglang.replay({"workload": w, "scale": scales[w], "seed": args.seed,
-                                         "page": page, "l1_pages": dev,
-                                         "inflight": args.inflight, "reps": 1,
-                                         "ours": True}))
-            ref_hits, dt = replay_reference(reqs, lists[w], page, dev, args.inflight)
-            ref_t.append(dt)
-            if host:  # the same work as ours: the page-keyed tree with the host tier
-                page_hits, dt = replay_host_reference(reqs, lists[w], page, dev, host,
-                                                      args.inflight)
+    try:
+        for w, page, cap in tqdm(cases, desc="controller bench", disable=args.json):
+            reqs = traces[w]
+            uniq = unique_pages(reqs, page)
+            if cap == "ample":
+                dev, host = uniq + args.inflight * 64 + 64, 0
             else:
-                page_hits, dt = replay_reference(reqs, lists[w], page, dev, args.inflight,
-                                                 PageRadixCache)
-            page_t.append(dt)
-            hits, dt, ctrl = replay_controller(arrays[w], page, dev, host, args.inflight)
-            ours_t.append(dt)
-        prompt = sum(len(r.tokens) for r in reqs)
-        ours_us = 1e6 * min(ours_t) / len(reqs)
-        ref_us = 1e6 * min(ref_t) / len(reqs)
-        page_us = 1e6 * min(page_t) / len(reqs)
-        total = hits["l1"] + hits["l2"]
-        rows.append({
-            "workload": w, "page": page, "capacity": cap, "requests": len(reqs),
+                dev = max(int(uniq * args.budget), 4 * max(len(r.tokens) for r in reqs) // page)
+                host = 4 * dev if cap == "budget+l2" else 0
+            ours_t, ref_t, page_t, sg = [], [], [], []
+            for _ in range(args.reps):
+                if sglang is not None and not host:  # its tree core, L1 only
+                    sg.append(sglang.replay({"workload": w, "scale": scales[w], "seed": args.seed,
+                                             "page": page, "l1_pages": dev,
+                                             "inflight": args.inflight, "reps": 1,
+                                             "ours": True}))
+                ref_hits, dt = replay_reference(reqs, lists[w], page, dev, args.inflight)
+                ref_t.append(dt)
+                if host:  # the same work as ours: the page-keyed tree with the host tier
+                    page_hits, dt = replay_host_reference(reqs, lists[w], page, dev, host,
+                                                          args.inflight)
+                else:
+                    page_hits, dt = replay_reference(reqs, lists[w], page, dev, args.inflight,
+                                                     PageRadixCache)
+                page_t.append(dt)
+                hits, dt, ctrl = replay_controller(arrays[w], page, dev, host, args.inflight)
+                ours_t.append(dt)
+            prompt = sum(len(r.tokens) for r in reqs)
+            ours_us = 1e6 * min(ours_t) / len(reqs)
+            ref_us = 1e6 * min(ref_t) / len(reqs)
+            page_us = 1e6 * min(page_t) / len(reqs)
+            total = hits["l1"] + hits["l2"]
+            rows.append({
+                "workload": w, "page": page, "capacity": cap, "requests": len(reqs),
 
-            "prompt_tokens": prompt, "l1_pages": dev, "l2_pages": host,
-            "hit_tokens": total, "hit_l1": hits["l1"], "hit_l2": hits["l2"],
-            "ref_hit_tokens": ref_hits, "page_ref_hit_tokens": page_hits,
-            "hit_ratio": total / prompt, "ref_hit_ratio": ref_hits / prompt,
-            "page_ref_hit_ratio": page_hits / prompt,
-            "us_per_request": ours_us, "ref_us_per_request": ref_us,
-            "page_ref_us_per_request": page_us,
-            "speedup": ref_us / ours_us, "page_speedup": page_us / ours_us,
-            # like for like: both references without L2, the page-keyed one with it
-            "identical_hits": total == page_hits and (bool(host) or total == ref_hits),
-        })
-        if sg:
-            r = rows[-1]
-            r["sglang_hit_tokens"] = sg[0]["hit_tokens"]
-            r["sglang_us_per_request"] = min(x["us_per_request"] for x in sg)
-            # against ours replayed in SGLang's process, interleaved with it: the same process
-            # state for both (two processes on a shared VM can differ by 1.5x for a while)
-            r["ours_in_sglang_process_us"] = min(x["ours_us_per_request"] for x in sg)
-            r["sglang_speedup"] = r["sglang_us_per_request"] / r["ours_in_sglang_process_us"]
-            r["identical_hits"] = r["identical_hits"] and all(
-                x["hit_tokens"] == total and x["ours_hit_tokens"] == total for x in sg)
-    if sglang is not None:
-        sglang.close()
+                "prompt_tokens": prompt, "l1_pages": dev, "l2_pages": host,
+                "hit_tokens": total, "hit_l1": hits["l1"], "hit_l2": hits["l2"],
+                "ref_hit_tokens": ref_hits, "page_ref_hit_tokens": page_hits,
+                "hit_ratio": total / prompt, "ref_hit_ratio": ref_hits / prompt,
+                "page_ref_hit_ratio": page_hits / prompt,
+                "us_per_request": ours_us, "ref_us_per_request": ref_us,
+                "page_ref_us_per_request": page_us,
+                "speedup": ref_us / ours_us, "page_speedup": page_us / ours_us,
+                # like for like: both references without L2, the page-keyed one with it
+                "identical_hits": total == page_hits and (bool(host) or total == ref_hits),
+            })
+            if sg:
+                r = rows[-1]
+                r["sglang_hit_tokens"] = sg[0]["hit_tokens"]
+                r["sglang_us_per_request"] = min(x["us_per_request"] for x in sg)
+                # against ours replayed in SGLang's process, interleaved with it: the same process
+                # state for both (two processes on a shared VM can differ by 1.5x for a while)
+                r["ours_in_sglang_process_us"] = min(x["ours_us_per_request"] for x in sg)
+                r["sglang_speedup"] = r["sglang_us_per_request"] / r["ours_in_sglang_process_us"]
+                r["identical_hits"] = r["identical_hits"] and all(
+                    x["hit_tokens"] == total and x["ours_hit_tokens"] == total for x in sg)
+    finally:
+        if sglang is not None:
+            sglang.close()
     return {"bench": "controller", "seed": args.seed, "inflight": args.inflight,
             "sglang": python if sglang is not None else None, "sglang_missing": why,
             "scales": scales, "traces": {w: trace_summary(traces[w]) for w in traces},

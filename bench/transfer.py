@@ -127,7 +127,6 @@ def memcpy_pieces(c: int, tokens: int, layers: int, reps: int, dtype: torch.dtyp
     the bytes, and in layer pieces by two threads, interleaved, best of ``reps``. glibc switches
     to streaming (non-temporal) stores above a size threshold; run under
     ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=...`` to move it."""
-    import ctypes
     from concurrent.futures import ThreadPoolExecutor
 
     lay = DCPLayout(c, 0, PAGE)
@@ -184,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only time libc memmove of the first --dcp size's bytes: one call, in "
                          "pieces of a layer and more, and by two threads")
     args = ap.parse_args(argv)
+    if args.layers < 1 or args.copy_threads < 1 or (args.tokens or 1) < 1 or (args.reps or 1) < 1:
+        ap.error("--layers, --copy-threads, --tokens and --reps must be >= 1")
     tokens = args.tokens or (8192 if args.quick else 16384)
     reps = args.reps or (4 if args.quick else 11)
     if args.memcpy_pieces:
