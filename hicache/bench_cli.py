@@ -494,6 +494,11 @@ def _resolve(args) -> tuple[HiCacheConfig, list[Variant], list[str]]:
             raise UsageError(f"--faults needs 2 or more ranks (--dcp), got {cfg.parallel.dcp}")
         number("--faults (seed)", args.faults, 0, SEED_MAX)
         number("--fault-every", args.fault_every, 2, 1 << 20)
+        given = [f for f, on in (("--write", args.write is not None),
+                                 ("--max-overtakes", str(args.max_overtakes) != "4"),
+                                 ("--reps", args.reps != 1), ("--cold-l3", args.cold_l3)) if on]
+        if given:
+            raise UsageError(f"{', '.join(given)}: not used by the fault soak (--faults)")
     if args.plot:
         from .plot import FORMATS
         check_destination("--plot", args.plot, FORMATS)

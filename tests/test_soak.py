@@ -155,6 +155,9 @@ def test_fault_soak_arguments(tmp_path, capsys):
     assert bench_cli.main(["--config", str(cfg), "--faults", "1", "--duration", "5",
                            "--dcp", "1"]) == 2
     assert "2 or more ranks" in capsys.readouterr().err
+    assert bench_cli.main(["--config", str(cfg), "--faults", "1", "--duration", "5", "--reps",
+                           "2", "--cold-l3"]) == 2
+    assert "--reps, --cold-l3: not used by the fault soak" in capsys.readouterr().err
 
 
 def test_short_fault_soak_on_redis_kills_and_restarts_its_own_server(tmp_path, capsys,
