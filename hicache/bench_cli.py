@@ -565,7 +565,7 @@ def _main(args) -> int:
                  "ideal_hit_ratio": ideal_hit_ratio(jobs, rows[0]["outputs"],
                                                     cfg.page_tokens)}
         if args.verify:  # always against recompute, run for the purpose when not a mode
-            ref = next((r for r in rows if r["mode"] == "recompute"), None) \
+            ref = next((r for r in rows if r.get("mode", r["name"]) == "recompute"), None) \
                 or run_mode(cfg, "recompute", jobs, opts)
             entry["verify"] = v = verify_outputs(ref["outputs"], rows)
             for name, n in v["differs"].items():
@@ -648,7 +648,7 @@ def _print(workload: str, entry: dict, cfg: HiCacheConfig) -> None:
     if reps:
         print(f"  timings are medians of {len(reps)} interleaved runs per row")
     print(f"  unlimited memory would hit {entry['ideal_hit_ratio']:.3f} of prompt tokens")
-    base = next((r for r in entry["modes"] if r.get("mode") == "recompute"), None)
+    base = next((r for r in entry["modes"] if r.get("mode", r["name"]) == "recompute"), None)
     for r in entry["modes"]:
         st = r.get("stall", {})
         if st.get("stalled"):
