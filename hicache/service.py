@@ -229,10 +229,18 @@ class HiCache:
         room is worth re-admitting (``abort`` then ``admit``) when this exceeds its
         ``prefix.hit_len``: a request that finished meanwhile put its prefix on the device."""
         self._check_usable("l1_hit_now")
-        req = self._req(request_id)
-        if not self.tiers:
-            return 0
-        return self._ctl(self.ctrl.match, req.tokens[:-1]).device_len
+        return self.peek(self._req(request_id).tokens)[0]
+
+    def peek(self, tokens) -> tuple[int, int]:
+        """``(device_len, host_len)``: the L1 and L2 hit ``admit(tokens)`` would find now, with
+        nothing changed (no lock, no load, no LRU touch): a scheduler asks it before admitting
+        a request only if it fits. Replicated like the controller."""
+        self._check_usable("peek")
+        arr = as_tokens(tokens)
+        if not self.tiers or arr.size == 0:
+            return 0, 0
+        dev, host = self._ctl(self.ctrl.peek, arr[:-1])
+        return dev, (host if "l2" in self.tiers else 0)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine reports prefill speed; with the store's read speed it decides whether an

@@ -19,8 +19,9 @@ preempted (re-queued), never the oldest: locked hits of active requests cannot s
 restore. One exception keeps what finished requests left in L1 from being evicted by the
 waiting request when the next queued request would hit it: after a request finished, the head
 of the queue is matched, and it stays admitted ("overtakes") only when its new pages fit in
-L1's free pages (no eviction), whether or not its L3 lookup is agreed yet (a page restored from
-L3 takes the L1 page its prefill would have). It then returns all it takes when it finishes,
+L1's free pages (no eviction), asked before it is admitted (admitting it would already load its
+L2 hit into L1), whatever its L3 lookup finds (a page restored from L3 takes the L1 page its
+prefill would have). It then returns all it takes when it finishes,
 so the waiter loses no room, only time, and a waiting request is overtaken at most
 ``max_overtakes`` times (0: strict hold). And when requests finish, a request still waiting on
 L3 (its read, or L1 room for its agreed restore) whose prompt they put in L1 beyond its hit is
@@ -107,7 +108,7 @@ class Server:
         self.longest_stall = 0  # the longest run of such steps
         self.inserted = 0       # requests finished into the cache so far (the tree grew)
         self.overtakes = 0      # requests admitted past one waiting for L1 room
-        self.probes_returned = 0  # queue heads tried past a waiter and sent back (no room)
+        self.probes_returned = 0  # queue heads tried past a waiter and left queued (no room)
         # seconds in each cache call on the scheduler thread (copies issued, run inline or
         # waited for land in admit / finish / step / wait_layer)
         self.cache_s = {"admit": 0.0, "step": 0.0, "finish": 0.0, "wait_layer": 0.0,
@@ -164,19 +165,13 @@ class Server:
                 elif self.inserted > probed and all(a.overtaken < self.max_overtakes
                                                     for a in waiters):
                     probed = self.inserted
-                    first = waiting[0].request_id not in admitted_at
-                    new = self._admit(waiting, active, admitted_at, capacity)
-                    if self._overtakes(new):
+                    if self._fits(waiting[0]):
+                        self._admit(waiting, active, admitted_at, capacity)
                         self.overtakes += 1
                         for a in waiters:
                             a.overtaken += 1
-                    else:  # it would take room by eviction: back to the head of the queue
-                        cache.abort(new.job.request_id)
-                        active.remove(new)
-                        waiting.appendleft(new.job)
+                    else:  # it would take room by eviction: it stays at the head of the queue
                         self.probes_returned += 1
-                        if first:  # it was never admitted: its TTFT starts when it is
-                            del admitted_at[new.job.request_id]
             # The step's one collective right after admission: a request whose L3 lookup found
             # nothing on any rank is ready in this same iteration. It raises on every rank if
             # any rank failed, before the tokens finished in the last iteration are returned.
@@ -253,16 +248,21 @@ class Server:
         active.append(a)
         return a
 
-    def _overtakes(self, a: _Active) -> bool:
-        """May ``a`` run before a request waiting for L1 room? Only if its new pages fit in L1's
-        free pages: it evicts nothing the waiter could use, and once it finished its pages (hit
-        and new) are evictable again, so the waiter lost no room. Its L3 lookup may still be in
-        flight: what it restores from L3 takes pages its prefill would take otherwise, so the
-        count is the same (the prompt's and output's pages less its L1 and L2 hit)."""
+    def _fits(self, job) -> bool:
+        """May ``job`` run before a request waiting for L1 room? Only if its new pages fit in
+        L1's free pages: it evicts nothing the waiter could use, and once it finished its pages
+        (hit and new) are evictable again, so the waiter lost no room. Asked before admission
+        (``HiCache.peek`` changes nothing): admitting would already load its L2 hit, which
+        takes L1 pages and may evict. Its L3 lookup is not known yet: what it restores from L3
+        takes pages its prefill would take otherwise, so the count is the same (the prompt's
+        and output's pages less its L1 hit)."""
         cache = self.cache
-        need = -(-(len(a.job.tokens) + a.job.output_len) // cache.page_tokens)
+        need = -(-(len(job.tokens) + job.output_len) // cache.page_tokens)
+        t0 = time.perf_counter()
+        hit = cache.peek(job.tokens)[0] // cache.page_tokens
+        self.cache_s["admit"] += time.perf_counter() - t0
         free = cache.config.l1.num_pages - cache.stats()["pages"]["l1"]
-        return need - len(a.prefix.page_table) <= free
+        return need - hit <= free
 
     def _preempt(self, active: list, waiting: deque) -> None:
         """Nothing runs and a request waits for L1 room held by the locked hits of others:

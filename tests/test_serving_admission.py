@@ -132,3 +132,54 @@ def test_a_queue_head_sent_back_starts_its_ttft_when_admitted(tmp_path, monkeypa
     # admitted, then the step's agreement, then its prefill in the same iteration: one step
     assert res["C"].ttft_s == 1.0
     assert res["W"].ttft_s > 1.0  # W did wait for room after its admission
+
+
+def test_a_queue_head_that_does_not_fit_is_not_admitted_to_find_out(tmp_path):
+    """C's prompt is in L2 only when it is tried past the waiter W: admitting it would load
+    that hit into L1's free pages (the room W waits for) before finding that C does not fit.
+    The fit is asked first (``HiCache.peek``), so C stays queued untouched: it is admitted
+    once, after W, and its hit is still loaded from L2 then (L2 holds everything here)."""
+    cfg = HiCacheConfig.from_dict(tiny_sections(
+        page_size=P, l1_pages=20, l2_ratio=4.0, model={"signature": "test-weights"},
+        policy={"l3_cost_model": False}))
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 128, 40)
+    torch.manual_seed(0)
+    with HiCache(cfg, mode="l1+l2") as cache:
+        server = Server(MLAModel(model_config(cfg)), cache, chunk_tokens=16, max_running=2)
+        server.run([req("C0", x, out=1)])
+        cache.drain()  # C0's prompt is backed up to L2
+        server.run([req("D", rng.integers(0, 128, 72), out=1)])  # evicts it from L1
+        cache.drain()
+        assert cache.peek(x) == (0, 36)
+        admits = []
+        admit = cache.admit
+        cache.admit = lambda rid, tokens: admits.append(rid) or admit(rid, tokens)
+        res = {r.request_id: r for r in server.run(chain_trace(0) + [req("C", x, out=1)])}
+        assert cache.leaks() == {"l1": 0, "l2": 0, "locks": 0}
+    assert server.probes_returned == 1 and server.overtakes == 0
+    assert admits.count("C") == 1 and admits.index("W") < admits.index("C")
+    assert res["C"].hit == {"l1": 0, "l2": 36, "l3": 0}
+
+
+def test_peek_changes_nothing(tmp_path):
+    """``peek`` reports admit's L1/L2 hit (the last prompt token never counts) and locks,
+    loads and touches nothing: the eviction order is the same with or without it."""
+    cfg = make_cfg(tmp_path)
+    rng = np.random.default_rng(6)
+    a, b = rng.integers(0, 128, 17), rng.integers(0, 128, 17)
+
+    def evicted_first(peek: bool):
+        with HiCache(cfg, mode="l1") as cache:
+            for rid, toks in (("a", a), ("b", b)):
+                cache.admit(rid, toks)
+                cache.alloc(rid, len(toks))
+                cache.finish(rid, toks)
+            if peek:
+                assert cache.peek(a) == (16, 0) and cache.peek(a[:16]) == (12, 0)
+                assert cache.peek(np.concatenate([a, b])) == (16, 0)
+            assert cache.stats()["locks"] == 0
+            cache.admit("big", rng.integers(0, 128, 4 * 17))
+            cache.alloc("big", 4 * 17)  # evicts the least recently used of a's and b's pages
+            return cache.peek(a)[0], cache.peek(b)[0]
+    assert evicted_first(True) == evicted_first(False)

@@ -141,6 +141,19 @@ class CacheController:
         return Match(pt * len(dpages), pt * len(hpages), dpages, hpages, tuple(dev), tuple(hst),
                      used[-1] if used else self.tree.root, waits)
 
+    def peek(self, tokens) -> tuple[int, int]:
+        """``(device_len, host_len)`` that ``match(tokens)`` would return now, used for nothing:
+        no LRU touch, no split, no stats (a scheduler asking whether a request would fit)."""
+        dev = host = 0
+        for n, pages in self.tree.covered(as_tokens(tokens, int64=False)):
+            if n.device is not None and not host:
+                dev += pages
+            elif n.device is None and n.host_valid:
+                host += pages
+            else:
+                break
+        return self.page_tokens * dev, self.page_tokens * host
+
     def _touch(self, nodes: Iterable[Node], clock: int) -> None:
         """Mark ``nodes`` used now; pass a path leaf first (a parent then follows its children
         in the eviction order)."""

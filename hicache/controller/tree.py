@@ -187,6 +187,31 @@ class RadixTree:
             self.on_split(top, node)
         return top
 
+    def covered(self, arr: np.ndarray) -> list[tuple[Node, int]]:
+        """The nodes ``walk(arr)`` would return, each with how many of its pages ``arr``
+        covers (all but maybe the last's), splitting none: a read-only walk (no fast path:
+        for questions asked once per request, like ``CacheController.peek``)."""
+        w = self.page_tokens * 8
+        total = len(arr) // self.page_tokens * w
+        q = arr[:total // 8].astype(INT64, copy=False).tobytes()
+        a, out, children = 0, [], self.root.children
+        while a < total:
+            child = children.get(q[a:a + w])
+            if child is None:
+                break
+            ct = child.tokens
+            if q.startswith(ct, a):
+                out.append((child, child.npages))
+                a += len(ct)
+                children = child.children
+                continue
+            k = 1  # the first page matched (the key); count the pages after it that do
+            while a + (k + 1) * w <= total and q[a + k * w:a + (k + 1) * w] == ct[k * w:(k + 1) * w]:
+                k += 1
+            out.append((child, k))
+            break
+        return out
+
     def add_child(self, parent: Node, tokens: np.ndarray) -> Node:
         """New leaf under ``parent`` for ``tokens`` (ints, whole pages)."""
         pt = self.page_tokens
