@@ -34,6 +34,19 @@ from hicache.layout import DCPLayout
 Slots = Union[torch.Tensor, Sequence[int]]
 
 
+def _frozen(a: np.ndarray) -> np.ndarray:
+    """``a`` (an array this module just made, owning its data), made read-only."""
+    a.flags.writeable = False
+    return a
+
+
+def checked_once(pages: np.ndarray) -> bool:
+    """Whether ``pages`` cannot change once checked: a read-only array owning its data (a
+    ``RowWrite``'s, made here). A check of it may then be remembered by identity, as long as
+    what it was checked against did not change."""
+    return not pages.flags.writeable and pages.base is None
+
+
 @dataclass(frozen=True)
 class RowWrite:
     """Where the rows of one write land on this rank.
@@ -41,7 +54,9 @@ class RowWrite:
     n:     rows the write takes (rows [n, kv_dim], one per slot / new token)
     src:   int64 [m] on the port's device: the input rows this rank keeps (None: all n, in order)
     dst:   int64 [m] on the port's device: their rows in the pool
-    pages: int64 [k] host array: the widened pages written (what a checked port verifies)
+    pages: int64 [k] host array: the widened pages written (what a checked port verifies);
+           read-only in the writes the constructors below make, so a check of one write
+           holds for every layer it is reused for (see ``checked_once``)
     """
 
     n: int
@@ -53,7 +68,7 @@ class RowWrite:
     def for_slots(layout: DCPLayout, slots: torch.Tensor, device: torch.device) -> "RowWrite":
         """From validated virtual slots int64 [n] on the CPU (ownership decided on the host)."""
         n = int(slots.numel())
-        pages = np.unique((slots // layout.page_tokens).numpy())
+        pages = _frozen(np.unique((slots // layout.page_tokens).numpy()))
         if layout.dcp_size == 1:
             src, kept = None, slots
         else:
@@ -75,7 +90,7 @@ class RowWrite:
         pos = layout.owned_positions(start, end, device=table.device)  # [m]
         dst = layout.physical(layout.slot_of(table, pos))
         src = pos - (start - base)
-        touched = np.asarray(pages[start // w: -(-end // w)], dtype=np.int64)
+        touched = _frozen(np.array(pages[start // w: -(-end // w)], dtype=np.int64))
         return RowWrite(end - start, src, dst, touched)
 
     @staticmethod
@@ -86,7 +101,7 @@ class RowWrite:
             return parts[0]
         return RowWrite(sum(p.n for p in parts), torch.cat([p.src for p in parts]),
                         torch.cat([p.dst for p in parts]),
-                        np.concatenate([p.pages for p in parts]))
+                        _frozen(np.concatenate([p.pages for p in parts])))
 
 
 @runtime_checkable
@@ -146,4 +161,4 @@ class CheckedPort:
         return f"CheckedPort({self._pool!r})"
 
 
-__all__ = ["CheckedPort", "KVPort", "RowWrite", "Slots"]
+__all__ = ["CheckedPort", "KVPort", "RowWrite", "Slots", "checked_once"]

@@ -34,7 +34,7 @@ from .config import HiCacheConfig
 from .controller import CacheController, LockHandle, StepAgreement
 from .errors import ConfigError, DeviceFullError, TransferError, UsageError
 from .ids import as_tokens
-from .kvport import CheckedPort
+from .kvport import CheckedPort, checked_once
 from .l1.pool import DeviceKVPool, pick_device
 from .l2.pool import HostKVPool
 from .l3 import agree_prefetch, prefetch_signals
@@ -160,6 +160,9 @@ class HiCache:
         self._fault: BaseException | None = None
         self._failed: BaseException | None = None
         self._owned = np.zeros(config.l1.num_pages, dtype=bool)  # pages of admitted requests
+        self._released = 0  # times owned pages were released (ends a remembered write check)
+        self._writable: np.ndarray | None = None  # the last write's pages found owned ...
+        self._writable_at = -1                     # ... at this count of releases
         # the bytes: transfers, L3 store, writer, prefetcher, restores (hicache/tier_io.py)
         self.io = TierIO(config, rank, self.l1, self.l2, self.page_tokens, self._record,
                          replica=replica, l3="l3" in self.tiers,
@@ -282,11 +285,15 @@ class HiCache:
 
     def _check_writable(self, pages: np.ndarray) -> None:
         self._check_usable("write_kv")
+        if pages is self._writable and self._released == self._writable_at:
+            return  # the same write's next layer, and no page was released since
         bad = pages[~self._owned[pages]]
         if bad.size:
             raise UsageError(f"write_kv into device page {int(bad[0])}, which no admitted "
                              "request owns (a cached page or a free one): only pages "
                              "from alloc() take new KV")
+        if checked_once(pages):
+            self._writable, self._writable_at = pages, self._released
 
     def write_kv(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> int:
         """Keep this rank's owned rows of ``rows`` ([n, kv_dim]) at virtual ``slots``. Every
@@ -351,6 +358,7 @@ class HiCache:
             except TransferError as err:  # agreed at the next step; the bookkeeping goes on
                 self._record(err)
         self._owned[req.own_pages] = False
+        self._released += 1  # a write checked before may touch these pages no more
         table = req.prefix.page_table
         whole = min(arr.size // self.page_tokens, len(table))
         if self._failed is not None:  # stopped: insert nothing, only release

@@ -179,3 +179,34 @@ def test_hicache_port_refuses_cached_pages_by_slots_and_by_row_write(tmp_path):
         assert cache.request_pages == 0
         assert cache.leaks() == {"l1": 0, "l2": 0, "locks": 0}
         del p
+
+
+def test_a_write_reused_for_every_layer_is_checked_once_until_a_page_is_released(tmp_path):
+    """The write path checks a ``RowWrite``'s pages once for all the layers it is reused for
+    (its pages are read-only): a page released in between (the request finished) ends that,
+    so the next layer's write is refused; a writable page array is checked every time."""
+    with HiCache(cache_cfg(tmp_path), mode="l1") as cache:
+        port, dim = cache.kv, cache.l1.kv_dim
+        cache.admit("a", np.arange(9))
+        table = cache.prefix("a").page_table + cache.alloc("a", 9)
+        w = port.plan_write(torch.tensor([table[1] * 4, table[2] * 4 + 1]))
+        assert not w.pages.flags.writeable
+        with pytest.raises(ValueError):
+            w.pages[0] = 15
+        idx = RequestState(page_table=table).device_index(port.layout, port.device)
+        assert not idx.advance(0, 9).pages.flags.writeable
+        for layer in (0, 1):
+            assert port.write(layer, w, torch.ones(2, dim)) == 2
+        cache.abort("a")  # its pages go back to the free list
+        with pytest.raises(HiCacheError, match="no admitted request owns"):
+            port.write(0, w, torch.ones(2, dim))
+        cache.admit("b", np.arange(100, 109))
+        mine = cache.alloc("b", 9)
+        pages = np.array([mine[0]], np.int64)  # the caller's own, writable array
+        own = RowWrite(1, None, torch.tensor([mine[0] * 4]), pages)
+        assert port.write(0, own, torch.ones(1, dim)) == 1
+        pages[0] = 15 if mine[0] != 15 else 14  # a page nobody owns, in the same array
+        with pytest.raises(HiCacheError, match="no admitted request owns"):
+            port.write(1, own, torch.ones(1, dim))
+        cache.abort("b")
+        assert cache.leaks() == {"l1": 0, "l2": 0, "locks": 0}

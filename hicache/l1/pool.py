@@ -17,7 +17,7 @@ import torch
 
 from hicache.checks import check_int
 from hicache.errors import UsageError
-from hicache.kvport import RowWrite, Slots
+from hicache.kvport import RowWrite, Slots, checked_once
 from hicache.layout import DCPLayout
 
 
@@ -84,6 +84,7 @@ class DeviceKVPool:
         self.kv_dim = kv_dim
         self.dtype = dtype
         self.num_pages = num_pages
+        self._in_range: np.ndarray | None = None  # the last unchangeable pages found in range
         self.device = pick_device(device)
         # [L, num_pages * P, D]; every byte is written now, so the memory is faulted in.
         self.kv = zeroed((num_layers, num_pages * layout.page_size, kv_dim), dtype, self.device)
@@ -154,10 +155,15 @@ class DeviceKVPool:
 
     # ---- validation ----------------------------------------------------------------------------
     def check_pages(self, pages: np.ndarray) -> None:
-        """UsageError unless every widened page id in ``pages`` (host int array) is in the pool."""
+        """UsageError unless every widened page id in ``pages`` (host int array) is in the pool.
+        A write's pages reused for every layer are checked once (``checked_once``)."""
+        if pages is self._in_range:
+            return
         if pages.size and not 0 <= pages.min() <= pages.max() < self.num_pages:
             bad = pages[(pages < 0) | (pages >= self.num_pages)][0]
             raise UsageError(f"page {int(bad)} is outside the pool's [0, {self.num_pages})")
+        if checked_once(pages):
+            self._in_range = pages
 
     def _check_layer(self, layer: int) -> None:
         if isinstance(layer, bool) or not isinstance(layer, int) \
