@@ -34,8 +34,9 @@ from hicache.layout import DCPLayout
 Slots = Union[torch.Tensor, Sequence[int]]
 
 
-def _frozen(a: np.ndarray) -> np.ndarray:
-    """``a`` (an array this module just made, owning its data), made read-only."""
+def frozen_ids(a: np.ndarray) -> np.ndarray:
+    """``a`` (an array the caller just made, owning its data), made read-only: a
+    ``RowWrite``'s pages."""
     a.flags.writeable = False
     return a
 
@@ -68,7 +69,7 @@ class RowWrite:
     def for_slots(layout: DCPLayout, slots: torch.Tensor, device: torch.device) -> "RowWrite":
         """From validated virtual slots int64 [n] on the CPU (ownership decided on the host)."""
         n = int(slots.numel())
-        pages = _frozen(np.unique((slots // layout.page_tokens).numpy()))
+        pages = frozen_ids(np.unique((slots // layout.page_tokens).numpy()))
         if layout.dcp_size == 1:
             src, kept = None, slots
         else:
@@ -90,7 +91,7 @@ class RowWrite:
         pos = layout.owned_positions(start, end, device=table.device)  # [m]
         dst = layout.physical(layout.slot_of(table, pos))
         src = pos - (start - base)
-        touched = _frozen(np.array(pages[start // w: -(-end // w)], dtype=np.int64))
+        touched = frozen_ids(np.array(pages[start // w: -(-end // w)], dtype=np.int64))
         return RowWrite(end - start, src, dst, touched)
 
     @staticmethod
@@ -101,7 +102,7 @@ class RowWrite:
             return parts[0]
         return RowWrite(sum(p.n for p in parts), torch.cat([p.src for p in parts]),
                         torch.cat([p.dst for p in parts]),
-                        _frozen(np.concatenate([p.pages for p in parts])))
+                        frozen_ids(np.concatenate([p.pages for p in parts])))
 
 
 @runtime_checkable
@@ -161,4 +162,4 @@ class CheckedPort:
         return f"CheckedPort({self._pool!r})"
 
 
-__all__ = ["CheckedPort", "KVPort", "RowWrite", "Slots", "checked_once"]
+__all__ = ["CheckedPort", "KVPort", "RowWrite", "Slots", "checked_once", "frozen_ids"]

@@ -42,6 +42,7 @@ class Ops(TorchDispatchMode):
         super().__init__()
         self.ops = Counter()
         self.arange_numel = 0
+        self.index_copied = 0  # int64 elements copied (index entries)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func).rsplit(".", 1)[0]  # aten.<op>, overload dropped
@@ -52,6 +53,8 @@ class Ops(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if name == "aten.arange":
             self.arange_numel += out.numel()
+        if name == "aten.copy_" and args[1].dtype == torch.int64:
+            self.index_copied += args[1].numel()
         return out
 
     def syncing(self) -> dict:
@@ -77,12 +80,14 @@ def test_decode_step_reads_nothing_back_and_indexes_only_new_positions():
     st = RequestState()
     reserve(st, PageAllocator(32), 64, PAGE)
     runner.extend(st, list(range(40)))
+    runner.extend(st, [4])  # (the index's device vectors grow here: amortised doubling)
     with Ops() as rec:
         runner.extend(st, [5])
     assert rec.syncing() == {}
     assert rec.ops["aten.index_copy_"] == CFG.num_layers  # one KV write per layer
-    # the step's index work is its one new position (query + owned KV), not the 41-token context
-    assert rec.arange_numel == 2
+    # the step's index work is its one new position, not the 42-token context: computed on the
+    # host, then its pool row and position appended on the device (two one-element copies)
+    assert rec.arange_numel == 0 and rec.index_copied == 2
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -117,8 +122,8 @@ def test_device_index_follows_the_request_state():
     idx = st.device_index(layout, torch.device("cpu"))
     rows, pos = reference(st, layout)
     assert torch.equal(idx.rows.view(), rows) and torch.equal(idx.kv_pos.view(), pos)
-    st.page_table.append(6)  # alloc appends: only the new page is uploaded
-    assert st.device_index(layout, torch.device("cpu")) is idx and idx.table.n == 3
+    st.page_table.append(6)  # alloc appends: the same index goes on
+    assert st.device_index(layout, torch.device("cpu")) is idx and idx.pages == 3
     idx.advance(11, 20)
     st.length = 20
     rows, pos = reference(st, layout)
@@ -210,3 +215,42 @@ def test_a_write_reused_for_every_layer_is_checked_once_until_a_page_is_released
             port.write(1, own, torch.ones(1, dim))
         cache.abort("b")
         assert cache.leaks() == {"l1": 0, "l2": 0, "locks": 0}
+
+
+@pytest.mark.parametrize("dcp,rank", [(1, 0), (2, 0), (2, 1)])
+def test_a_batch_index_is_what_the_device_formula_gives_per_request(dcp, rank):
+    """``DCPRunner._index`` computes a batch's index on the host and uploads it once: per
+    request the same owned rows and positions as the host formula, and one write whose rows
+    are each request's ``RowWrite.for_positions`` (device arithmetic) end to end."""
+    layout = DCPLayout(dcp, rank, PAGE, interleave=2)
+    runner = DCPRunner(MLAModel(CFG), pool_for(layout, pages=64), attn_backend="torch")
+    alloc = PageAllocator(64)
+    states, sizes = [], [1, 7, 16, 1]
+    for length, k in zip([9, 0, 21, 16], sizes):  # decodes, a prefill, a prefill chunk
+        st = RequestState(length=length)
+        reserve(st, alloc, length + k, layout.page_tokens)
+        st.page_table.reverse()  # pages out of order
+        states.append(st)
+    refs, base = [], 0
+    for st, k in zip(states, sizes):
+        table = torch.tensor(st.page_table)
+        refs.append(RowWrite.for_positions(layout, table, st.page_table, st.length,
+                                           st.length + k, base))
+        base += k
+    with Ops() as rec:
+        write, q_pos, local = runner._index(states, sizes)
+    assert rec.syncing() == {} and rec.arange_numel == 0
+    want = RowWrite.concat(refs)
+    assert write.n == want.n == sum(sizes)
+    assert torch.equal(write.dst, want.dst)
+    if dcp == 1:  # every input row is kept, in order
+        assert write.src is None and torch.equal(want.src, torch.arange(write.n))
+    else:
+        assert torch.equal(write.src, want.src)
+    assert write.pages.tolist() == want.pages.tolist() and not write.pages.flags.writeable
+    assert q_pos.tolist() == [p for st, k in zip(states, sizes)
+                              for p in range(st.length, st.length + k)]
+    for st, k, (rows, pos) in zip(states, sizes, local):
+        st.length += k
+        ref_rows, ref_pos = reference(st, layout)
+        assert torch.equal(rows, ref_rows) and torch.equal(pos, ref_pos)

@@ -17,10 +17,10 @@ through every layer:
 
 Then ``state.length += k``. Token i of a request lives at virtual slot
 ``layout.slot_of(page_table, i)``; the caller owns the pages (``reserve`` helps) and only
-appends to ``page_table``. Each request keeps its page table and the pool rows of its owned
-positions on the device (``DeviceIndex``), appended per step: a step uploads only its new tokens
-and new pages, and computes where their rows go with device arithmetic, so neither the index
-nor the KV write reads device data back. Every rank of the group must call ``extend`` with the
+appends to ``page_table``. Each request keeps the pool rows of its owned positions on the device
+(``DeviceIndex``), appended per step: where the new tokens' rows go is arithmetic on the host
+page table, uploaded for the whole batch in one copy, so a step costs two small device copies
+per request and neither the index nor the KV write reads device data back. Every rank of the group must call ``extend`` with the
 same requests and tokens (the control path is replicated). ``extend_batch`` runs several
 requests in one pass with one set of collectives per layer (continuous batching).
 ``layer_hook(i)`` runs before layer i (e.g. a cache's ``wait_layer``).
@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from hicache.distributed import CollectiveCounter
@@ -46,7 +47,7 @@ from hicache.engine.attention import attend_latent
 from hicache.engine.dcp import DCPComm
 from hicache.engine.model import MLAModel
 from hicache.errors import UsageError
-from hicache.kvport import KVPort, RowWrite
+from hicache.kvport import KVPort, RowWrite, frozen_ids
 from hicache.layout import DCPLayout, slot_of
 
 
@@ -75,27 +76,27 @@ class _DeviceVector:
 
 
 class DeviceIndex:
-    """One request's index on this rank's device: its page table (``table``), and for its
-    owned positions below ``indexed`` their pool rows (``rows``) and positions (``kv_pos``),
-    both int64 [local_length(indexed)]. Kept in step with the host ``RequestState`` by
-    appending; rebuilt only when the state's page table object is replaced or shrinks."""
+    """One request's index on this rank's device: for its owned positions below ``indexed``,
+    their pool rows (``rows``) and positions (``kv_pos``), both int64 [local_length(indexed)].
+    Where a position's row lies is arithmetic on the host page table (``DCPLayout.owned_rows``):
+    each step appends its new positions' entries, uploaded with the whole batch's in one copy
+    (``DCPRunner._index``). Rebuilt only when the state's page table object is replaced or
+    shrinks."""
 
     def __init__(self, layout: DCPLayout, device: torch.device, page_table: list) -> None:
         self.layout, self.device, self.source = layout, device, page_table
-        self.table = _DeviceVector(device)
         self.rows = _DeviceVector(device)
         self.kv_pos = _DeviceVector(device)
         self.indexed = 0
+        self.pages = len(page_table)  # the table's length at the last sync (it only grows)
 
     def fits(self, layout: DCPLayout, device: torch.device, page_table: list) -> bool:
         return (self.layout == layout and self.device == device and self.source is page_table
-                and self.table.n <= len(page_table))
+                and self.pages <= len(page_table))
 
     def sync(self, length: int) -> None:
-        """Upload pages appended to the host table; index positions [0, length)."""
-        if self.table.n < len(self.source):
-            new = torch.tensor(self.source[self.table.n:], dtype=torch.int64)
-            self.table.append(new.to(self.device, non_blocking=True))
+        """Index positions [0, length)."""
+        self.pages = len(self.source)
         if self.indexed > length:  # an extend that failed part-way: forget its positions
             keep = self.layout.local_length(length)
             self.rows.truncate(keep)
@@ -104,14 +105,32 @@ class DeviceIndex:
         if self.indexed < length:  # KV placed by someone else (a cache tier, PCP prefill)
             self.advance(self.indexed, length)
 
+    def plan(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Host int64 (positions [m], pool rows [m], widened pages touched [p]) of positions
+        [start, end) (``start == indexed``): what ``append`` then takes, on the device."""
+        pos, rows = self.layout.owned_rows(self.source, start, end)
+        w = self.layout.page_tokens
+        return pos, rows, np.array(self.source[start // w:-(-end // w)], dtype=np.int64)
+
+    def append(self, rows: torch.Tensor, pos: torch.Tensor, end: int) -> None:
+        """Positions up to ``end`` are indexed: their rows and positions (int64 [m], device)."""
+        self.rows.append(rows)
+        self.kv_pos.append(pos)
+        self.indexed = end
+
     def advance(self, start: int, end: int, base: int = 0) -> RowWrite:
         """Index positions [start, end) (``start == indexed``) and say where their rows go:
-        the write of new tokens whose rows are input rows ``base ..``."""
-        w = RowWrite.for_positions(self.layout, self.table.view(), self.source, start, end, base)
-        self.rows.append(w.dst)
-        self.kv_pos.append(w.src + (start - base))
-        self.indexed = end
-        return w
+        the write of new tokens whose rows are input rows ``base ..`` (one upload)."""
+        pos, rows, pages = self.plan(start, end)
+        m = len(pos)
+        dev = _upload(np.concatenate([rows, pos, pos - (start - base)]), self.device)
+        self.append(dev[:m], dev[m:2 * m], end)
+        return RowWrite(end - start, dev[2 * m:], dev[:m], frozen_ids(pages))
+
+
+def _upload(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    """int64 host array -> the device (asynchronous; a view of ``host`` on the CPU)."""
+    return torch.from_numpy(host).to(device, non_blocking=True)
 
 
 @dataclass
@@ -218,17 +237,33 @@ class DCPRunner:
         """Advance every request's device index over its new positions. Returns the step's KV
         write (one ``RowWrite`` for the batch's rows, reused by every layer), the query
         positions int64 [sumK] and per request (pool rows, positions) of its owned KV, all on
-        the device."""
-        dev = self.kv.device
-        writes, q_pos, local = [], [], []
+        the device. Computed on the host (``DeviceIndex.plan``) and uploaded in one copy; on
+        the device, two appends per request."""
+        lay, dev = self.layout, self.kv.device
+        idxs, rows, pos, pages, q_pos, src = [], [], [], [], [], []
         base = 0
         for st, k in zip(states, sizes):
-            idx = st.device_index(self.layout, dev)
-            writes.append(idx.advance(st.length, st.length + k, base))
-            q_pos.append(torch.arange(st.length, st.length + k, dtype=torch.int64, device=dev))
-            local.append((idx.rows.view(), idx.kv_pos.view()))
+            idx = st.device_index(lay, dev)
+            p, r, touched = idx.plan(st.length, st.length + k)
+            idxs.append((idx, len(p), st.length + k))
+            rows.append(r)
+            pos.append(p)
+            pages.append(touched)
+            q_pos.append(np.arange(st.length, st.length + k, dtype=np.int64))
+            if lay.dcp_size > 1:  # the input rows this rank keeps (with c = 1: all, in order)
+                src.append(p - (st.length - base))
             base += k
-        return RowWrite.concat(writes), torch.cat(q_pos), local
+        m = sum(len(p) for p in pos)
+        buf = _upload(np.concatenate(rows + pos + q_pos + src), dev)  # [m | m | sumK | m?]
+        dst, kv_pos, q_dev = buf[:m], buf[m:2 * m], buf[2 * m:2 * m + base]
+        local, o = [], 0
+        for idx, n, end in idxs:
+            idx.append(dst[o:o + n], kv_pos[o:o + n], end)
+            local.append((idx.rows.view(), idx.kv_pos.view()))
+            o += n
+        write = RowWrite(base, buf[2 * m + base:] if src else None, dst,
+                         frozen_ids(np.concatenate(pages)))
+        return write, q_dev, local
 
     @torch.no_grad()
     def extend_batch(self, states: Sequence[RequestState],
