@@ -5,8 +5,12 @@
   rank fails (an exception, a signal, an exit) the others are stopped and ``RankError`` names
   the rank and how. Always bounded by a timeout; ranks exit without interpreter teardown.
 - Collective wrappers that feature-detect names that moved between torch 2.11 and 2.13.
-- ``min_across_ranks(values, group)``: the control plane's one MIN all-reduce (per-step
-  agreement, L3 restore lengths, prefetch agreement), on CPU tensors over ``control_group``.
+- ``agree_min(header, payload, group, code=)``: the control plane's MIN all-reduce (per-step
+  agreement, L3 restore lengths, prefetch agreement), on CPU tensors over ``control_group``:
+  a fixed-size vector (``hicache.minvec``), so ranks whose payload lengths differ, or that
+  report bad input, still send the same size and every rank learns it after the collective.
+  ``min_across_ranks(values, group)`` is its plain form (raises ``DivergenceError`` on every
+  rank when the lengths differ).
 - ``CollectiveCounter`` counts collectives issued, so tests can assert "exactly one per step".
 - ``control_group(group)``: the group the CPU control plane (per-step agreement, L3 MIN,
   benchmark flags) talks over: ``group`` itself when its backend takes CPU tensors (gloo), else a
@@ -25,13 +29,15 @@ import sys
 import time
 import traceback
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hicache.errors import RankError
+from hicache import minvec
+from hicache.errors import DivergenceError, RankError
 
 
 def free_port() -> int:
@@ -248,16 +254,64 @@ def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
     dist.all_reduce(t, op=op, group=group)
 
 
-def min_across_ranks(values: Sequence[int], group=None) -> list[int]:
-    """Element-wise MIN of the ints ``values`` over ``group`` in ONE all-reduce of a CPU int64
-    tensor over :func:`control_group` (no GPU sync; a MAX rides along as ``-MIN(-x)``). Alone
-    (no process group, or a group of one) nothing is communicated."""
-    vals = [int(v) for v in values]
+@dataclass(frozen=True)
+class AgreedMin:
+    """What :func:`agree_min` agreed; identical on every rank."""
+    fault: tuple[int, int] | None   # (rank, code) of the lowest rank that reported a fault
+    length: tuple[int, int]         # (min, max) over ranks of the payload's length
+    header: list[int]               # the header, MIN over ranks
+    payload: list[int] | None       # the payload, MIN over ranks; None unless ``agreed``
+
+    @property
+    def agreed(self) -> bool:
+        return self.payload is not None
+
+
+def agree_min(header: Sequence[int], payload: Sequence[int], group=None, *, code: int = 0,
+              capacity: int = minvec.CAPACITY) -> AgreedMin:
+    """MIN over ``group`` of a fixed-size ``header`` and a payload whose length may differ
+    between ranks (when it does, nothing is reduced and every rank learns it), on CPU int64
+    tensors over :func:`control_group`. ``code`` (1..255, 0: none; 1 is taken for a value
+    that is not an int64) reports this rank's bad input instead of raising before the
+    collective: every rank gets the lowest faulty rank and its code. One all-reduce of
+    ``3 + len(header) + capacity`` values; a second of the agreed size only when every rank's
+    payload is longer than ``capacity`` (see :mod:`hicache.minvec`). ``len(header)`` must be
+    the same on every rank (a constant of the calling code). Alone: nothing is communicated."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return vals
-    t = torch.tensor(vals, dtype=torch.int64)
-    all_reduce(t, op=dist.ReduceOp.MIN, group=control_group(group))
-    return [int(v) for v in t.tolist()]
+        p = minvec.pack(header, payload, rank=0, code=code, capacity=len(payload))
+        u = minvec.unpack(p.vec, len(header), len(payload))
+        return AgreedMin(u.fault, u.length, u.header, u.head if u.agreed else None)
+    p = minvec.pack(header, payload, rank=dist.get_rank(group), code=code, capacity=capacity)
+    ctl = control_group(group)
+    t = torch.tensor(p.vec, dtype=torch.int64)
+    all_reduce(t, op=dist.ReduceOp.MIN, group=ctl)
+    u = minvec.unpack(t.tolist(), len(header), capacity)
+    if not u.agreed:
+        return AgreedMin(u.fault, u.length, u.header, None)
+    body = u.head
+    if u.overflow:  # every rank saw the same reduced lengths: the same size everywhere
+        rest = torch.tensor(p.rest, dtype=torch.int64)
+        all_reduce(rest, op=dist.ReduceOp.MIN, group=ctl)
+        body = body + rest.tolist()
+    return AgreedMin(None, u.length, u.header, body)
+
+
+def min_across_ranks(values: Sequence[int], group=None) -> list[int]:
+    """Element-wise MIN of the ints ``values`` over ``group`` (a MAX rides along as
+    ``-MIN(-x)``): :func:`agree_min` with no header, so one small all-reduce of a CPU int64
+    tensor (no GPU sync). Ranks passing different numbers of values, or a value that is not an
+    int64, make EVERY rank raise ``DivergenceError`` (never a mismatched collective). Alone
+    (no process group, or a group of one) nothing is communicated."""
+    res = agree_min((), values, group)
+    if res.agreed:
+        return res.payload
+    if res.fault is not None:
+        rank, _ = res.fault
+        raise DivergenceError(f"min_across_ranks: rank {rank} passed a value that is not an "
+                              f"int64 ({len(values)} values here)")
+    lo, hi = res.length
+    raise DivergenceError(f"min_across_ranks: ranks passed between {lo} and {hi} values "
+                          f"(this rank {len(values)}); the callers diverged")
 
 
 def all_gather_object(obj: Any, world_size: int, group=None) -> list:

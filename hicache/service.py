@@ -32,7 +32,7 @@ from . import distributed as hd
 from . import preflight
 from .config import HiCacheConfig
 from .controller import CacheController, LockHandle, StepAgreement
-from .errors import ConfigError, DeviceFullError, TransferError, UsageError
+from .errors import ConfigError, DeviceFullError, DivergenceError, TransferError, UsageError
 from .ids import as_tokens
 from .kvport import CheckedPort, checked_once
 from .l1.pool import DeviceKVPool, pick_device
@@ -403,14 +403,21 @@ class HiCache:
         issued), a load that failed under ``wait_layer``, an L3 write error. If any rank is
         unhealthy, every rank raises ``TransferError`` here, at the same step, and the cache is
         stopped on every rank: ``finish``/``abort`` then only release locks and pages, every
-        other call raises the same error, ``close`` cleans up. Build a new HiCache to go on."""
+        other call raises the same error, ``close`` cleans up. Build a new HiCache to go on.
+        When the agreement itself finds the ranks diverged (their in-flight ops or extras
+        differ, or a rank passed it bad arguments), every rank raises ``DivergenceError`` at
+        the same step and the cache stops the same way."""
         self._check_usable("step")
         self.io.launch(self.ctrl.take_ops())
         done = self.io.poll()  # one state read per copy; failures recorded here
         handles = [r.prefetch.handle for r in self._pending]
         t0 = time.perf_counter()
-        res = self.ctrl.agree(self.agreement, done,
-                              [int(self._fault is None)] + prefetch_signals(handles))
+        try:
+            res = self.ctrl.agree(self.agreement, done,
+                                  [int(self._fault is None)] + prefetch_signals(handles))
+        except DivergenceError as err:  # raised on every rank at this step: stop alike
+            self._halt(err)
+            raise
         dt = time.perf_counter() - t0
         self._stats.agreement_s += dt  # the collective, waits included
         if self.observer is not None:
@@ -521,17 +528,23 @@ class HiCache:
                                 "group; stopping at the same step")
             cause = None
         err.__cause__ = cause
+        self._halt(err)
+        raise err
+
+    def _halt(self, err: BaseException) -> None:
+        """Stop this cache after the agreed failure ``err`` (every rank stops at this step):
+        ``finish``/``abort`` then only release, other calls raise, ``close`` cleans up."""
         self._failed = err
         for req in self._pending:  # nothing more is restored
             req.prefetch.handle.cancel(wait=False)
-        raise err
 
     def _check_usable(self, what: str) -> None:
         if self._closed:
             raise UsageError(f"{what} after close()")
-        if self._failed is not None:
-            raise TransferError(f"{what}: the cache stopped after a failure "
-                                f"({self._failed})") from self._failed
+        if self._failed is not None:  # the same kind of error as the agreed failure
+            kind = DivergenceError if isinstance(self._failed, DivergenceError) else TransferError
+            raise kind(f"{what}: the cache stopped after a failure "
+                       f"({self._failed})") from self._failed
 
     def _req(self, request_id) -> _Request:
         try:

@@ -45,7 +45,7 @@ import torch
 from .config import HiCacheConfig
 from .engine.model import MLAModel, ModelConfig
 from .engine.runner import DCPRunner, RequestState
-from .errors import ConfigError, DeviceFullError, TransferError
+from .errors import ConfigError, DeviceFullError, DivergenceError, TransferError
 from .service import HiCache
 
 
@@ -133,7 +133,7 @@ class Server:
         active: list[_Active] = []
         try:
             return self._run(jobs, on_done, active)
-        except TransferError:
+        except (TransferError, DivergenceError):
             # The failure was agreed (every rank raises at this step): forget the requests,
             # releasing their locks and pages, identically on every rank.
             for a in active:

@@ -18,6 +18,7 @@ No collective here: failures go to ``record`` and ride on the service's next agr
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence, Union
@@ -27,13 +28,15 @@ import torch
 
 from .config import HiCacheConfig
 from .controller import BackupOp, LoadOp
-from .errors import TransferError
+from .errors import L3Error, TransferError
 from .l1.pool import DeviceKVPool
 from .l2.pool import HostKVPool
 from .l2.transfer import DONE, FAILED, TransferEngine, TransferJob
 from .l3 import (AsyncWriter, CostModel, Namespace, Prefetcher, PrefetchHandle, PrefetchPolicy,
                  chain_hashes, keys_for_rank, open_store, should_write)
 from .l3.guard import GuardedStore
+
+log = logging.getLogger("hicache")
 
 DIRECTIONS = ("d2h", "h2d")
 # done: the read finished before the agreed restore; timeout: the policy stopped waiting first;
@@ -352,8 +355,13 @@ class TierIO:
 
     def cancel_prefetch(self, read: L3Read) -> None:
         """The request ended before its restore was agreed: stop its read (its buffer is no
-        longer written on return) and count it."""
-        read.handle.cancel()
+        longer written on return) and count it. A read stuck in the store past the handle's
+        bound is abandoned, never waited for without end: its staging buffer is this read's
+        alone (never restored from now), so a late write into it harms nothing."""
+        try:
+            read.handle.cancel()
+        except L3Error as err:
+            log.warning("%s", err)
         self.stats.prefetch["cancelled"] += bool(read.handle.keys)
 
     # ---- shutdown -----------------------------------------------------------------------------

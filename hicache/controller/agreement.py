@@ -1,33 +1,63 @@
 """Cross-rank agreement on per-step control-plane facts.
 
 Every rank calls ``step`` once per scheduler step, always (no early return: a skipped collective
-deadlocks the others). One int64 tensor, one all_reduce(MIN):
+deadlocks the others). One all_reduce(MIN) of a FIXED-size int64 vector (``hicache.minvec``,
+through ``hicache.distributed.agree_min``):
 
-    [n_ops, -n_ops, sig, -sig, n_extra, -n_extra, done_0 .. done_{n-1}, extra_0 .. extra_{m-1}]
+    [fault, len, -len,                                     (len = n_ops + n_extra)
+     n_ops, -n_ops, sig, -sig, n_extra, -n_extra, debug, -debug, dig, -dig,       the header
+     done_0 .. done_{n-1}, extra_0 .. extra_{m-1}, 0 ..]   the payload, padded to CAPACITY
 
 ``done_i`` is 1 where this rank finished in-flight op i (ops in id order, identical on every
 rank), so the MIN is 1 only where every rank finished. ``extras`` (e.g. storage-hit lengths) are
-MIN-reduced as they are. The header pairs detect ranks whose op lists differ. Without a process
-group (or with world size 1) no collective is issued. In debug mode a digest of the controller
-is also gathered and compared; a difference raises ``DivergenceError`` naming the first one.
+MIN-reduced as they are. The ``x, -x`` pairs give every rank the min and max over ranks, so
+ranks whose op lists, extras or debug mode differ are detected without ever sending tensors of
+different sizes; a step whose payload outgrows the capacity on every rank sends the rest in a
+second all-reduce of the agreed size. A rank whose arguments are wrong (op ids not ascending,
+done ids not in flight, a missing debug digest, ...) does not raise before the collective: it
+sends a fault code, and after the collective EVERY rank raises ``DivergenceError`` at the same
+step (that rank's message names what was wrong). In debug mode ``dig`` is a hash of the
+controller's digest; only when the hashes differ is the digest gathered (an agreed decision)
+to name the first difference. Without a process group (or with world size 1) no collective is
+issued and wrong arguments raise at once.
 """
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 from typing import Any, Collection, NamedTuple, Sequence
 
 import torch.distributed as dist
 
 from hicache.errors import DivergenceError
 from hicache import distributed as hd
+from hicache import minvec
 
 _SIG_MOD = (1 << 61) - 1
+
+# fault codes (minvec.BAD_VALUE = 1 is a value that is not an int64)
+NOT_ASCENDING, NOT_IN_FLIGHT, FLAG_COUNT, NO_DIGEST, BAD_DIGEST, BAD_ARGS = 2, 3, 4, 5, 6, 7
+FAULTS = {minvec.BAD_VALUE: "an extra that is not an int64",
+          NOT_ASCENDING: "op ids not strictly ascending",
+          NOT_IN_FLIGHT: "done ids that are not in flight",
+          FLAG_COUNT: "a wrong number of done flags",
+          NO_DIGEST: "no debug digest",
+          BAD_DIGEST: "a debug digest that cannot be pickled",
+          BAD_ARGS: "arguments of the wrong kind"}
+HEADER_LEN = 10
 
 
 class AgreedStep(NamedTuple):  # immutable, and cheap to make once per scheduler step
     done_ops: tuple[int, ...]   # op ids finished on every rank
     extras: tuple[int, ...]     # MIN over ranks of each extra
     step: int
+
+
+class _BadInput(Exception):
+    def __init__(self, code: int, msg: str) -> None:
+        super().__init__(msg)
+        self.code = code
 
 
 def _signature(op_ids: Sequence[int]) -> int:
@@ -37,10 +67,55 @@ def _signature(op_ids: Sequence[int]) -> int:
     return s
 
 
+def _digest_hash(digest: Any) -> int:
+    """A 60-bit hash of the pickled digest (equal digests pickle alike in practice; a false
+    difference only costs the gather that then finds none)."""
+    try:
+        raw = pickle.dumps(digest, protocol=4)
+    except Exception as e:
+        raise _BadInput(BAD_DIGEST, f"the debug digest cannot be pickled: {e!r}") from e
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 4
+
+
+def check_inputs(op_ids: Sequence[int], done, extras: Sequence[int]
+                 ) -> tuple[list[int], list[int], list[int]]:
+    """(op ids, done flags, extras) as ints; raises ``_BadInput`` naming what is wrong."""
+    try:
+        op_ids = [int(o) for o in op_ids]
+        extras = [int(e) for e in extras]
+    except (TypeError, ValueError) as e:
+        raise _BadInput(BAD_ARGS, f"op ids and extras must be ints: {e}") from e
+    if extras and (min(extras) < minvec.INT64_MIN or max(extras) > minvec.INT64_MAX):
+        big = next(e for e in extras if not minvec.INT64_MIN <= e <= minvec.INT64_MAX)
+        raise _BadInput(minvec.BAD_VALUE, f"extra {big} does not fit in int64")
+    if any(b <= a for a, b in zip(op_ids, op_ids[1:])):
+        raise _BadInput(NOT_ASCENDING, f"op ids must be strictly ascending, got {op_ids}")
+    return op_ids, _flags(op_ids, done), extras
+
+
+def _flags(op_ids: list[int], done) -> list[int]:
+    if isinstance(done, (set, frozenset, dict)):
+        unknown = set(done) - set(op_ids)
+        if unknown:
+            raise _BadInput(NOT_IN_FLIGHT, f"done ids {sorted(unknown)} are not in flight")
+        return [1 if o in done else 0 for o in op_ids]
+    done = list(done)
+    if all(isinstance(d, bool) for d in done):
+        if len(done) != len(op_ids):
+            raise _BadInput(FLAG_COUNT, f"{len(done)} done flags for {len(op_ids)} in-flight ops")
+        return [1 if d else 0 for d in done]
+    try:
+        ids = {int(d) for d in done}
+    except (TypeError, ValueError) as e:
+        raise _BadInput(BAD_ARGS, f"done must be op ids or one bool per op: {e}") from e
+    return _flags(op_ids, ids)
+
+
 class StepAgreement:
     """Per-step MIN agreement over ``group`` (default: the world group if initialised)."""
 
-    def __init__(self, group: Any = None, *, debug: bool = False, local: bool | None = None):
+    def __init__(self, group: Any = None, *, debug: bool = False, local: bool | None = None,
+                 capacity: int = minvec.CAPACITY):
         if local is None:
             local = not dist.is_available() or not dist.is_initialized()
         self.group = group
@@ -48,6 +123,7 @@ class StepAgreement:
         self.rank = 0 if local else dist.get_rank(group)
         self.local = local or self.world_size == 1
         self.debug = debug
+        self.capacity = capacity  # payload slots of the one collective (flags + extras)
         self.steps = 0
 
     def step(self, op_ids: Sequence[int], done: "Collection[int] | Sequence[bool]",
@@ -55,51 +131,77 @@ class StepAgreement:
         """Agree on which of ``op_ids`` (in-flight, ascending) every rank finished.
 
         ``done``: the op ids this rank finished (a set/collection of ids), or one bool per op.
-        ``extras``: ints to MIN-reduce. ``digest``: required in debug mode."""
+        ``extras``: ints to MIN-reduce. ``digest``: required in debug mode. Raises
+        ``DivergenceError`` on every rank at the same step when the ranks' op lists, extras
+        counts or debug modes differ, or when any rank's arguments are wrong."""
         if self.local and not op_ids and not extras:  # nothing to agree on: the common case
             self.steps += 1
             return AgreedStep((), (), self.steps - 1)
-        op_ids = [int(o) for o in op_ids]
-        if any(b <= a for a, b in zip(op_ids, op_ids[1:])):
-            raise DivergenceError(f"op ids must be strictly ascending, got {op_ids}")
-        flags = self._flags(op_ids, done)
-        extras = [int(e) for e in extras]
-        if self.debug and digest is None:
-            raise DivergenceError("debug agreement needs a digest (pass controller.digest())")
-        if self.local:  # no collective: this rank's view is the agreed one
-            out = AgreedStep(tuple([o for o, f in zip(op_ids, flags) if f]), tuple(extras),
+        if self.local:  # no collective: wrong arguments raise here, this view is the agreed one
+            try:
+                ops, flags, ext = check_inputs(op_ids, done, extras)
+                if self.debug and digest is None:
+                    raise _BadInput(NO_DIGEST, "debug agreement needs a digest "
+                                               "(pass controller.digest())")
+            except _BadInput as e:
+                raise DivergenceError(str(e)) from None
+            out = AgreedStep(tuple([o for o, f in zip(ops, flags) if f]), tuple(ext),
                              self.steps)
             self.steps += 1
             return out
-        n, m, sig = len(op_ids), len(extras), _signature(op_ids)
-        v = hd.min_across_ranks([n, -n, sig, -sig, m, -m] + flags + extras, self.group)
-        if v[0] != -v[1] or v[2] != -v[3] or v[4] != -v[5]:
+        try:
+            res = self._agree(op_ids, done, extras, digest)
+        finally:
+            self.steps += 1
+        return res
+
+    def _agree(self, op_ids, done, extras, digest) -> AgreedStep:
+        step = self.steps
+        code, why, ops, flags, ext, dig = 0, "", [], [], [], 0
+        try:
+            ops, flags, ext = check_inputs(op_ids, done, extras)
+            if self.debug:
+                if digest is None:
+                    raise _BadInput(NO_DIGEST, "debug agreement needs a digest "
+                                               "(pass controller.digest())")
+                dig = _digest_hash(digest)
+        except _BadInput as e:
+            code, why = e.code, str(e)
+        except Exception as e:  # anything else wrong with the arguments: still send
+            code, why = BAD_ARGS, f"bad step() arguments: {e!r}"
+        n, m, sig = len(ops), len(ext), _signature(ops)
+        dbg = int(self.debug)
+        header = [n, -n, sig, -sig, m, -m, dbg, -dbg, dig, -dig]
+        res = hd.agree_min(header, flags + ext, self.group, code=code, capacity=self.capacity)
+        if res.fault is not None:
+            self._raise_fault(step, res.fault, code, why)
+        h = res.header
+        if h[0] != -h[1] or h[2] != -h[3] or h[4] != -h[5]:
             raise DivergenceError(
-                f"step {self.steps}: ranks disagree on the in-flight ops or extras (this rank: "
-                f"{n} ops, signature {sig}, {m} extras; min/max over ranks: ops {v[0]}/{-v[1]}, "
-                f"extras {v[4]}/{-v[5]}); the controllers diverged")
-        if self.debug:
-            self._compare(digest)
-        agreed = tuple([o for o, f in zip(op_ids, v[6:6 + n]) if f == 1])
-        out = AgreedStep(agreed, tuple(v[6 + n:]), self.steps)
-        self.steps += 1
-        return out
+                f"step {step}: ranks disagree on the in-flight ops or extras (this rank: "
+                f"{n} ops, signature {sig}, {m} extras; min/max over ranks: ops {h[0]}/{-h[1]}, "
+                f"extras {h[4]}/{-h[5]}); the controllers diverged")
+        if h[6] != -h[7]:
+            raise DivergenceError(f"step {step}: some ranks agree in debug mode and some do not "
+                                  f"(this rank: debug={self.debug})")
+        if self.debug and h[8] != -h[9]:  # agreed: every rank gathers
+            self._compare(step, digest)
+        v = res.payload
+        agreed = tuple([o for o, f in zip(ops, v[:n]) if f == 1])
+        return AgreedStep(agreed, tuple(v[n:]), step)
 
-    @staticmethod
-    def _flags(op_ids: list[int], done) -> list[int]:
-        if isinstance(done, (set, frozenset, dict)):
-            unknown = set(done) - set(op_ids)
-            if unknown:
-                raise DivergenceError(f"done ids {sorted(unknown)} are not in flight")
-            return [1 if o in done else 0 for o in op_ids]
-        done = list(done)
-        if all(isinstance(d, bool) for d in done):
-            if len(done) != len(op_ids):
-                raise DivergenceError(f"{len(done)} done flags for {len(op_ids)} in-flight ops")
-            return [1 if d else 0 for d in done]
-        return StepAgreement._flags(op_ids, {int(d) for d in done})
+    def _raise_fault(self, step: int, fault: tuple[int, int], code: int, why: str) -> None:
+        rank, first = fault
+        if code:
+            others = "" if rank == self.rank else \
+                f"; rank {rank} also reported {FAULTS.get(first, f'fault {first}')}"
+            raise DivergenceError(f"step {step}: this rank (rank {self.rank}) passed bad "
+                                  f"arguments: {why}{others}; every rank stops at this step")
+        raise DivergenceError(f"step {step}: rank {rank} passed bad arguments "
+                              f"({FAULTS.get(first, f'fault {first}')}); every rank stops at "
+                              "this step")
 
-    def _compare(self, digest: Any) -> None:
+    def _compare(self, step: int, digest: Any) -> None:
         allg = hd.all_gather_object(digest, self.world_size, group=self.group)
         ref = allg[0]
         for r, other in enumerate(allg[1:], start=1):
@@ -108,10 +210,10 @@ class StepAgreement:
             if isinstance(ref, list) and isinstance(other, list):
                 for i, (a, b) in enumerate(zip(ref, other)):
                     if a != b:
-                        raise DivergenceError(f"step {self.steps}: rank {r} differs from rank 0 "
+                        raise DivergenceError(f"step {step}: rank {r} differs from rank 0 "
                                               f"at digest entry {i}: rank 0 {a!r}, rank {r} {b!r}")
-                raise DivergenceError(f"step {self.steps}: rank {r} has {len(other)} digest "
+                raise DivergenceError(f"step {step}: rank {r} has {len(other)} digest "
                                       f"entries, rank 0 has {len(ref)} (first extra: "
                                       f"{(other + ref)[min(len(ref), len(other))]!r})")
-            raise DivergenceError(f"step {self.steps}: rank {r} digest {other!r} != rank 0 "
+            raise DivergenceError(f"step {step}: rank {r} digest {other!r} != rank 0 "
                                   f"{ref!r}")

@@ -10,8 +10,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from hicache.checks import check_int
-from hicache.distributed import min_across_ranks
-from hicache.errors import L3Error
+from hicache.distributed import agree_min, min_across_ranks
+from hicache.errors import DivergenceError, L3Error
+
+_BAD_ARG = 2  # agree_min fault code: a bad length or page size on some rank
 
 
 __all__ = ["min_across_ranks", "restore_length", "restore_lengths"]
@@ -23,13 +25,31 @@ def restore_lengths(local_tokens: Sequence[int], page_tokens: int, group=None,
 
     ``local_tokens[j]``: this rank's storage-hit length (tokens) for request j. Result j is
     ``floor(min_r local_tokens_r[j] / page_tokens) * page_tokens``. With ``agreed`` (already
-    MIN-reduced elsewhere) nothing is communicated.
+    MIN-reduced elsewhere) nothing is communicated. Collective: a bad argument on any rank
+    raises ``L3Error`` on every rank after the one all-reduce, and ranks passing different
+    numbers of lengths raise ``DivergenceError`` on every rank.
     """
-    check_int(page_tokens, "page_tokens", error=L3Error)
-    local = [check_int(v, "a local storage-hit length", 0, error=L3Error) for v in local_tokens]
-    if agreed is None:
-        agreed = min_across_ranks(local, group)
+    if agreed is None:  # collective: a bad argument is raised after it, on every rank alike
+        code, why, local = 0, "", []
+        try:
+            check_int(page_tokens, "page_tokens", error=L3Error)
+            local = [check_int(v, "a local storage-hit length", 0, error=L3Error)
+                     for v in local_tokens]
+        except L3Error as e:
+            code, why, local = _BAD_ARG, str(e), [0] * len(local_tokens)
+        res = agree_min((), local, group, code=code)
+        if res.fault is not None:
+            raise L3Error(why if code else f"rank {res.fault[0]} passed a bad storage-hit "
+                          "length or page size to restore_lengths; every rank stops here")
+        if not res.agreed:
+            lo, hi = res.length
+            raise DivergenceError(f"restore_lengths: ranks passed between {lo} and {hi} "
+                                  f"lengths (this rank {len(local)}); the callers diverged")
+        agreed = res.payload
     else:
+        check_int(page_tokens, "page_tokens", error=L3Error)
+        local = [check_int(v, "a local storage-hit length", 0, error=L3Error)
+                 for v in local_tokens]
         agreed = [check_int(v, "an agreed storage-hit length", 0, error=L3Error) for v in agreed]
         if len(agreed) != len(local):
             raise L3Error(f"{len(agreed)} agreed lengths for {len(local)} requests")

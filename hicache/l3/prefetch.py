@@ -24,12 +24,13 @@ from typing import Sequence
 
 import torch
 
-from ..config import PREFETCH_POLICIES, PolicySection
+from ..config import PREFETCH_POLICIES, L3Section, PolicySection
 from .agree import min_across_ranks
 from .base import L3Store, Out
 from ..errors import L3Error
 
 _POLICY = PolicySection()  # the policy file's defaults: the only ones
+_STORE_CALL_S = L3Section().timeout_s  # the default bound on one store call (redis)
 
 
 @dataclass(frozen=True)
@@ -173,8 +174,9 @@ class PrefetchHandle:
     """Progress of one request's prefetch. ``pages_done`` only grows; pages below it are valid."""
 
     def __init__(self, request_id, keys: list[bytes], page_tokens: int,
-                 policy: PrefetchPolicy) -> None:
+                 policy: PrefetchPolicy, stop_timeout_s: float = _STORE_CALL_S) -> None:
         self.request_id = request_id
+        self.stop_timeout_s = stop_timeout_s  # how long ``cancel(wait=True)`` waits at most
         self.keys = keys
         self.page_tokens = page_tokens
         self.policy = policy
@@ -210,12 +212,18 @@ class PrefetchHandle:
         """Block until the read finished (or ``timeout``); True when finished."""
         return self._finished.wait(timeout)
 
-    def cancel(self, wait: bool = True) -> int:
-        """Stop reading; with ``wait`` the buffers are no longer written on return.
-        Returns the pages loaded (valid prefix)."""
+    def cancel(self, wait: bool = True, timeout: float | None = None) -> int:
+        """Stop reading; returns the pages loaded (valid prefix). With ``wait`` the buffers are
+        no longer written on return: the reader stops at its next chunk, one store call away,
+        which is waited for at most ``timeout`` s (default ``stop_timeout_s``); a read still in
+        the store then raises ``L3Error`` (its buffers may still be written: drop them)."""
         self._cancel.set()
         if wait:
-            self._finished.wait()
+            limit = self.stop_timeout_s if timeout is None else timeout
+            if not self._finished.wait(limit):
+                raise L3Error(f"the L3 prefetch of request {self.request_id!r} did not stop "
+                              f"within {limit:g} s of its cancel: a store read is stuck (its "
+                              "buffers may still be written; drop them)")
         return self.pages_done
 
 
@@ -223,13 +231,22 @@ class Prefetcher:
     """Reads stored prefixes into reserved host buffers on worker threads."""
 
     def __init__(self, store: L3Store, policy: PrefetchPolicy | None = None,
-                 chunk_pages: int = 8, num_threads: int = 1) -> None:
+                 chunk_pages: int = 8, num_threads: int = 1,
+                 stop_timeout_s: float | None = None) -> None:
         if chunk_pages < 1 or num_threads < 1:
             raise L3Error("chunk_pages and num_threads must be >= 1")
+        if stop_timeout_s is not None and not stop_timeout_s >= 0:
+            raise L3Error(f"stop_timeout_s must be >= 0, got {stop_timeout_s}")
         self.store = store
         self.policy = policy or PrefetchPolicy()
         self.chunk_pages = chunk_pages
         self.page_tokens = store.namespace.page_tokens
+        # a cancelled read stops after the chunk in the store: one call, which the store bounds
+        # (its ``timeout_s``: redis), given what the timeout policy allows a chunk on top
+        if stop_timeout_s is None:
+            call = getattr(store, "timeout_s", None) or _STORE_CALL_S
+            stop_timeout_s = call + self.policy.deadline_s(chunk_pages * self.page_tokens)
+        self.stop_timeout_s = float(stop_timeout_s)
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hicache-l3-prefetch")
         self._live: set[PrefetchHandle] = set()
         self._lock = threading.Lock()
@@ -240,7 +257,7 @@ class Prefetcher:
         keys = self.store.check_keys(keys)
         if not callable(out) and len(out) < len(keys):
             raise L3Error(f"prefetch of {len(keys)} pages got only {len(out)} buffers")
-        h = PrefetchHandle(request_id, keys, self.page_tokens, self.policy)
+        h = PrefetchHandle(request_id, keys, self.page_tokens, self.policy, self.stop_timeout_s)
         if len(keys) * self.page_tokens < self.policy.min_tokens or not keys:
             h._finished.set()  # too short to be worth a read: nothing prefetched
             return h
