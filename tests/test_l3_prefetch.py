@@ -178,3 +178,60 @@ def test_cost_model():
         CostModel.from_stats(L3Stats(), 1e4)
     with pytest.raises(L3Error, match="must be > 0"):
         CostModel(0, 1)
+
+
+def test_cancel_waits_a_bounded_time_for_a_stuck_read(tmp_path):
+    """A read stuck in the store: ``cancel(wait=True)`` raises a clear error after the bound
+    (derived from the store's call timeout and the prefetch timeout), never hangs."""
+    store, keys = _filled(tmp_path, 4)
+    gate = threading.Event()
+    real_get = store.get
+    store.get = lambda k, o: (gate.wait(30), real_get(k, o))[1]
+    policy = PrefetchPolicy("timeout", timeout_s=0.5, timeout_per_1k_s=0.0)
+    pf = Prefetcher(store, policy, chunk_pages=2)
+    assert pf.stop_timeout_s == pytest.approx(2.0 + 0.5)  # one redis-bounded call + the policy's
+    with pytest.raises(L3Error, match="stop_timeout_s"):
+        Prefetcher(store, policy, stop_timeout_s=-1)
+    pf = Prefetcher(store, policy, chunk_pages=2, stop_timeout_s=0.05)
+    h = pf.start("stuck", keys, empty(4))
+    assert h.stop_timeout_s == 0.05
+    with pytest.raises(L3Error, match="'stuck' did not stop within 0.05 s"):
+        h.cancel()
+    with pytest.raises(L3Error, match="within 0.01 s"):
+        h.cancel(timeout=0.01)
+    gate.set()  # the store answers: the reader sees the cancel after its chunk
+    assert h.cancel(timeout=10) == h.pages_done <= 2 and h.finished
+    pf.close()
+    store.close()
+
+
+def test_finishing_a_request_whose_read_is_stuck_does_not_hang(tmp_path):
+    """The service's cancel of a stuck read abandons it (its staging buffer is its own) and
+    the request finishes; nothing leaks."""
+    from helpers import make_cfg
+    from hicache.service import HiCache
+    from test_faults import leaks
+    cfg = make_cfg(tmp_path / "l3", prefetch="wait_complete", prefetch_wait_s=0.0)
+    prompt = torch.arange(33).numpy() % 128
+    with HiCache(cfg, mode="l1+l2+l3") as cache:  # write the prompt's pages to L3
+        p = cache.admit("a", prompt)
+        while not p.ready:
+            cache.step()
+        cache.alloc("a", len(prompt))
+        cache.finish("a", prompt)
+    gate = threading.Event()
+    cache = HiCache(cfg, mode="l1+l2+l3")
+    try:
+        real_get = cache.l3.get
+        cache.l3.get = lambda k, o: (gate.wait(30), real_get(k, o))[1]
+        cache.io.prefetcher.stop_timeout_s = 0.05
+        p = cache.admit("b", prompt)
+        assert not p.ready and cache._pending  # the read is in the store
+        h = cache._reqs["b"].prefetch.handle
+        cache.finish("b", prompt[:4])
+        assert not h.finished  # returned while the read is still in the store
+        assert cache.stats()["prefetch"]["cancelled"] == 1 and not cache._pending
+        assert leaks(cache) == {}
+    finally:
+        gate.set()
+        cache.close()
