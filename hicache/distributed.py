@@ -29,8 +29,7 @@ import sys
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -254,8 +253,7 @@ def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
     dist.all_reduce(t, op=op, group=group)
 
 
-@dataclass(frozen=True)
-class AgreedMin:
+class AgreedMin(NamedTuple):
     """What :func:`agree_min` agreed; identical on every rank."""
     fault: tuple[int, int] | None   # (rank, code) of the lowest rank that reported a fault
     length: tuple[int, int]         # (min, max) over ranks of the payload's length
@@ -279,20 +277,20 @@ def agree_min(header: Sequence[int], payload: Sequence[int], group=None, *, code
     the same on every rank (a constant of the calling code). Alone: nothing is communicated."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         p = minvec.pack(header, payload, rank=0, code=code, capacity=len(payload))
-        u = minvec.unpack(p.vec, len(header), len(payload))
+        u = minvec.unpack(p.vec.tolist(), len(header), len(payload))
         return AgreedMin(u.fault, u.length, u.header, u.head if u.agreed else None)
     p = minvec.pack(header, payload, rank=dist.get_rank(group), code=code, capacity=capacity)
     ctl = control_group(group)
-    t = torch.tensor(p.vec, dtype=torch.int64)
-    all_reduce(t, op=dist.ReduceOp.MIN, group=ctl)
-    u = minvec.unpack(t.tolist(), len(header), capacity)
+    # the tensors wrap the packed buffers (no copy): the all-reduce leaves its MIN in them
+    all_reduce(torch.frombuffer(p.vec, dtype=torch.int64), op=dist.ReduceOp.MIN, group=ctl)
+    u = minvec.unpack(p.vec.tolist(), len(header), capacity)
     if not u.agreed:
         return AgreedMin(u.fault, u.length, u.header, None)
     body = u.head
     if u.overflow:  # every rank saw the same reduced lengths: the same size everywhere
-        rest = torch.tensor(p.rest, dtype=torch.int64)
-        all_reduce(rest, op=dist.ReduceOp.MIN, group=ctl)
-        body = body + rest.tolist()
+        all_reduce(torch.frombuffer(p.rest, dtype=torch.int64), op=dist.ReduceOp.MIN,
+                   group=ctl)
+        body = body + p.rest.tolist()
     return AgreedMin(None, u.length, u.header, body)
 
 

@@ -24,8 +24,8 @@ made an int) turns into the fault ``BAD_VALUE`` rather than an exception before 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from array import array
+from typing import NamedTuple, Sequence
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 NO_FAULT = INT64_MAX
@@ -52,38 +52,41 @@ def fault_slot(rank: int, code: int) -> int:
     return rank * FAULT_CODES + code
 
 
-@dataclass(frozen=True)
-class Packed:
-    vec: list[int]    # [fault, len, -len, *header, *payload[:capacity] zero-padded]
-    rest: list[int]   # payload[capacity:] (sent only when every rank agreed on the length)
+class Packed(NamedTuple):
+    vec: array        # int64: [fault, len, -len, *header, *payload[:capacity] zero-padded]
+    rest: array       # int64: payload[capacity:] (sent only when every rank agreed on the length)
     code: int         # this rank's fault code (BAD_VALUE when a value was not an int64)
 
 
-def _ints(values: Sequence) -> list[int]:
-    out = [int(v) for v in values]
-    if out and (min(out) < INT64_MIN or max(out) > INT64_MAX):
-        raise OverflowError("a value does not fit in int64")
-    return out
+def _int64s(values: Sequence) -> array:
+    try:
+        return array("q", values)  # ints (and anything with __index__), range-checked in C
+    except TypeError:
+        return array("q", [int(v) for v in values])  # e.g. floats, as int() reads them
 
 
 def pack(header: Sequence, payload: Sequence, *, rank: int, code: int = 0,
          capacity: int = CAPACITY) -> Packed:
     """This rank's vector (never raises for bad values: they become the ``BAD_VALUE`` fault,
-    with header and payload zeroed; the payload's length is kept)."""
+    with header and payload zeroed; the payload's length is kept). The vectors are ``array``
+    buffers, so a tensor can wrap them without a copy (``torch.frombuffer``)."""
     n = len(payload)
-    try:
-        head, body = _ints(header), _ints(payload)
-    except (TypeError, ValueError, OverflowError):
-        head, body = [0] * len(header), [0] * n
-        code = code or BAD_VALUE
+    if not code:
+        try:
+            head, body = _int64s(header), _int64s(payload)
+        except (TypeError, ValueError, OverflowError):
+            code = BAD_VALUE
     if code:
-        head, body = [0] * len(header), [0] * n
-    pad = body[:capacity] + [0] * max(0, capacity - n)
-    return Packed([fault_slot(rank, code), n, -n] + head + pad, body[capacity:], code)
+        head, body = array("q", bytes(8 * len(header))), array("q", bytes(8 * n))
+    vec = array("q", (fault_slot(rank, code), n, -n))
+    vec += head
+    vec += body[:capacity]
+    if n < capacity:
+        vec.frombytes(bytes(8 * (capacity - n)))
+    return Packed(vec, body[capacity:], code)
 
 
-@dataclass(frozen=True)
-class Unpacked:
+class Unpacked(NamedTuple):
     fault: tuple[int, int] | None  # (rank, code) of the lowest faulty rank; None: all fine
     length: tuple[int, int]        # (min, max) of the payload length over ranks
     header: list[int]              # MIN over ranks
@@ -106,10 +109,10 @@ def unpack(vec: Sequence[int], header_len: int, capacity: int = CAPACITY) -> Unp
     if len(vec) != HEADER + header_len + capacity:
         raise ValueError(f"a vector of {len(vec)} values for a header of {header_len} and "
                          f"capacity {capacity}")
-    f = int(vec[0])
+    vec = list(vec)  # python ints (a tensor's tolist() already is)
+    f = vec[0]
     fault = None if f == NO_FAULT else divmod(f, FAULT_CODES)
-    lo, hi = int(vec[1]), -int(vec[2])
-    header = [int(v) for v in vec[HEADER:HEADER + header_len]]
-    body = vec[HEADER + header_len:]
-    head = [int(v) for v in body[:min(lo, capacity)]] if lo == hi else []
-    return Unpacked(fault, (lo, hi), header, head, capacity)
+    lo, hi = vec[1], -vec[2]
+    start = HEADER + header_len
+    head = vec[start:start + min(lo, capacity)] if lo == hi else []
+    return Unpacked(fault, (lo, hi), vec[HEADER:start], head, capacity)

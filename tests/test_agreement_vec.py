@@ -67,8 +67,8 @@ def test_pack_never_raises_and_flags_values_that_are_not_int64(values):
         assert p.code == 0 and p.vec[0] == NO_FAULT
     else:
         assert p.code == BAD_VALUE and p.vec[0] == fault_slot(3, BAD_VALUE)
-        assert p.vec[3:] == [0] * 6  # nothing of a bad rank's input is reduced
-    assert p.vec[1:3] == [len(values), -len(values)]  # its length still counts
+        assert list(p.vec[3:]) == [0] * 6  # nothing of a bad rank's input is reduced
+    assert list(p.vec[1:3]) == [len(values), -len(values)]  # its length still counts
 
 
 def test_pairs_give_min_and_max():
