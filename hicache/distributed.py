@@ -279,8 +279,15 @@ def agree_min(header: Sequence[int], payload: Sequence[int], group=None, *, code
         p = minvec.pack(header, payload, rank=0, code=code, capacity=len(payload))
         u = minvec.unpack(p.vec.tolist(), len(header), len(payload))
         return AgreedMin(u.fault, u.length, u.header, u.head if u.agreed else None)
-    p = minvec.pack(header, payload, rank=dist.get_rank(group), code=code, capacity=capacity)
-    ctl = control_group(group)
+    return agree_min_on(control_group(group), dist.get_rank(group), header, payload, code=code,
+                        capacity=capacity)
+
+
+def agree_min_on(ctl, rank: int, header: Sequence[int], payload: Sequence[int], *,
+                 code: int = 0, capacity: int = minvec.CAPACITY) -> AgreedMin:
+    """:func:`agree_min` over a control group already resolved (``control_group(group)``, of
+    two ranks or more) as group rank ``rank``: the per-step path, with no group look-ups."""
+    p = minvec.pack(header, payload, rank=rank, code=code, capacity=capacity)
     # the tensors wrap the packed buffers (no copy): the all-reduce leaves its MIN in them
     all_reduce(torch.frombuffer(p.vec, dtype=torch.int64), op=dist.ReduceOp.MIN, group=ctl)
     u = minvec.unpack(p.vec.tolist(), len(header), capacity)

@@ -269,3 +269,26 @@ def test_a_divergence_inside_server_run_releases_its_requests_on_every_rank(runs
     assert v0["admitted"] == v1["admitted"] == 0
     assert v0["leaks"] == v1["leaks"] == {}
     assert v0["usable"] and v1["usable"]
+
+
+def test_agreement_benchmark_json():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "bench" / "agreement.py"), "--quick", "--json",
+                        "--steps", "5", "--reps", "1"], capture_output=True, text=True,
+                       timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    rows = {row["case"]: row for row in out["results"]}
+    assert set(rows) == {"typical", "busy", "over_capacity", "debug"}
+    assert [rows[c]["collectives"] for c in ("typical", "busy", "over_capacity", "debug")] == \
+        [1, 1, 2, 1]  # one fixed-size all-reduce; a second only past the 64 slots
+    for row in rows.values():
+        assert row["agreement_us"] > 0 and row["baseline_us"] > 0
+        assert abs(row["ratio"] - row["agreement_us"] / row["baseline_us"]) < 0.01
+    bad = subprocess.run([sys.executable, str(root / "bench" / "agreement.py"), "--steps", "0"],
+                         capture_output=True, text=True, timeout=60, cwd=root)
+    assert bad.returncode == 2 and "--steps" in bad.stderr

@@ -124,6 +124,9 @@ class StepAgreement:
         self.local = local or self.world_size == 1
         self.debug = debug
         self.capacity = capacity  # payload slots of the one collective (flags + extras)
+        # the CPU group the vector travels on, resolved once (per-step look-ups cost more
+        # than the rest of a step's Python)
+        self._ctl = None if self.local else hd.control_group(group)
         self.steps = 0
 
     def step(self, op_ids: Sequence[int], done: "Collection[int] | Sequence[bool]",
@@ -172,7 +175,8 @@ class StepAgreement:
         n, m, sig = len(ops), len(ext), _signature(ops)
         dbg = int(self.debug)
         header = [n, -n, sig, -sig, m, -m, dbg, -dbg, dig, -dig]
-        res = hd.agree_min(header, flags + ext, self.group, code=code, capacity=self.capacity)
+        res = hd.agree_min_on(self._ctl, self.rank, header, flags + ext, code=code,
+                              capacity=self.capacity)
         if res.fault is not None:
             self._raise_fault(step, res.fault, code, why)
         h = res.header
