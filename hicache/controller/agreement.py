@@ -190,7 +190,7 @@ class StepAgreement:
                                   f"(this rank: debug={self.debug})")
         if self.debug and h[8] != -h[9]:  # agreed: every rank gathers
             self._compare(step, digest)
-        v = res.payload
+        v = res.payload  # not None: equal op and extras counts make equal payload lengths
         agreed = tuple([o for o, f in zip(ops, v[:n]) if f == 1])
         return AgreedStep(agreed, tuple(v[n:]), step)
 
