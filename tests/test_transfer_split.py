@@ -296,3 +296,118 @@ def test_transfer_bench_times_memcpy_pieces():
                                         "pieces of 4.7 MB",
                                         "2 threads, pieces of half a layer"]
     assert all(x["bytes"] == nbytes and x["gbps"] > 0 and x["dcp"] == 2 for x in rows)
+
+
+def _lone_runner(eng):
+    """No helper thread: the thread running a split job copies alone unless a waiter helps."""
+    eng.backend._helpers.shutdown(wait=True)
+    return eng
+
+
+@pytest.mark.parametrize("block_plan", [False, True])
+def test_a_waiter_copies_the_chunks_of_a_running_job_instead_of_sleeping(monkeypatch,
+                                                                         block_plan):
+    """The copy thread is held in its first chunk and no helper runs: ``wait()`` copies every
+    other chunk on the waiting thread, then returns once the held chunk landed too."""
+    d, h = pools("page_first")
+    d.kv.normal_()
+    ref = d.kv.clone()
+    monkeypatch.setattr(copy_cpu, "CHUNK_BYTES", PAGES * P * D * 2 * L // 6)  # 6 chunks
+    name = "run_block_plan" if block_plan else "run_page_runs"
+    real = getattr(copy_cpu, name)
+    gate, mine, theirs = threading.Event(), [], []
+    pages = PATTERNS["scattered" if block_plan else "contiguous"][0]
+
+    def gated(*args):
+        if threading.current_thread() is threading.main_thread():
+            mine.append(1)
+        else:
+            theirs.append(1)
+            assert gate.wait(30)  # held until the waiter copied the rest
+        real(*args)
+        if len(mine) == 5:
+            gate.set()
+    with _lone_runner(split_engine(d, h)) as eng:
+        monkeypatch.setattr(copy_cpu, name, gated)
+        job = eng.backup(pages, list(range(PAGES)))
+        for _ in range(3000):  # the copy thread took its first chunk
+            if theirs:
+                break
+            threading.Event().wait(0.01)
+        job.wait(timeout=30)
+        assert job.status() == DONE and len(theirs) == 1 and len(mine) == 5
+        for s, t in enumerate(pages):
+            assert torch.equal(h.page_view(s), ref[:, t * P:(t + 1) * P])
+
+
+@pytest.mark.parametrize("block_plan", [False, True])
+def test_a_layer_waiter_copies_only_what_its_layer_needs(monkeypatch, block_plan):
+    """``wait_layer(1)`` on a split load whose copy thread is held in the first piece of layer
+    0: the waiter copies the other pieces of layers 0 and 1 and no later one; the job then
+    completes on the copy thread, every layer whole."""
+    d, h = pools("page_first")
+    d.kv.normal_()
+    ref = d.kv.clone()
+    monkeypatch.setattr(copy_cpu, "LAYER_GROUP_BYTES", 1)  # page runs: one layer a group
+    monkeypatch.setattr(copy_cpu, "CHUNK_BYTES", PAGES * P * D * 2 // 3)  # 3 pieces a layer
+    name = "run_block_plan" if block_plan else "run_page_runs"
+    real = getattr(copy_cpu, name)
+    gate, mine, theirs = threading.Event(), [], []
+    pages = PATTERNS["scattered" if block_plan else "contiguous"][0]
+    with _lone_runner(split_engine(d, h)) as eng:
+        eng.backup(pages, list(range(PAGES))).wait(timeout=30)
+        d.kv.zero_()
+
+        def gated(*args):
+            if threading.current_thread() is threading.main_thread():
+                mine.append(1)
+            else:
+                theirs.append(1)
+                if len(theirs) == 1:
+                    assert gate.wait(30)
+            real(*args)
+            if len(mine) == 5:  # pieces 1-2 of layer 0, 0-2 of layer 1
+                gate.set()
+        monkeypatch.setattr(copy_cpu, name, gated)
+        job = eng.load(list(range(PAGES)), pages)
+        for _ in range(3000):
+            if theirs:
+                break
+            threading.Event().wait(0.01)
+        job.wait_layer(1, timeout=30)
+        assert len(mine) == 5 and torch.equal(d.kv[:2], ref[:2])
+        job.wait(timeout=30)
+        assert len(mine) + len(theirs) == 3 * L and job.status() == DONE
+        assert torch.equal(d.kv, ref)
+
+
+def test_a_failing_chunk_copied_by_the_waiter_fails_the_job(monkeypatch):
+    """The waiter's first chunk fails while the copy thread is held in its own: the job fails
+    only once that chunk finished, no chunk is taken after the failure, wait() raises."""
+    d, h = pools("page_first")
+    real = copy_cpu.run_block_plan
+    gate, mine, theirs = threading.Event(), [], []
+    monkeypatch.setattr(copy_cpu, "CHUNK_BYTES", PAGES * P * D * 2 * L // 6)
+
+    def broken(*args):
+        if threading.current_thread() is threading.main_thread():
+            mine.append(1)
+            gate.set()
+            raise OSError("waiter chunk broke")
+        theirs.append(1)
+        assert gate.wait(30)
+        threading.Event().wait(0.05)  # still copying when the waiter's chunk failed
+        real(*args)
+    with _lone_runner(split_engine(d, h)) as eng:
+        monkeypatch.setattr(copy_cpu, "run_block_plan", broken)
+        job = eng.backup(PATTERNS["scattered"][0], list(range(PAGES)))
+        for _ in range(3000):
+            if theirs:
+                break
+            threading.Event().wait(0.01)
+        with pytest.raises(TransferError, match="waiter chunk broke"):
+            job.wait(timeout=30)
+        assert job.status() == FAILED and mine == [1] and theirs == [1]
+        assert eng.stats.jobs_d2h == 0
+        monkeypatch.setattr(copy_cpu, "run_block_plan", real)
+        eng.backup([0], [0]).wait(timeout=30)  # the engine still works

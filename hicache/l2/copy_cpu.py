@@ -18,8 +18,9 @@ one destination run); a load (or restore) plans layer 0 and replays it per layer
 A job of at least ``engine.split_bytes`` is copied by ``engine.copy_threads`` threads at once
 (``_share``): cut into chunks of about ``CHUNK_BYTES`` (a load: pieces of each layer, in layer
 order), each taken by whichever thread is free, the one running the job included, so a helper
-that gets no core leaves its chunks to the others; a load's layer arrives once every piece of
-it landed. One thread copying a few MB at a time reaches only part of the memory bandwidth
+that gets no core leaves its chunks to the others; a thread waiting for the job copies chunks
+too rather than sleeping (at most ``copy_threads`` copy at once); a load's layer arrives once
+every piece of it landed. One thread copying a few MB at a time reaches only part of the memory bandwidth
 (6-7 GB/s on the 2-core CI box, where two reach about 12); a job that is one contiguous copy
 on both sides stays one memmove. ``kernel`` uses the page-copy kernel's torch reference (or the
 Triton kernel itself when it was imported under ``TRITON_INTERPRET=1``).
@@ -27,6 +28,7 @@ Triton kernel itself when it was imported under ``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
+import bisect
 import queue
 import threading
 import time
@@ -161,7 +163,8 @@ class CpuBackend(CopyBackend):
                 if load:
                     job._layers_landed(l0, min(L, l0 + k))
 
-            self._share(job, [(l0, p) for l0 in groups for p in parts], page_chunk, len(parts))
+            self._share(job, [(l0, p) for l0 in groups for p in parts], page_chunk, len(parts),
+                        [l0 for l0 in groups for _ in parts] if load else None)
             return
         (src, (s_l, _)), (dst, (d_l, _)) = self._side(src_side), self._side(dst_side)
         if T == 1:
@@ -185,26 +188,33 @@ class CpuBackend(CopyBackend):
             job._layers_landed(layer, layer + 1)
 
         self._share(job, [(layer, p) for layer in range(L) for p in parts], block_chunk,
-                    len(parts))
+                    len(parts), [layer for layer in range(L) for _ in parts])
 
-    def _share(self, job: TransferJob, chunks: list, copy_chunk, pieces: int) -> None:
+    def _share(self, job: TransferJob, chunks: list, copy_chunk, pieces: int,
+               firsts: list[int] | None = None) -> None:
         """Copy ``chunks`` in order with the helper threads: whichever thread is free takes the
         next one, this thread included, so a helper that gets no core leaves its share to this
-        thread instead of holding the job up. A load's chunk lands its piece of its layers
-        (``pieces`` per layer: a layer arrives once all landed); a backup's job is done at the
-        end. Returns once every chunk taken has finished (a failed job never has a copy still
-        writing), raising the first failure; after a failure no chunk is taken."""
+        thread instead of holding the job up. A thread waiting for the job (``wait``,
+        ``wait_layer``) takes chunks too instead of sleeping, those its layers still need
+        (``firsts``: each chunk's first layer; a backup's chunks all count for every layer); at
+        most ``copy_threads`` threads copy at once, this one included. A load's chunk lands its
+        piece of its layers (``pieces`` per layer: a layer arrives once all landed); a backup's
+        job is done at the end. Returns once every chunk taken has finished (a failed job never
+        has a copy still writing), raising the first failure; after a failure no chunk is
+        taken."""
         job._pieces = pieces
         n = len(chunks)
         cond = threading.Condition(threading.Lock())
-        taken = [0, 0]  # chunks taken, chunks finished
+        taken = [0, 0, 1]  # chunks taken, chunks finished, threads copying (this one)
         failed: list[BaseException] = []
+        T = self._threads
 
-        def work() -> None:
+        def work(limit: int) -> None:
+            """Take chunks in order until ``limit`` were taken (or a failure)."""
             while True:
                 with cond:
                     i = taken[0]
-                    if failed or i >= n:
+                    if failed or i >= limit:
                         return
                     taken[0] = i + 1
                 err = None
@@ -219,15 +229,34 @@ class CpuBackend(CopyBackend):
                     if taken[1] == taken[0]:
                         cond.notify_all()
 
-        for _ in range(self._threads - 1):
+        def join(limit: int = n) -> None:
+            """A helper or a waiter: copy chunks below ``limit`` while a copy slot is free."""
+            with cond:
+                if taken[2] >= T or taken[0] >= limit or failed:
+                    return
+                taken[2] += 1
             try:
-                self._helpers.submit(work)
-            except RuntimeError:  # shut down: this thread copies every chunk
-                break
-        work()
-        with cond:
-            while taken[1] < taken[0]:
-                cond.wait()
+                work(limit)
+            finally:
+                with cond:
+                    taken[2] -= 1
+
+        def help_waiter(need: int) -> None:  # the chunks the first ``need`` layers need
+            join(n if firsts is None else bisect.bisect_left(firsts, need))
+
+        job._help = help_waiter
+        try:
+            for _ in range(T - 1):
+                try:
+                    self._helpers.submit(join)
+                except RuntimeError:  # shut down: this thread copies every chunk
+                    break
+            work(n)
+            with cond:
+                while taken[1] < taken[0]:
+                    cond.wait()
+        finally:
+            job._help = None
         if failed:
             raise failed[0]
         if job.direction == "d2h":

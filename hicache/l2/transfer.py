@@ -223,6 +223,9 @@ class TransferJob:
         # that would otherwise sleep: no hand-off); _runner is the backend's executor.
         self._claim = threading.Lock()
         self._runner = None
+        # while the job's chunks are shared among copy threads: a waiter copies chunks the
+        # layers it waits for still need instead of sleeping (``_help(need)``, the backend's)
+        self._help = None
         self._arrived = 0
         # pieces of each layer copied, possibly out of order (a job split across copy threads
         # lands a layer once per piece, ``_pieces`` of them)
@@ -261,8 +264,13 @@ class TransferJob:
                                 f"failed: {self._error!r}") from self._error
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
-        """Block until ``layer`` has arrived."""
+        """Block until ``layer`` has arrived (a job the copy threads share gets the waiter's
+        help with the chunks of layers up to ``layer`` first, as in ``wait``)."""
         self._check_layer(layer)
+        if self._arrived <= layer and self._state is PENDING:
+            helping = self._help
+            if helping is not None:
+                helping(layer + 1)
         if self._arrived <= layer and self._state is PENDING \
                 and not self._block(layer + 1, timeout):
             raise TransferError(f"layer {layer} of a {self.direction} transfer did not arrive "
@@ -274,11 +282,17 @@ class TransferJob:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every layer has arrived (raises if the transfer failed). A job no copy
-        thread has started yet is run by the waiting thread itself."""
+        thread has started yet is run by the waiting thread itself, and a job the copy threads
+        share gets the waiting thread's help (``_help``) before it sleeps: either way the
+        waiter may copy past ``timeout`` (a copy is never abandoned half done)."""
         if self._state is PENDING:
             runner = self._runner
             if runner is not None and self._claim.acquire(False):
                 runner(self)
+            else:
+                helping = self._help
+                if helping is not None:
+                    helping(_ENDED)
             if self._state is PENDING and not self._block(_ENDED, timeout):
                 raise TransferError(f"{self.direction} transfer did not finish within "
                                     f"{timeout} s")
