@@ -38,6 +38,8 @@ def test_small_and_large_plans_check_and_coalesce_alike(data):
     assert p.src.tolist() == src and p.dst.tolist() == dst and p.num_pages == n
     assert p.runs == runs_by_numpy(p) and p.num_runs == len(p.runs)
     assert sum(r[2] for r in p.runs) == n
+    for k in (0, 1, 2, PAGE_RUNS_MAX, p.num_runs - 1, p.num_runs):
+        assert p.runs_at_most(k) == (p.num_runs <= k), k  # told early for scattered plans
     assert p.src_pages.tolist() == src and p.src_pages.dtype == torch.int64
     if n:
         bad = list(dst)
@@ -56,6 +58,13 @@ def test_plans_own_their_pages():
     p = plan_transfer(src, [0, 1, 2], 8, 8)
     src[0] = 7  # the caller reuses its array
     assert p.src.tolist() == [3, 4, 5] and p.runs == [(3, 0, 3)]
+    n = 3 * SMALL_PLAN  # the numpy path: arrays copied, lists converted once
+    for make in (np.array, torch.tensor, list, tuple):
+        src, dst = make(list(range(n))), make(list(range(n, 0, -1)))
+        p = plan_transfer(src, dst, n + 1, n + 1)
+        if not isinstance(src, tuple):
+            src[0], dst[0] = 5, 1
+        assert p.src.tolist() == list(range(n)) and p.dst.tolist() == list(range(n, 0, -1))
     with pytest.raises(UsageError, match="differ in length"):
         plan_transfer([1, 2], [1], 8, 8)
 

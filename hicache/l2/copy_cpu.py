@@ -265,7 +265,7 @@ class CpuBackend(CopyBackend):
     def plan(self, job: TransferJob) -> BlockPlan | list[tuple[int, int, int]]:
         """What a direct job runs: its page runs when they are few (and no copy kind is forced),
         else a block plan."""
-        if self.engine.cpu_copy is None and job.plan.num_runs <= PAGE_RUNS_MAX:
+        if self.engine.cpu_copy is None and job.plan.runs_at_most(PAGE_RUNS_MAX):
             return job.plan.runs
         return self.plan_blocks(job)
 

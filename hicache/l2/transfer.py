@@ -80,6 +80,17 @@ class TransferPlan:
         """Runs of consecutive (src, dst) pages."""
         return len(self.runs) if self.src.size <= SMALL_PLAN else int(self._bounds.size) - 1
 
+    def runs_at_most(self, k: int) -> bool:
+        """Whether the plan has at most ``k`` runs; a scattered plan is told from its first
+        pages (a few Python compares) without counting all its runs."""
+        if self.src.size > SMALL_PLAN:
+            s, d = self.src[:k + 2].tolist(), self.dst[:k + 2].tolist()
+            breaks = sum(1 for i in range(1, len(s))
+                         if s[i] != s[i - 1] + 1 or d[i] != d[i - 1] + 1)
+            if breaks >= k:  # k + 1 runs or more in these pages alone
+                return False
+        return self.num_runs <= k
+
     @property
     def runs(self) -> list[tuple[int, int, int]]:
         """(first src page, first dst page, pages) of each run, as Python ints (found once)."""
@@ -158,9 +169,15 @@ def plan_transfer(src_pages: PageList, dst_pages: PageList, src_limit: int, dst_
     else:
         _check_range(int(s.min()), int(s.max()), src_limit, src_name)
         _check_range(int(d.min()), int(d.max()), dst_limit, dst_name)
-        if not (d[1:] > d[:-1]).all() and np.unique(d).size != n:
-            raise UsageError(f"{dst_name} page list repeats a page id: {d.tolist()}")
-    return TransferPlan(s.copy(), d.copy())  # the caller may reuse its lists
+        if not (d[1:] > d[:-1]).all():
+            ds = np.sort(d)
+            if (ds[1:] == ds[:-1]).any():
+                raise UsageError(f"{dst_name} page list repeats a page id: {d.tolist()}")
+    # the plan owns its arrays (the caller may reuse its own); ids converted from a list,
+    # tuple or range already are new arrays
+    fresh = (list, tuple, range)
+    return TransferPlan(s if type(src_pages) in fresh else s.copy(),
+                        d if type(dst_pages) in fresh else d.copy())
 
 
 @dataclass(frozen=True)
