@@ -300,7 +300,7 @@ def test_transfer_bench_times_memcpy_pieces():
 
 def _lone_runner(eng):
     """No helper thread: the thread running a split job copies alone unless a waiter helps."""
-    eng.backend._helpers.shutdown(wait=True)
+    eng.backend._stop_helpers()
     return eng
 
 

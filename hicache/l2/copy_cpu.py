@@ -32,7 +32,6 @@ import bisect
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -69,7 +68,13 @@ class CpuBackend(CopyBackend):
         # threads that each copy a share of a big job (the thread running the job is one of
         # them; two workers may split jobs at once)
         T = self._threads = engine.copy_threads
-        self._helpers = ThreadPoolExecutor(2 * (T - 1), "hicache-copy") if T > 1 else None
+        # helper threads take work from one queue (a put and a wake-up: cheaper than an
+        # executor's future)
+        self._help_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._helpers = [threading.Thread(target=self._helper, daemon=True,
+                                          name=f"hicache-copy_{i}") for i in range(2 * (T - 1))]
+        for t in self._helpers:
+            t.start()
         self._workers: dict[str, tuple[queue.SimpleQueue, threading.Thread]] = {}
         for direction in ("d2h", "h2d"):
             q: queue.SimpleQueue = queue.SimpleQueue()  # C-level put/get: cheap wake-ups
@@ -92,8 +97,22 @@ class CpuBackend(CopyBackend):
             q.put(None)
         for _q, t in self._workers.values():
             t.join()
-        if self._helpers is not None:
-            self._helpers.shutdown()
+        self._stop_helpers()
+
+    def _stop_helpers(self) -> None:
+        """Stop the helper threads (a job split afterwards is copied by its own thread)."""
+        helpers, self._helpers = self._helpers, []
+        for _t in helpers:
+            self._help_q.put(None)
+        for t in helpers:
+            t.join()
+
+    def _helper(self) -> None:
+        while True:
+            work = self._help_q.get()
+            if work is None:
+                return
+            work()
 
     def _worker(self, q: queue.SimpleQueue) -> None:
         while True:
@@ -246,11 +265,8 @@ class CpuBackend(CopyBackend):
 
         job._help = help_waiter
         try:
-            for _ in range(T - 1):
-                try:
-                    self._helpers.submit(join)
-                except RuntimeError:  # shut down: this thread copies every chunk
-                    break
+            for _ in range(min(T - 1, len(self._helpers))):  # none once stopped
+                self._help_q.put(join)
             work(n)
             with cond:
                 while taken[1] < taken[0]:
