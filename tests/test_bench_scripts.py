@@ -24,8 +24,9 @@ def test_transfer_benchmark_json():
     assert {(r["layout"], r["direction"]) for r in rows} == {
         (l, d) for l in ("page_first", "layer_first") for d in ("d2h", "h2d")}
     for r in rows:
-        assert {"layout", "direction", "dcp", "bytes", "gbps", "memcpy_gbps", "ratio"} <= set(r)
-        assert r["dcp"] == 2 and r["bytes"] > 0 and r["gbps"] > 0
+        assert {"layout", "direction", "dcp", "bytes", "gbps", "memcpy_gbps", "ratio",
+                "cpu_ratio"} <= set(r)
+        assert r["dcp"] == 2 and r["bytes"] > 0 and r["gbps"] > 0 and r["cpu_ratio"] > 0
         assert abs(r["ratio"] - r["gbps"] / r["memcpy_gbps"]) < 0.01
 
 
