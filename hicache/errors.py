@@ -16,6 +16,8 @@
     │   ├── L3CorruptError              the store's files or a value are damaged
     │   └── L3ForeignError              the L3 path holds another application's store
     ├── RankError (RuntimeError)        a launched rank failed (which rank, how, its traceback)
+    ├── PeerError (RuntimeError)        another rank failed at a point every rank agrees on
+    │                                   (HiCache construction or close, a PCP check)
     ├── DivergenceError (RuntimeError)  ranks disagree on what happened (a bug or a lost rank)
     └── InvariantError (AssertionError) hicache's own bookkeeping is inconsistent (a bug)
 
@@ -92,6 +94,16 @@ class RankError(HiCacheError, RuntimeError):
     def __init__(self, rank: int, how: str, detail: str = "", cause: BaseException | None = None):
         super().__init__(f"rank {rank} {how}")
         self.rank, self.how, self.detail, self.cause = rank, how, detail, cause
+
+
+class PeerError(HiCacheError, RuntimeError):
+    """Another rank failed at a point every rank agrees on (``HiCache`` construction or close, a
+    PCP check), so this rank stops there too instead of waiting in the next collective.
+    ``rank``: the lowest rank that failed; ``what``: what it raised; ``where``: the point."""
+
+    def __init__(self, where: str, rank: int, what: str) -> None:
+        super().__init__(f"{where}: rank {rank} failed ({what}); every rank stops here")
+        self.where, self.rank, self.what = where, rank, what
 
 
 class DivergenceError(HiCacheError, RuntimeError):

@@ -20,6 +20,7 @@ collective is the agreement's one all-reduce per ``step``.
 from __future__ import annotations
 
 import functools
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -29,10 +30,12 @@ import torch
 import torch.distributed as dist
 
 from . import distributed as hd
-from . import preflight
+from . import outcome, preflight
 from .config import HiCacheConfig
 from .controller import CacheController, LockHandle, StepAgreement
-from .errors import ConfigError, DeviceFullError, DivergenceError, TransferError, UsageError
+from .controller.agreement import HEADER_LEN
+from .errors import (ConfigError, DeviceFullError, DivergenceError, PeerError, TransferError,
+                     UsageError)
 from .ids import as_tokens
 from .kvport import CheckedPort, checked_once
 from .l1.pool import DeviceKVPool, pick_device
@@ -42,6 +45,7 @@ from .tier_io import PREFETCH_OUTCOMES, Job, L3Read, TierIO, Waits, join
 
 TIERS = ("l1", "l2", "l3")
 RESTORE_RETRIES = 64  # steps an agreed L3 restore may wait for L1 room before recomputing
+CLOSING = -1  # in place of a step's op count in close's vector (a step's is >= 0)
 MODES = {"recompute": (), "l1": ("l1",), "l1+l2": ("l1", "l2"), "l1+l2+l3": ("l1", "l2", "l3")}
 __all__ = ["HiCache", "Prefix", "MODES", "TIERS", "RESTORE_RETRIES", "PREFETCH_OUTCOMES"]
 
@@ -101,6 +105,45 @@ class HiCache:
                  mode: str | None = None, device: str | torch.device | None = None,
                  replica: tuple[int, int] = (0, 1), debug: bool = False,
                  weights_signature: str | None = None) -> None:
+        # Construction is agreed: whatever fails here on one rank (a preflight check, a pool,
+        # the L3 store, a bad argument), every rank still takes the construction's collectives
+        # (the control group, then one checkpoint) and then every rank raises at that point;
+        # what was built is closed on every rank.
+        self._closed = True  # until built: close() has nothing to do
+        self.io: TierIO | None = None
+        world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        error: BaseException | None = None
+        try:
+            self._build(config, rank, group, world, mode, device, replica, debug,
+                        weights_signature)
+        except BaseException as e:  # agreed below, then raised on this rank
+            error = e
+        try:
+            # the control plane runs on CPU tensors: over a gloo twin of an NCCL group (made
+            # once, by every rank: a collective of its own under NCCL)
+            self.control_group = hd.control_group(group) if world > 1 else group
+            digest = 0
+            if error is None:
+                self.agreement = StepAgreement(group=self.control_group, debug=debug,
+                                               local=world == 1)
+                digest = self._settings_digest()
+            h = outcome.checkpoint("HiCache construction", error, group,
+                                   header=[digest, -digest], detail=True)
+            if h[0] != -h[1]:
+                raise DivergenceError(
+                    "HiCache construction: the ranks' replicated settings differ (mode, page "
+                    "size, L1/L2 pages, policy, debug: the controllers would diverge); build "
+                    "every rank's HiCache from the same policy file")
+        except BaseException:
+            self._discard()
+            raise
+        self._closed = False
+
+    def _build(self, config: HiCacheConfig, rank: int, group, world: int, mode: str | None,
+               device, replica: tuple[int, int], debug: bool,
+               weights_signature: str | None) -> None:
+        """This rank's part of the construction (no collective): checks, pools, controller,
+        transfers and L3 store."""
         if mode is None:
             mode = "l1+l2+l3" if config.l3.enabled else "l1+l2"
         if mode not in MODES:
@@ -115,7 +158,6 @@ class HiCache:
                 "checkpoint of the same shapes could be served this one's KV; set [model] "
                 "signature (a checkpoint hash or revision) or pass HiCache(weights_signature=...)")
         self.weights_signature = weights_signature
-        world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         if world != config.parallel.dcp:
             raise UsageError(f"the process group has {world} ranks but parallel.dcp is "
                              f"{config.parallel.dcp}: one HiCache per DCP rank")
@@ -147,13 +189,9 @@ class HiCache:
                                     write=p.write, eviction=p.eviction,
                                     selective_threshold=p.selective_threshold,
                                     load_back_threshold=p.load_back_threshold)
-        # the control plane runs on CPU tensors: over a gloo twin of an NCCL group (made once)
-        self.control_group = hd.control_group(group) if world > 1 else group
-        self.agreement = StepAgreement(group=self.control_group, debug=debug, local=world == 1)
         self._reqs: dict[object, _Request] = {}
         self._pending: list[_Request] = []                   # requests waiting on L3
         self._stats = TierStats()
-        self._closed = False
         # Failures: ``_fault`` is this rank's first failure not yet agreed (it rides as the
         # health flag in the next step's all-reduce); ``_failed`` is the agreed failure, after
         # which the cache is stopped on every rank alike (see ``step``).
@@ -169,6 +207,23 @@ class HiCache:
                          weights_signature=weights_signature)
         self.transfer = self.io.transfer
         self.namespace = self.io.namespace
+
+    def _settings_digest(self) -> int:
+        """A 60-bit hash of what the replicated controller depends on (equal on every rank)."""
+        c, p = self.config, self.config.policy
+        key = (self.mode, self.page_tokens, c.l1.num_pages, self.ctrl.host.num_pages,
+               p.write, p.eviction,
+               p.selective_threshold, p.load_back_threshold, self.agreement.debug,
+               self.weights_signature if self.l3 is not None else "")
+        raw = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+        return int.from_bytes(raw, "little") >> 4
+
+    def _discard(self) -> None:
+        """Construction failed (on some rank): close what this rank built, drop its pools."""
+        io, self.io = self.io, None
+        if io is not None:
+            io.close()
+        self.l1 = self.l2 = self.ctrl = self.transfer = None
 
     @property
     def l3(self):
@@ -484,24 +539,64 @@ class HiCache:
         return out
 
     def close(self, flush: bool = True) -> None:
-        """Finish transfers, apply them and flush their L3 writes (``drain``: every rank calls
-        ``close``). ``flush=False`` (after an error), or a stopped cache, only waits for local
-        copies and never raises. Safe to call twice."""
+        """Finish transfers, apply them and flush their L3 writes (``drain``). Every rank calls
+        ``close``, and the flush is agreed first (one collective): only when every rank closes
+        with ``flush`` does any rank flush. ``flush=False`` (after an error) never raises on
+        this rank, and makes every other rank skip the flush too and raise ``PeerError`` naming
+        this rank. A stopped cache (an agreed failure) only waits for local copies, with no
+        collective. Safe to call twice."""
+        self._close(flush, None)
+
+    def __enter__(self) -> "HiCache":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Leaving the block by an exception is agreed like ``close(flush=False)``: the other
+        ranks skip their flush and raise ``PeerError`` (rank, exception class) at their own
+        close, or ``DivergenceError`` at the step they are in; this rank's exception goes on."""
+        self._close(exc_type is None, exc)
+
+    def _close(self, flush: bool, error: BaseException | None) -> None:
         if self._closed:
             return
         try:
-            if flush and self._failed is None and (self.ctrl.inflight_ops()
-                                                   or self.io.writer is not None):
+            if self._agree_close(flush, error) and (self.ctrl.inflight_ops()
+                                                    or self.io.writer is not None):
                 self.drain()  # replicated condition: every rank takes this branch
         finally:
             self._closed = True
             self.io.close()  # copies stop before the pools go; failures were reported already
 
-    def __enter__(self) -> "HiCache":
-        return self
-
-    def __exit__(self, exc_type, *exc) -> None:
-        self.close(flush=exc_type is None)
+    def _agree_close(self, flush: bool, error: BaseException | None) -> bool:
+        """Whether every rank flushes (the same answer on every rank), raising ``PeerError`` on
+        a rank that closes normally when another does not. One all-reduce, of the same size as
+        a step's: a rank still stepping gets the closing rank's fault (or the CLOSING mark in
+        place of its op count) and raises ``DivergenceError`` at that step, instead of a
+        mismatched collective."""
+        if self._failed is not None:  # stopped at an agreed step: alike on every rank
+            return False
+        a = self.agreement
+        if a.local:
+            return flush and error is None
+        code = outcome.code_of(error) if error is not None else 0 if flush else \
+            outcome.SKIP_FLUSH
+        header = [CLOSING, -CLOSING] + [0] * (HEADER_LEN - 2)
+        try:
+            res = hd.agree_min_on(a._ctl, a.rank, header, (), code=code, capacity=a.capacity)
+        except Exception:
+            if code:  # this rank is failing already: its own error goes on
+                return False
+            raise
+        if code:
+            return False
+        if res.fault is not None:
+            rank, first = res.fault
+            raise PeerError("HiCache close", rank,
+                            outcome.describe(first) or f"fault {first}") from None
+        if -res.header[1] != CLOSING:  # the MIN of -CLOSING and a step's -n_ops
+            raise DivergenceError("HiCache close: another rank is still stepping while this "
+                                  "rank closes; every rank stops here (no flush)")
+        return True
 
     # ---- internals ----------------------------------------------------------------------------
     def _ctl(self, fn, *args):

@@ -154,7 +154,11 @@ class TierIO:
         self.writer: AsyncWriter | None = None
         self.prefetcher: Prefetcher | None = None
         if l3:
-            self._open_l3(weights_signature)
+            try:
+                self._open_l3(weights_signature)
+            except BaseException:
+                self.close()  # the transfer threads and whatever of L3 opened
+                raise
 
     def _open_l3(self, weights_signature: str) -> None:
         c = self.config
@@ -385,6 +389,7 @@ class TierIO:
         finally:
             if self.prefetcher is not None:
                 self.prefetcher.close()
+            if self.l3 is not None:
                 self.l3.close()
             self.writer = self.prefetcher = self.l3 = None
             self.transfer.close()

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from hicache.errors import DivergenceError
 from hicache import distributed as hd
-from hicache import minvec
+from hicache import minvec, outcome
 
 _SIG_MOD = (1 << 61) - 1
 
@@ -180,6 +180,9 @@ class StepAgreement:
         if res.fault is not None:
             self._raise_fault(step, res.fault, code, why)
         h = res.header
+        if h[0] < 0:  # service.CLOSING in place of an op count
+            raise DivergenceError(f"step {step}: another rank is closing its HiCache while this "
+                                  "rank steps; every rank stops at this step")
         if h[0] != -h[1] or h[2] != -h[3] or h[4] != -h[5]:
             raise DivergenceError(
                 f"step {step}: ranks disagree on the in-flight ops or extras (this rank: "
@@ -201,6 +204,10 @@ class StepAgreement:
                 f"; rank {rank} also reported {FAULTS.get(first, f'fault {first}')}"
             raise DivergenceError(f"step {step}: this rank (rank {self.rank}) passed bad "
                                   f"arguments: {why}{others}; every rank stops at this step")
+        closing = outcome.describe(first)  # a rank closing its HiCache (service.close)
+        if first not in FAULTS and closing is not None:
+            raise DivergenceError(f"step {step}: rank {rank} is closing its HiCache after "
+                                  f"{closing}; every rank stops at this step")
         raise DivergenceError(f"step {step}: rank {rank} passed bad arguments "
                               f"({FAULTS.get(first, f'fault {first}')}); every rank stops at "
                               "this step")
