@@ -21,8 +21,8 @@ Exact signatures (for the ``--pcp N`` wiring of ``hicache decode``):
         -> int64 [length]: the virtual slot of every prompt position from a widened page table
 
     write_pcp_kv_to_pool(rows_by_layer, positions, slots, kv, group=None, layout=None) -> int
-        Every rank of ``group`` calls it (collective: one small all-gather of counts and one
-        all_to_all). ``rows_by_layer``/``positions`` are this rank's prefill output (may be
+        Every rank of ``group`` calls it (collective: one small check all-reduce, one small
+        all-gather of counts and one all_to_all). ``rows_by_layer``/``positions`` are this rank's prefill output (may be
         empty); ``slots`` int64 [L] the virtual slot of each global position (same on every
         rank); ``kv`` this rank's KV port (``HiCache.kv`` or a ``DeviceKVPool``; None on a rank
         outside the DCP group, i.e. group rank >= dcp size; then pass ``layout`` of any DCP
@@ -36,10 +36,18 @@ Exact signatures (for the ``--pcp N`` wiring of ``hicache decode``):
         ranks with the defaults. N != C: launch max(N, C) ranks, ``pcp_group =
         dist.new_group(range(N))`` on every rank, a KV port on ranks < C (``layout`` elsewhere),
         and give the DCP runner ``group=dist.new_group(range(C))`` when C < max(N, C).
+
+Failures are agreed: before its first data collective, each of these calls takes one small
+fixed-size all-reduce (``hicache.outcome.checkpoint``) carrying this rank's bad input as a fault
+code and the values every rank must share (prompt length and tokens, mode, slots, row width, DCP
+layout) as min/max pairs; a rank whose input is bad raises its error, the others ``PeerError``
+naming it, and ranks whose prompts or layouts differ all raise ``DivergenceError``, at the same
+point, instead of a rank waiting in a collective the others never join.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -47,8 +55,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hicache.errors import UsageError
+from hicache.errors import DivergenceError, UsageError
 from hicache import distributed as hdist
+from hicache import outcome
 from hicache.layout import DCPLayout, slot_of
 from hicache.pcp.partition import DualChunkSwap
 from hicache.pcp.ring import MODES, ContextParallelAttention, KVPlacement
@@ -70,15 +79,68 @@ def _group_info(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-@torch.no_grad()
-def pcp_prefill(model, tokens, mode: str = "ring", group=None) -> PCPPrefillResult:
-    """Prefill ``tokens`` with this rank's DualChunkSwap chunks (see module docstring)."""
+def _prompt(tokens, mode: str) -> torch.Tensor:
+    """The prompt as int64 [n] on the CPU; raises UsageError for what cannot be prefilled."""
     if mode not in MODES:
         raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
-    rank, world = _group_info(group)
-    tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
+    tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1).cpu()
     if tokens.numel() == 0:
         raise UsageError("cannot prefill an empty prompt")
+    return tokens
+
+
+def _pairs(*values: int) -> list[int]:
+    return [v for x in values for v in (x, -x)]
+
+
+def _digest(tokens: torch.Tensor) -> int:
+    """A 60-bit hash of the prompt's tokens (int64 [n], CPU)."""
+    raw = hashlib.blake2b(tokens.numpy().tobytes(), digest_size=8).digest()
+    return int.from_bytes(raw, "little") >> 4
+
+
+def _agree_prompt(where: str, error: BaseException | None, tokens, mode: str, group,
+                  extra: tuple[int, ...] = ()) -> None:
+    """Every rank of ``group``: one fixed-size check before the first data collective. Raises on
+    every rank when one failed (``error``) or when the ranks' prompts (length, tokens), modes
+    or ``extra`` values differ."""
+    n = int(tokens.numel()) if error is None else 0
+    vals = (n, MODES.index(mode), _digest(tokens), *extra) if error is None \
+        else (0,) * (3 + len(extra))
+    h = outcome.checkpoint(where, error, group, header=_pairs(*vals), detail=True)
+    lo, hi = h[0], -h[1]
+    if lo != hi:
+        raise DivergenceError(f"{where}: the ranks' prompts have {lo} to {hi} tokens (this rank "
+                              f"{n}); every rank must prefill the same prompt")
+    if h[2] != -h[3]:
+        raise DivergenceError(f"{where}: the ranks use different modes (this rank {mode!r})")
+    if h[4] != -h[5]:
+        raise DivergenceError(f"{where}: the ranks' prompts have the same length ({n}) but "
+                              "different tokens; every rank must prefill the same prompt")
+    for i in range(len(extra)):
+        if h[6 + 2 * i] != -h[7 + 2 * i]:
+            raise DivergenceError(f"{where}: the ranks' DCP layouts differ (dcp size, page "
+                                  "tokens); every rank must route by the same layout")
+
+
+@torch.no_grad()
+def pcp_prefill(model, tokens, mode: str = "ring", group=None) -> PCPPrefillResult:
+    """Prefill ``tokens`` with this rank's DualChunkSwap chunks (see module docstring). The
+    prompt and mode are checked on every rank first (one small all-reduce): bad input or ranks
+    with different prompts raise on every rank before any data moves."""
+    error = None
+    try:
+        prompt = _prompt(tokens, mode)
+    except Exception as e:  # agreed, then raised here
+        error, prompt = e, torch.empty(0, dtype=torch.int64)
+    _agree_prompt("PCP prefill", error, prompt, mode, group)
+    return _prefill(model, prompt, mode, group)
+
+
+@torch.no_grad()
+def _prefill(model, tokens: torch.Tensor, mode: str, group) -> PCPPrefillResult:
+    """``pcp_prefill`` once every rank agreed on ``tokens`` (int64 [n], CPU) and ``mode``."""
+    rank, world = _group_info(group)
     part = DualChunkSwap(int(tokens.numel()), world)
     placement = KVPlacement.from_partition(part)
     positions = part.positions(rank)
@@ -122,10 +184,21 @@ def write_pcp_kv_to_pool(rows_by_layer: Sequence[torch.Tensor], positions: torch
                          layout: Optional[DCPLayout] = None) -> int:
     """Route each prefill row to the DCP rank owning its slot and store it (see module doc)."""
     rank, world = _group_info(group)
-    layout = _routing_layout(kv, layout, rank, world)
-    positions, slots = _check_rows(rows_by_layer, positions, slots, kv)
-    my_slots = slots[positions]
-    packed, counts = _pack_by_owner(rows_by_layer, my_slots, layout.owner(my_slots), world)
+    error, vals = None, (0,) * 4
+    try:  # this rank's checks and packing; agreed before any data moves
+        layout = _routing_layout(kv, layout, rank, world)
+        positions, slots = _check_rows(rows_by_layer, positions, slots, kv)
+        my_slots = slots[positions]
+        packed, counts = _pack_by_owner(rows_by_layer, my_slots, layout.owner(my_slots), world)
+        vals = (slots.numel(), packed.shape[1], layout.dcp_size, layout.page_tokens)
+    except Exception as e:
+        error = e
+    h = outcome.checkpoint("PCP KV write", error, group, header=_pairs(*vals), detail=True)
+    if any(h[i] != -h[i + 1] for i in range(0, len(h), 2)):
+        raise DivergenceError(
+            f"PCP KV write: the ranks differ in slots, row width or DCP layout (this rank: "
+            f"{vals[0]} slots, {vals[1]}-byte rows, DCP {vals[2]}, {vals[3]} tokens a page; "
+            f"min/max over ranks: {[(h[i], -h[i + 1]) for i in range(0, len(h), 2)]})")
     got = _exchange(packed, counts, rank, world, group)  # [m, 8 + L * D * elt]
     if kv is None:
         if got.shape[0]:
@@ -242,22 +315,27 @@ def pcp_prefill_request(model, kv, state, prompt, mode: str = "ring", group=None
     ``len(prompt)`` tokens, ``length == 0``); on return ``state.length == len(prompt)``. Returns
     the logits [V] of the last prompt token, the same on every rank of ``group``.
     """
-    if state.length != 0:
-        raise UsageError(f"PCP prefill needs a fresh request, this one holds {state.length} "
-                         "positions")
-    layout = _routing_layout(kv, layout, *_group_info(group))
-    length = len(prompt)
-    if length == 0:
-        raise UsageError("cannot prefill an empty prompt")
-    if kv is not None:  # refused on every rank before any collective (ranks receive
-        # different rows, so a refusal at the write would stop some ranks and not others)
-        kv.check_pages(np.asarray(state.page_table[:-(-length // layout.page_tokens)],
-                                  dtype=np.int64))
+    error, tokens, dcp = None, torch.empty(0, dtype=torch.int64), (0, 0)
+    try:  # this rank's checks, agreed by every rank of ``group`` before any collective
+        if state.length != 0:
+            raise UsageError(f"PCP prefill needs a fresh request, this one holds "
+                             f"{state.length} positions")
+        layout = _routing_layout(kv, layout, *_group_info(group))
+        tokens = _prompt(prompt, mode)
+        length = int(tokens.numel())
+        if kv is not None:  # (ranks receive different rows: a refusal at the write would
+            # stop some ranks and not others)
+            kv.check_pages(np.asarray(state.page_table[:-(-length // layout.page_tokens)],
+                                      dtype=np.int64))
+        slots = slots_for_pages(state.page_table, length, layout.page_tokens)
+        dcp = (layout.dcp_size, layout.page_tokens)
+    except Exception as e:
+        error = e
+    _agree_prompt("PCP prefill", error, tokens, mode, group, extra=dcp)
     cfg = model.cfg
     member = _member(pcp_group)
-    if member:
-        res = pcp_prefill(model, prompt, mode=mode, group=pcp_group if pcp_group is not None
-                          else group)
+    if member:  # the PCP group is within ``group``: its ranks agreed above
+        res = _prefill(model, tokens, mode, pcp_group if pcp_group is not None else group)
         rows, positions, last = res.kv_rows, res.positions, res.last_logits
         lead = (dist.get_rank(pcp_group) if pcp_group is not None and dist.is_initialized()
                 else 0) == 0
@@ -268,7 +346,6 @@ def pcp_prefill_request(model, kv, state, prompt, mode: str = "ring", group=None
         positions = torch.empty(0, dtype=torch.int64)
         last = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)
         lead = False
-    slots = slots_for_pages(state.page_table, length, layout.page_tokens)
     write_pcp_kv_to_pool(rows, positions, slots, kv, group=group, layout=layout)
     if pcp_group is not None and dist.is_initialized():
         # only the PCP group's rank 0 contributes; everyone else adds exact zeros
