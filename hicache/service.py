@@ -14,7 +14,9 @@ A request's page table is ``prefix.page_table`` (hit pages first, then the pages
 added); token i lives at virtual slot ``page_table[i // (P*c)] * (P*c) + i % (P*c)``.
 The controller is replicated bookkeeping; data moves per rank with no collective
 (``hicache/tier_io.py`` moves it: transfers, L3 reads and writes, restores); the only
-collective is the agreement's one all-reduce per ``step``.
+collective is the agreement's one all-reduce per ``step``, plus one small agreed checkpoint at
+construction and one at ``close`` (``hicache/outcome.py``), so a rank that fails there makes
+every rank raise at the same point instead of leaving them in a collective.
 """
 
 from __future__ import annotations
