@@ -54,7 +54,9 @@ def describe(code: int) -> str | None:
     if code == SKIP_FLUSH:
         return "close(flush=False), called after an error"
     i = code - EXIT_BASE
-    return f"a {KINDS[i]}" if 0 <= i < len(KINDS) else None
+    if not 0 <= i < len(KINDS):
+        return None
+    return f"{'an' if KINDS[i][0] in 'AEIOU' else 'a'} {KINDS[i]}"
 
 
 def _line(err: BaseException) -> str:

@@ -126,6 +126,8 @@ def _exit(rank, base, fail_rank, how):
     def block():
         with cache:
             _work(cache, rng)
+            if how == "both":
+                raise Boom(f"rank {rank} engine error")
             if rank == fail_rank and how != "normal":
                 if how in ("raise", "step_other"):
                     raise Boom(f"rank {rank} engine error")
@@ -150,7 +152,7 @@ def _exit(rank, base, fail_rank, how):
 
 def _exits(rank, base):
     return {how: _exit(rank, base, 1, how)
-            for how in ("normal", "raise", "no_flush", "step_other", "close_other")}
+            for how in ("normal", "raise", "no_flush", "step_other", "close_other", "both")}
 
 
 def _group(rank, world, base):
@@ -255,6 +257,39 @@ def test_a_normal_close_while_the_other_rank_steps_stops_both(runs):
     assert e1["res"][0] == "DivergenceError" and "still stepping" in e1["res"][1]
     _exit_no_leak(e0)
     _exit_no_leak(e1)
+
+
+def test_an_exception_on_every_rank_raises_each_its_own(runs):
+    e0, e1 = (r["exit"]["both"] for r in runs)
+    assert e0["res"] == ("Boom", "rank 0 engine error")
+    assert e1["res"] == ("Boom", "rank 1 engine error")
+    assert e0["collectives"] == e1["collectives"]
+    _exit_no_leak(e0)
+    _exit_no_leak(e1)
+
+
+def test_fault_codes_name_the_exception_class():
+    import torch
+
+    from hicache import minvec, outcome
+    from hicache.controller.agreement import FAULTS
+    from hicache.errors import HostMemoryError, L3ForeignError, PeerError
+    codes = [outcome.EXIT_BASE + i for i in range(len(outcome.KINDS))]
+    assert max(codes) < minvec.FAULT_CODES and not set(codes) & set(FAULTS)
+    assert outcome.SKIP_FLUSH not in FAULTS and outcome.SKIP_FLUSH not in codes
+    assert outcome.describe(outcome.code_of(Boom("x"))) == "a ValueError"  # nearest listed base
+    assert outcome.describe(outcome.code_of(HostMemoryError("x"))) == "a HostMemoryError"
+    assert outcome.describe(outcome.code_of(L3ForeignError("x"))) == "a L3ForeignError"
+    assert outcome.describe(outcome.code_of(KeyboardInterrupt())) == "a KeyboardInterrupt"
+    assert outcome.describe(outcome.code_of(torch.OutOfMemoryError("x"))) == "a RuntimeError"
+
+    class ValueError(Exception):  # a class that merely shares a builtin's name
+        pass
+    assert outcome.describe(outcome.code_of(ValueError())) == "an Exception"
+    assert outcome.describe(3) is None
+    e = PeerError("HiCache close", 3, "a ValueError")
+    assert (e.where, e.rank, e.what) == ("HiCache close", 3, "a ValueError")
+    assert str(e) == "HiCache close: rank 3 failed (a ValueError); every rank stops here"
 
 
 def test_alone_nothing_is_communicated(tmp_path):
