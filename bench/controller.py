@@ -415,8 +415,9 @@ def replay_controller(arrays, page, device_pages, host_pages, inflight, write="w
 def _finish(ctrl, agree, item):
     toks, h, pages = item
     if pages is not None:
-        ctrl.insert(toks, pages)
-    ctrl.unlock(h)
+        ctrl.insert(toks, pages, lock=h)  # releases the request's lock
+    else:
+        ctrl.unlock(h)
     ctrl.take_ops()  # a transfer engine would run these; here they finish at once
     ctrl.agree(agree, ctrl.inflight_ops())
 

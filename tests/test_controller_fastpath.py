@@ -158,17 +158,10 @@ def test_insert_validation_matches_a_set_model(steps):
         c.check()
 
 
-class _NoGrants(set):
-    """A grant set that never holds one: every request-page check takes the general path."""
-
-    def add(self, item) -> None:
-        pass
-
-
 def _general_only(c: CacheController) -> CacheController:
     """``c`` with insert's one-join check and the grant shortcut off (node by node, full
     range and duplicate checks): the reference for the fast paths."""
-    c._grants = _NoGrants()
+    c._max_grants = 0
     c._check_insert = lambda path, pages: c._check_insert_nodes(path, pages, pages.tobytes())
     return c
 

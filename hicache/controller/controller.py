@@ -85,19 +85,23 @@ class CacheController:
         self.tree = RadixTree(page_tokens)
         self.tree.on_split = self._on_split
         self.page_tokens = page_tokens
-        self.device = PageAllocator(device_pages)
-        self.host = PageAllocator(host_pages)
+        # the controller frees only pages it owns or checked itself: no per-page used map
+        self.device = PageAllocator(device_pages, track_used=False)
+        self.host = PageAllocator(host_pages, track_used=False)
         self.stats = ControllerStats()
         self._clock = 0
-        # per device page: True while it is a request page, i.e. handed out by alloc_device and
-        # not yet inserted or freed (the only pages insert and free_device take from a caller)
+        # Request pages: handed out by alloc_device and not yet inserted or freed (the only
+        # pages insert and free_device take from a caller). Each is in exactly one of:
+        # - a grant: the bytes of an alloc_device result whose pages are all still request
+        #   pages. Request pages taken by an insert (after any cached ones) or freed as exactly
+        #   one grant skip every check, which the allocation and this set guarantee, and no
+        #   per-page mark is written for them;
+        # - the map: per device page, True for a request page in no grant. Request pages given
+        #   back any other way first move every grant into the map (a grant may hold some of
+        #   them; the next inserts then take the general check), so does passing _max_grants
         self._request_page = np.zeros(self.device.num_pages, np.bool_)
-        # the bytes of alloc_device results ("grants") whose pages are all still request pages:
-        # request pages taken by an insert (after any cached ones) or freed as exactly one of
-        # them skip every check, which the allocation and this set guarantee. Request pages
-        # given back any other way empty the set (a grant may hold some of them; the next
-        # inserts then take the general check), so does passing _MAX_GRANTS
         self._grants: set[bytes] = set()
+        self._max_grants = _MAX_GRANTS  # (0: no grants, every request page in the map)
         lfu = self.policy.eviction == "lfu"
         self._dev = EvictionOrder(lfu)  # nodes with device pages, eviction order
         self._hst = EvictionOrder(lfu)  # nodes with host pages, eviction order
@@ -184,6 +188,13 @@ class CacheController:
 
     def unlock(self, handle: "LockHandle | Node") -> None:
         """Release one lock taken by ``lock`` (pass its handle, or the node it returned)."""
+        self._held(handle, "unlock()")
+        self._release(handle)
+
+    @staticmethod
+    def _held(handle: "LockHandle | Node", what: str) -> Node:
+        """The node of a lock still held (UsageError naming ``what`` otherwise); changes
+        nothing."""
         if isinstance(handle, LockHandle):
             if handle.released:
                 raise UsageError(f"lock on node {handle.node.nid} was already released")
@@ -191,9 +202,18 @@ class CacheController:
         elif isinstance(handle, Node):
             node = handle
         else:
-            raise UsageError(f"unlock() takes a LockHandle or Node, got {type(handle).__name__}")
+            raise UsageError(f"{what} takes a LockHandle or Node, got {type(handle).__name__}")
         if node.parent is not None and node.lock_ref <= 0:
             raise UsageError(f"unlock of node {node.nid} without a matching lock")
+        return node
+
+    def _release(self, handle: "LockHandle | Node") -> None:
+        """Release a lock ``_held`` checked."""
+        if isinstance(handle, LockHandle):
+            handle.released = True
+            node = handle.node
+        else:
+            node = handle
         n, last = node, 0  # last: device pages of nodes this was the last lock on
         while n.parent is not None:
             n.lock_ref -= 1
@@ -201,8 +221,6 @@ class CacheController:
                 last += n.npages
             n = n.parent
         self._locked_dev_pages -= last
-        if isinstance(handle, LockHandle):
-            handle.released = True
 
     # ---- device pages ---------------------------------------------------------------------
     def alloc_device(self, n: int, *, as_array: bool = False) -> "list[int] | np.ndarray":
@@ -216,17 +234,18 @@ class CacheController:
         if pages is None:
             raise DeviceFullError(n, self.device.num_free, self.device.num_pages,
                                   pending=self._evicting_pages)
-        self._request_page[pages] = True
-        if len(self._grants) >= _MAX_GRANTS:
-            self._grants.clear()
+        if len(self._grants) >= self._max_grants:
+            self._loosen_grants()
+            if not self._max_grants:
+                self._request_page[pages] = True
+                return pages if as_array else pages.tolist()
         self._grants.add(pages.tobytes())
         return pages if as_array else pages.tolist()  # a fresh array the controller keeps not
 
     def free_device(self, pages) -> None:
         """Return pages from ``alloc_device`` that were not inserted (e.g. a partial tail)."""
         idx = page_ids(pages)
-        self._check_request_pages(idx, "free_device")
-        self._request_page[idx] = False
+        self._take_request_pages(idx, "free_device")
         self.device.free_array(idx, trusted=True)
 
     @staticmethod
@@ -239,10 +258,24 @@ class CacheController:
                 return None
         return pool.alloc_array(n)
 
-    def _check_request_pages(self, idx: np.ndarray, what: str, grant: bytes | None = None) -> None:
-        """UsageError unless the ids of ``idx`` (int64 [k]; ``grant``: its bytes, if at hand)
-        are distinct request pages, which the caller then gives back. Exactly one grant (an
-        ``alloc_device`` result, as handed out) passes at once and is used up."""
+    def _loosen_grants(self) -> None:
+        """Move every grant's pages into the request-page map."""
+        for g in self._grants:
+            self._request_page[np.frombuffer(g, INT64)] = True
+        self._grants.clear()
+
+    def _request_map(self) -> np.ndarray:
+        """bool [device pages]: True for every request page (a new array)."""
+        out = self._request_page.copy()
+        for g in self._grants:
+            out[np.frombuffer(g, INT64)] = True
+        return out
+
+    def _take_request_pages(self, idx: np.ndarray, what: str, grant: bytes | None = None) -> None:
+        """UsageError, changing nothing, unless the ids of ``idx`` (int64 [k]; ``grant``: its
+        bytes, if at hand) are distinct request pages; they then stop being request pages (the
+        caller places or frees them). Exactly one grant (an ``alloc_device`` result, as handed
+        out) passes at once, unchecked."""
         if not len(idx):
             return
         if grant is None:
@@ -250,7 +283,7 @@ class CacheController:
         if grant in self._grants:
             self._grants.remove(grant)
             return
-        self._grants.clear()  # idx may hold some grant's pages
+        self._loosen_grants()  # idx may hold some grant's pages
         try:
             ok = int(idx.min()) >= 0 and _all_set(self._request_page[idx])
         except IndexError:
@@ -261,6 +294,7 @@ class CacheController:
             raise UsageError(self._foreign_page_msg(bad, what))
         if self.device.has_duplicates(idx):
             raise UsageError(f"{what} got the same device page twice")
+        self._request_page[idx] = False
 
     def _foreign_page_msg(self, p: int, what: str) -> str:
         if not (0 <= p < self.device.num_pages) or not self.device.is_allocated(p):
@@ -286,21 +320,35 @@ class CacheController:
         return k
 
     # ---- insert ---------------------------------------------------------------------------
-    def insert(self, tokens, device_pages) -> InsertResult:
+    def insert(self, tokens, device_pages, *, lock: LockHandle | None = None) -> InsertResult:
         """Cache the whole pages of ``tokens``, whose KV is in ``device_pages``: one page per
         whole page, optionally followed by the partial tail's page, which is freed (a request
         that continues decoding keeps its tail page by not passing it). Pages duplicating
         cached ones are freed too; ``freed`` lists both. Any integer sequence or buffer of page
         ids is accepted (``Match.device_pages`` plus ``alloc_device``'s list, an int64 array,
-        ``array('q')`` ...). Nothing changes when the pages are refused."""
+        ``array('q')`` ...). Nothing changes when the pages are refused.
+
+        ``lock``: the request's handle from ``lock(match)``, released by the insert (as
+        ``unlock`` after it would; kept when the insert is refused). The walk then starts
+        below the locked node, comparing the prefix in place instead of looking it up again;
+        ``tokens`` that do not start with that prefix are walked from the root (the same
+        result)."""
         arr = as_tokens(tokens, int64=False)
         pages = page_ids(device_pages)
         whole = self._whole_pages(len(arr), len(pages))
+        path = None
+        if lock is not None:
+            node = self._held(lock, "insert(lock=)")
+            path = self.tree.walk_after(node, arr)
         self._clock += 1
         self.stats.inserts += 1
-        path = self.tree.walk(arr)
+        if path is None:
+            path = self.tree.walk(arr)
         plan = self._check_insert(path, pages)
-        return self._adopt(arr, pages, whole, path, plan)
+        res = self._adopt(arr, pages, whole, path, plan)
+        if lock is not None:
+            self._release(lock)
+        return res
 
     def _whole_pages(self, n_tokens: int, n_pages: int) -> int:
         pt = self.page_tokens
@@ -312,7 +360,8 @@ class CacheController:
         return whole
 
     def _check_insert(self, path: list[Node], pages: np.ndarray) -> "_InsertPlan":
-        """Validate an insert along its walked ``path``; changes nothing. At each position the
+        """Validate an insert along its walked ``path``; a refusal changes nothing, and once
+        accepted the request pages it takes stop being request pages. At each position the
         caller's page is the cached node's own page there, or a request page the insert takes:
         one duplicating a cached page (freed), one for a host-only node the caller recomputed
         (adopted), a new page or the tail's. No request page may repeat."""
@@ -329,7 +378,7 @@ class CacheController:
             dup = part[part != np.frombuffer(held, INT64)]
             taken = join_ids([dup, pages[cached:]])  # in position order
             key = taken.tobytes()
-        self._check_request_pages(taken, "insert", key)
+        self._take_request_pages(taken, "insert", key)
         return _InsertPlan(cached, dup, [], taken)
 
     def _check_insert_nodes(self, path: list[Node], pages: np.ndarray,
@@ -350,14 +399,13 @@ class CacheController:
         if len(pages) > cached:
             taken.append(pages[cached:])
         idx = _concat(taken) if taken else _NO_IDS
-        self._check_request_pages(idx, "insert")
+        self._take_request_pages(idx, "insert")
         return _InsertPlan(cached, _concat(dups) if dups else _NO_IDS, adopt, idx)
 
     def _adopt(self, arr: np.ndarray, pages: np.ndarray, whole: int, path: list[Node],
                plan: "_InsertPlan") -> InsertResult:
         """Apply a checked insert: host-only nodes on the path take the caller's pages, a new
         leaf takes the pages past the cached ones, duplicates and the tail's page are freed."""
-        self._request_page[plan.taken] = False  # every request page is now placed or freed
         for node, a, b in plan.adopt:
             self._attach_device(node, pages[a:b].copy())
         new_pages = whole - plan.cached
@@ -641,7 +689,7 @@ class CacheController:
         head = [("clock", self._clock, "next_op", self._next_op, "inflight",
                  tuple(self.inflight_ops()), "device_used", self.device.num_used,
                  "host_used", self.host.num_used,
-                 "req_pages", tuple(np.flatnonzero(self._request_page).tolist()))]
+                 "req_pages", tuple(np.flatnonzero(self._request_map()).tolist()))]
         return head + self.tree.digest()
 
     def iter_nodes(self):
@@ -650,7 +698,7 @@ class CacheController:
     @property
     def request_pages(self) -> frozenset[int]:
         """Device pages handed out by alloc_device and not yet inserted or freed."""
-        return frozenset(np.flatnonzero(self._request_page).tolist())
+        return frozenset(np.flatnonzero(self._request_map()).tolist())
 
     def cached_pages(self) -> tuple[int, int]:
         """(device pages held by the tree, valid host copies held by the tree); O(1)."""
@@ -664,9 +712,12 @@ class CacheController:
     def check(self) -> None:
         """Raise InvariantError if the bookkeeping is inconsistent (tests, debug)."""
         dev_seen: set[int] = set(np.flatnonzero(self._request_page).tolist())
-        for g in self._grants:
-            if not set(np.frombuffer(g, np.int64).tolist()) <= dev_seen:
-                raise InvariantError("a grant holds pages that are not request pages")
+        for g in self._grants:  # disjoint from each other and from the map
+            gp = np.frombuffer(g, np.int64).tolist()
+            if not len(gp) or not dev_seen.isdisjoint(gp) or len(set(gp)) != len(gp):
+                raise InvariantError("a grant holds pages another grant or the request-page "
+                                     "map holds")
+            dev_seen.update(gp)
         host_seen: set[int] = set()
         dev_nodes, host_nodes = set(), set()
         evicting = dev_pages = locked = host_valid = 0

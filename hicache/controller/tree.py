@@ -131,10 +131,38 @@ class RadixTree:
             break
         return path
 
-    def _walk_view(self, q: memoryview, total: int) -> list[Node]:
-        """``walk`` on a long native int64 query in place (``q``: its bytes, not copied)."""
+    def walk_after(self, node: Node, arr: np.ndarray) -> list[Node] | None:
+        """``walk(arr)`` when ``node`` (alive) ends a cached prefix of ``arr``, without looking
+        that prefix up again: its path is read off parent pointers and compared with ``arr``
+        (one memcmp per node, in place), then the walk goes on below ``node``. None, having
+        changed nothing, when ``arr`` does not start with that prefix or is not one contiguous
+        native int64 buffer (``walk`` it then)."""
+        if arr.dtype is not INT64 or not arr.flags.c_contiguous:
+            return None
+        path = []
+        n = node
+        while n.parent is not None:
+            path.append(n)
+            n = n.parent
+        path.reverse()
+        total = len(arr) // self.page_tokens * self.page_tokens * 8
+        q = memoryview(arr).cast("B")
+        a = 0
+        for n in path:
+            e = a + len(n.tokens)
+            if e > total or not n.tokens.startswith(q[a:e]):
+                return None
+            a = e
+        return self._walk_view(q, total, a, node.children, path)
+
+    def _walk_view(self, q: memoryview, total: int, a: int = 0,
+                   children: "dict[bytes, Node] | None" = None,
+                   path: "list[Node] | None" = None) -> list[Node]:
+        """``walk`` on a native int64 query in place (``q``: its bytes, not copied); from byte
+        ``a`` below the nodes ``path`` (whose children are ``children``), the root by default."""
         w = self.page_tokens * 8
-        a, path, children = 0, [], self.root.children
+        if children is None:
+            children, path = self.root.children, []
         while a < total and children:
             child = children.get(q[a:a + w].tobytes())
             if child is None:
