@@ -415,7 +415,8 @@ def replay_controller(arrays, page, device_pages, host_pages, inflight, write="w
 def _finish(ctrl, agree, item):
     toks, h, pages = item
     if pages is not None:
-        ctrl.insert(toks, pages, lock=h)  # releases the request's lock
+        ctrl.insert(toks[h.prefix_len:], pages, after=h)  # the tokens past its locked prefix
+                                                         # (and it releases the lock)
     else:
         ctrl.unlock(h)
     ctrl.take_ops()  # a transfer engine would run these; here they finish at once

@@ -184,7 +184,9 @@ def test_fast_paths_give_what_the_general_check_gives(reqs, inflight, caps):
     """Requests sharing prefixes run concurrently (so inserts meet pages another request
     cached meanwhile: duplicates), with host-tier load-backs (host-only nodes adopted) and
     pages handed back whole, cut, reordered, repeated or foreign. The controller with its fast
-    paths returns, refuses and caches exactly what the general node-by-node check does."""
+    paths returns, refuses and caches exactly what the general node-by-node check does, and
+    an insert of the tokens past the request's locked prefix (``after=``, which releases the
+    lock) exactly what an insert of them all and an unlock do."""
     dev, host, threshold = caps  # a threshold past every hit: host hits are recomputed
     fast = CacheController(PT, dev, host, load_back_threshold=threshold)
     slow = _general_only(CacheController(PT, dev, host, load_back_threshold=threshold))
@@ -192,6 +194,7 @@ def test_fast_paths_give_what_the_general_check_gives(reqs, inflight, caps):
 
     def finish():
         toks, hf, hs, pages, mode = q.pop(0)
+        released = False
         if pages is not None:
             if mode == 1 and len(pages) > 1:            # reordered
                 pages = pages[::-1].copy()
@@ -204,12 +207,19 @@ def test_fast_paths_give_what_the_general_check_gives(reqs, inflight, caps):
                 # the last page of the grant given back, and its page's tokens not inserted
                 fast.free_device(pages[-1:]), slow.free_device(pages[-1:])
                 pages, toks = pages[:-1], toks[:(len(pages) - 1) * PT]
-            got = _outcome(lambda: fast.insert(toks, pages))
+            if len(toks) >= hf.prefix_len:             # only the tokens past the locked prefix
+                got = _outcome(lambda: fast.insert(toks[hf.prefix_len:], pages, after=hf))
+                released = got[0] != "error"
+            else:
+                got = _outcome(lambda: fast.insert(toks, pages))
             assert got == _outcome(lambda: slow.insert(toks, pages))
+            assert hf.released == released            # a refused insert keeps the lock
             if got[0] == "error":                      # give the request pages back
                 mine = [p for p in set(pages.tolist()) if p in fast.request_pages]
                 fast.free_device(mine), slow.free_device(mine)
-        fast.unlock(hf), slow.unlock(hs)
+        if not released:
+            fast.unlock(hf)
+        slow.unlock(hs)
         for c in (fast, slow):
             c.take_ops()
             c.complete(c.inflight_ops())
@@ -240,6 +250,35 @@ def test_fast_paths_give_what_the_general_check_gives(reqs, inflight, caps):
     while q:
         finish()
     assert fast.digest() == slow.digest() and fast.request_pages == slow.request_pages
+
+
+def test_insert_after_a_lock_takes_the_tokens_past_its_prefix():
+    c = CacheController(PT, 32, 0)
+    base = fresh_tokens(0, 3)
+    c.insert(base, c.alloc_device(3))
+    toks = np.concatenate([base, fresh_tokens(1, 2)])
+    m = c.match(toks)
+    h = c.lock(m)
+    assert h.prefix_len == m.total_len == 3 * PT
+    pages = np.concatenate([m.device_pages, c.alloc_device(2, as_array=True)])
+    with pytest.raises(UsageError, match="5 whole pages"):   # the prefix's pages count too
+        c.insert(toks[h.prefix_len:], pages[:3], after=h)
+    assert not h.released and c.evictable_pages() == 0      # refused: still locked
+    r = c.insert(toks[h.prefix_len:], pages, after=h)
+    assert h.released and c.evictable_pages() == 5          # inserted, and released
+    assert r.new_pages == 2 and r.device_pages.tolist() == pages.tolist()
+    assert c.match(toks).device_len == 5 * PT
+    spare = c.alloc_device(1)
+    with pytest.raises(UsageError, match="already released"):
+        c.insert(fresh_tokens(2, 1), spare, after=h)
+    with pytest.raises(UsageError, match="LockHandle"):
+        c.insert(fresh_tokens(2, 1), spare, after=m.last_node)
+    other = fresh_tokens(3, 2)                              # nothing cached: the root's lock
+    h2 = c.lock(c.match(other))
+    assert h2.prefix_len == 0
+    assert c.insert(other, spare + c.alloc_device(1), after=h2).new_pages == 2
+    assert c.match(other).device_len == 2 * PT and c.evictable_pages() == 7
+    c.check()
 
 
 @settings(max_examples=60, deadline=None)

@@ -8,7 +8,8 @@ tree state only when ``complete`` is called with ids that every rank agreed are 
     m = ctrl.match(tokens); h = ctrl.lock(m); load = ctrl.load_back(m)
     pages = ctrl.alloc_device(n_new_pages)
     ...  # prefill the unmatched suffix into the pages
-    res = ctrl.insert(tokens, all_whole_pages); ctrl.unlock(h)
+    res = ctrl.insert(tokens[h.prefix_len:], all_whole_pages, after=h)  # releases h
+    # (or: res = ctrl.insert(tokens, all_whole_pages); ctrl.unlock(h), which walks the prefix)
     ops = ctrl.take_ops()  # execute; then each step: ctrl.agree(agreement, local_done_ids)
 """
 
@@ -35,12 +36,14 @@ _MAX_GRANTS = 4096
 
 
 class LockHandle:
-    """What ``lock`` returns; ``unlock`` it exactly once."""
+    """What ``lock`` returns; release it exactly once (``unlock``, or ``insert(after=)``).
+    ``prefix_len``: tokens of the prefix it holds (the root's path to ``node``)."""
 
-    __slots__ = ("node", "released")
+    __slots__ = ("node", "prefix_len", "released")
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, prefix_len: int) -> None:
         self.node = node
+        self.prefix_len = prefix_len
         self.released = False
 
 
@@ -177,14 +180,15 @@ class CacheController:
             raise UsageError(f"lock() takes a Match or a Node, got {type(target).__name__}")
         if not node.alive:
             raise UsageError(f"cannot lock node {node.nid}: it was evicted after the match")
-        n, newly = node, 0  # newly: device pages of nodes this lock is the first on
+        n, newly, held = node, 0, 0  # newly: device pages of nodes this lock is the first on
         while n.parent is not None:
             if not n.lock_ref and n.device is not None:
                 newly += n.npages
+            held += n.npages
             n.lock_ref += 1
             n = n.parent
         self._locked_dev_pages += newly
-        return LockHandle(node)
+        return LockHandle(node, held * self.page_tokens)
 
     def unlock(self, handle: "LockHandle | Node") -> None:
         """Release one lock taken by ``lock`` (pass its handle, or the node it returned)."""
@@ -320,7 +324,7 @@ class CacheController:
         return k
 
     # ---- insert ---------------------------------------------------------------------------
-    def insert(self, tokens, device_pages, *, lock: LockHandle | None = None) -> InsertResult:
+    def insert(self, tokens, device_pages, *, after: LockHandle | None = None) -> InsertResult:
         """Cache the whole pages of ``tokens``, whose KV is in ``device_pages``: one page per
         whole page, optionally followed by the partial tail's page, which is freed (a request
         that continues decoding keeps its tail page by not passing it). Pages duplicating
@@ -328,26 +332,29 @@ class CacheController:
         ids is accepted (``Match.device_pages`` plus ``alloc_device``'s list, an int64 array,
         ``array('q')`` ...). Nothing changes when the pages are refused.
 
-        ``lock``: the request's handle from ``lock(match)``, released by the insert (as
-        ``unlock`` after it would; kept when the insert is refused). The walk then starts
-        below the locked node, comparing the prefix in place instead of looking it up again;
-        ``tokens`` that do not start with that prefix are walked from the root (the same
-        result)."""
+        ``after``: the request's lock (from ``lock(match)``). ``tokens`` are then those that
+        follow the prefix it holds (``after.prefix_len`` tokens: the match's ``total_len``),
+        while ``device_pages`` still cover the prefix and them, and the insert releases the
+        lock (a refused one keeps it). The same as inserting the prefix's tokens and ``tokens``
+        end to end, then ``unlock(after)``, without looking the prefix up again: the walk
+        starts below the locked node."""
         arr = as_tokens(tokens, int64=False)
         pages = page_ids(device_pages)
-        whole = self._whole_pages(len(arr), len(pages))
-        path = None
-        if lock is not None:
-            node = self._held(lock, "insert(lock=)")
-            path = self.tree.walk_after(node, arr)
+        if after is None:
+            start, base = None, 0
+        elif isinstance(after, LockHandle):
+            start, base = self._held(after, "insert(after=)"), after.prefix_len
+        else:
+            raise UsageError(f"insert(after=) takes the LockHandle lock() returned, got "
+                             f"{type(after).__name__}")
+        whole = self._whole_pages(base + len(arr), len(pages))
         self._clock += 1
         self.stats.inserts += 1
-        if path is None:
-            path = self.tree.walk(arr)
+        path = self.tree.walk(arr, start)
         plan = self._check_insert(path, pages)
-        res = self._adopt(arr, pages, whole, path, plan)
-        if lock is not None:
-            self._release(lock)
+        res = self._adopt(arr, base, pages, whole, path, plan)
+        if after is not None:
+            self._release(after)
         return res
 
     def _whole_pages(self, n_tokens: int, n_pages: int) -> int:
@@ -402,17 +409,18 @@ class CacheController:
         self._take_request_pages(idx, "insert")
         return _InsertPlan(cached, _concat(dups) if dups else _NO_IDS, adopt, idx)
 
-    def _adopt(self, arr: np.ndarray, pages: np.ndarray, whole: int, path: list[Node],
-               plan: "_InsertPlan") -> InsertResult:
-        """Apply a checked insert: host-only nodes on the path take the caller's pages, a new
-        leaf takes the pages past the cached ones, duplicates and the tail's page are freed."""
+    def _adopt(self, arr: np.ndarray, base: int, pages: np.ndarray, whole: int,
+               path: list[Node], plan: "_InsertPlan") -> InsertResult:
+        """Apply a checked insert (of ``base`` tokens, then ``arr``): host-only nodes on the
+        path take the caller's pages, a new leaf takes the pages past the cached ones,
+        duplicates and the tail's page are freed."""
         for node, a, b in plan.adopt:
             self._attach_device(node, pages[a:b].copy())
         new_pages = whole - plan.cached
         if new_pages:
             pt = self.page_tokens
             leaf = self.tree.add_child(path[-1] if path else self.tree.root,
-                                       arr[plan.cached * pt:whole * pt])
+                                       arr[plan.cached * pt - base:whole * pt - base])
             self._attach_device(leaf, pages[plan.cached:whole].copy())
             path.append(leaf)
         for node in path:

@@ -88,28 +88,45 @@ class RadixTree:
         self._next_id += 1
         return nid
 
-    def walk(self, arr: np.ndarray) -> list[Node]:
+    def walk(self, arr: np.ndarray, start: "Node | None" = None) -> list[Node]:
         """Nodes covering the longest cached whole-page prefix of ``arr`` (ints), root excluded.
+
+        With ``start`` (a node in the tree), ``arr`` is what follows ``start``'s prefix: the
+        path is ``start``'s ancestors and itself (read off parent pointers, nothing compared),
+        then the nodes below it covering the longest cached whole-page prefix of ``arr``.
 
         A node only partly covered is split, so the path ends exactly on the matched prefix.
         Per node: one dict lookup on the page's bytes and one memcmp of the node's tokens. The
         query is compared as bytes, made lazily (a prefix at least twice what was compared, at
         least ``_FIRST_BYTES``: a miss does not convert a long prompt), except a long native
         int64 query, which is compared in place (a memoryview: no copy of the prompt)."""
+        path: list[Node] = []
+        if start is None or start is self.root:
+            start = self.root
+        else:
+            n = start
+            while n.parent is not None:
+                path.append(n)
+                n = n.parent
+            path.reverse()
         total = len(arr) // self.page_tokens * self.page_tokens * 8  # bytes of the whole pages
         if arr.dtype is INT64 and total > _FIRST_BYTES and arr.flags.c_contiguous:
-            return self._walk_view(memoryview(arr).cast("B"), total)
-        return self._walk_bytes(arr, total)
+            return self._walk_view(memoryview(arr).cast("B"), total, start.children, path)
+        return self._walk_bytes(arr, total, start.children, path)
 
-    def _walk_bytes(self, arr: np.ndarray, total: int) -> list[Node]:
-        """``walk`` on the query's bytes: the first ``hi`` of ``total``, more when a compare
-        reaches past them (the hot loop is a dict lookup and a memcmp per node)."""
+    def _walk_bytes(self, arr: np.ndarray, total: int, children: "dict[bytes, Node]",
+                    path: list[Node]) -> list[Node]:
+        """``walk`` on the query's bytes below the node whose ``children`` are given, appending
+        to ``path``: the first ``hi`` of ``total`` bytes, more when a compare reaches past them
+        (the hot loop is a dict lookup and a memcmp per node)."""
         w = self.page_tokens * 8
+        if not total or not children:
+            return path
         if arr.dtype is INT64 and total <= _FIRST_BYTES:  # (a partial tail's bytes follow:
             q, hi = arr.tobytes(), total                  # no compare reaches them)
         else:
             hi, q = _query_bytes(arr, _FIRST_BYTES, total)
-        a, path, children = 0, [], self.root.children  # a: bytes matched
+        a = 0  # bytes matched
         while a < total and children:
             child = children.get(q[a:a + w])
             if child is None:
@@ -131,38 +148,11 @@ class RadixTree:
             break
         return path
 
-    def walk_after(self, node: Node, arr: np.ndarray) -> list[Node] | None:
-        """``walk(arr)`` when ``node`` (alive) ends a cached prefix of ``arr``, without looking
-        that prefix up again: its path is read off parent pointers and compared with ``arr``
-        (one memcmp per node, in place), then the walk goes on below ``node``. None, having
-        changed nothing, when ``arr`` does not start with that prefix or is not one contiguous
-        native int64 buffer (``walk`` it then)."""
-        if arr.dtype is not INT64 or not arr.flags.c_contiguous:
-            return None
-        path = []
-        n = node
-        while n.parent is not None:
-            path.append(n)
-            n = n.parent
-        path.reverse()
-        total = len(arr) // self.page_tokens * self.page_tokens * 8
-        q = memoryview(arr).cast("B")
-        a = 0
-        for n in path:
-            e = a + len(n.tokens)
-            if e > total or not n.tokens.startswith(q[a:e]):
-                return None
-            a = e
-        return self._walk_view(q, total, a, node.children, path)
-
-    def _walk_view(self, q: memoryview, total: int, a: int = 0,
-                   children: "dict[bytes, Node] | None" = None,
-                   path: "list[Node] | None" = None) -> list[Node]:
-        """``walk`` on a native int64 query in place (``q``: its bytes, not copied); from byte
-        ``a`` below the nodes ``path`` (whose children are ``children``), the root by default."""
+    def _walk_view(self, q: memoryview, total: int, children: "dict[bytes, Node]",
+                   path: list[Node]) -> list[Node]:
+        """``walk`` on a long native int64 query in place (``q``: its bytes, not copied)."""
         w = self.page_tokens * 8
-        if children is None:
-            children, path = self.root.children, []
+        a = 0
         while a < total and children:
             child = children.get(q[a:a + w].tobytes())
             if child is None:
