@@ -96,10 +96,11 @@ class RadixTree:
         then the nodes below it covering the longest cached whole-page prefix of ``arr``.
 
         A node only partly covered is split, so the path ends exactly on the matched prefix.
-        Per node: one dict lookup on the page's bytes and one memcmp of the node's tokens. The
-        query is compared as bytes, made lazily (a prefix at least twice what was compared, at
-        least ``_FIRST_BYTES``: a miss does not convert a long prompt), except a long native
-        int64 query, which is compared in place (a memoryview: no copy of the prompt)."""
+        Per node: one dict lookup on the page's bytes and one memcmp of the node's tokens. A
+        native int64 query (one contiguous buffer: what HiCache hands the controller) is
+        compared in place (a memoryview: no copy of the prompt); any other is compared as
+        int64 bytes, made lazily (a prefix at least twice what was compared, at least
+        ``_FIRST_BYTES``: a miss does not convert a long prompt)."""
         path: list[Node] = []
         if start is None or start is self.root:
             start = self.root
@@ -110,7 +111,7 @@ class RadixTree:
                 n = n.parent
             path.reverse()
         total = len(arr) // self.page_tokens * self.page_tokens * 8  # bytes of the whole pages
-        if arr.dtype is INT64 and total > _FIRST_BYTES and arr.flags.c_contiguous:
+        if arr.dtype is INT64 and arr.flags.c_contiguous:
             return self._walk_view(memoryview(arr).cast("B"), total, start.children, path)
         return self._walk_bytes(arr, total, start.children, path)
 
@@ -122,10 +123,7 @@ class RadixTree:
         w = self.page_tokens * 8
         if not total or not children:
             return path
-        if arr.dtype is INT64 and total <= _FIRST_BYTES:  # (a partial tail's bytes follow:
-            q, hi = arr.tobytes(), total                  # no compare reaches them)
-        else:
-            hi, q = _query_bytes(arr, _FIRST_BYTES, total)
+        hi, q = _query_bytes(arr, _FIRST_BYTES, total)
         a = 0  # bytes matched
         while a < total and children:
             child = children.get(q[a:a + w])
@@ -150,7 +148,7 @@ class RadixTree:
 
     def _walk_view(self, q: memoryview, total: int, children: "dict[bytes, Node]",
                    path: list[Node]) -> list[Node]:
-        """``walk`` on a long native int64 query in place (``q``: its bytes, not copied)."""
+        """``walk`` on a native int64 query in place (``q``: its bytes, not copied)."""
         w = self.page_tokens * 8
         a = 0
         while a < total and children:
