@@ -98,7 +98,8 @@ class PageAllocator:
 
     def alloc_array(self, n: int) -> np.ndarray:
         """``n`` free page ids as a fresh int64 array [n] (see ``alloc``)."""
-        check_int(n, "number of pages to allocate", 0, error=UsageError)
+        if type(n) is not int or n < 0:
+            check_int(n, "number of pages to allocate", 0, error=UsageError)
         b = self._bot
         if n > self._n - b:
             raise DeviceFullError(n, self._n - b, self._n)

@@ -143,7 +143,13 @@ class CacheController:
             waits = tuple(sorted({o for n in dev for o in n.pending
                                   if isinstance(self._ops[o].op, LoadOp)}))
         used = dev + hst if hst else dev
-        self._touch(reversed(used), self._clock)
+        clock, dtouch, htouch = self._clock, self._dev.touch, self._hst.touch
+        for n in reversed(used):  # used now, leaf first: a parent then follows its children
+            n.last_access = clock  # in the eviction order
+            if n.device is not None:
+                dtouch(n)
+            if n.host is not None:
+                htouch(n)
         pt = self.page_tokens
         return Match(pt * len(dpages), pt * len(hpages), dpages, hpages, tuple(dev), tuple(hst),
                      used[-1] if used else self.tree.root, waits)
@@ -160,17 +166,6 @@ class CacheController:
             else:
                 break
         return self.page_tokens * dev, self.page_tokens * host
-
-    def _touch(self, nodes: Iterable[Node], clock: int) -> None:
-        """Mark ``nodes`` used now; pass a path leaf first (a parent then follows its children
-        in the eviction order)."""
-        dtouch, htouch = self._dev.touch, self._hst.touch
-        for n in nodes:
-            n.last_access = clock
-            if n.device is not None:
-                dtouch(n)
-            if n.host is not None:
-                htouch(n)
 
     # ---- locks ----------------------------------------------------------------------------
     def lock(self, target: "Match | Node") -> LockHandle:
@@ -231,7 +226,8 @@ class CacheController:
         """``n`` device pages for new tokens, evicting unlocked leaves if needed; as a list of
         ints, or with ``as_array`` as a fresh int64 array (no Python int per page: with
         ``np.concatenate`` after ``Match.device_pages``, what ``insert`` takes fastest)."""
-        check_int(n, "number of device pages", 0, error=UsageError)
+        if type(n) is not int or n < 0:
+            check_int(n, "number of device pages", 0, error=UsageError)
         if not n:
             return np.zeros(0, np.int64) if as_array else []
         pages = self._take(self.device, self.evict_device, n)
@@ -423,9 +419,14 @@ class CacheController:
                                        arr[plan.cached * pt - base:whole * pt - base])
             self._attach_device(leaf, pages[plan.cached:whole].copy())
             path.append(leaf)
-        for node in path:
-            node.hits += 1
-        self._touch(reversed(path), self._clock)  # counted first: LFU files a node by its count
+        clock, dtouch, htouch = self._clock, self._dev.touch, self._hst.touch
+        for node in reversed(path):  # used now, leaf first (as in match), each counted before
+            node.hits += 1            # it is touched: LFU files a node by its count
+            node.last_access = clock
+            if node.device is not None:
+                dtouch(node)
+            if node.host is not None:
+                htouch(node)
         if self.host.num_pages:
             for node in path:
                 self._maybe_backup(node)

@@ -18,8 +18,8 @@ import numpy as np
 
 from hicache.checks import check_int
 from hicache.errors import UsageError
-from hicache.ids import INT64, as_tokens, join_ids  # noqa: F401  (as_tokens: the one token
-                                                     # coercion; re-exported)
+from hicache.ids import INT64, as_tokens  # noqa: F401  (as_tokens: the one token coercion;
+                                          # re-exported)
 
 
 class Node:
@@ -283,5 +283,6 @@ HOST_PAGES = operator.attrgetter("host")      # no Python frame per node)
 
 def chain_pages(nodes: Sequence[Node], tier: "operator.attrgetter") -> np.ndarray:
     """The nodes' page ids of one tier (``DEVICE_PAGES`` or ``HOST_PAGES``), end to end (a new
-    int64 array); TypeError if a node is not on that tier."""
-    return join_ids(list(map(tier, nodes)))
+    writable int64 array: one C join of their bytes, every node's array being contiguous);
+    TypeError if a node is not on that tier."""
+    return np.frombuffer(bytearray().join(map(tier, nodes)), INT64)
