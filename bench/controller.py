@@ -390,8 +390,8 @@ def replay_controller(arrays, page, device_pages, host_pages, inflight, write="w
     q = deque()
     t0 = time.process_time()
     for toks in arrays:
-        m = ctrl.match(toks)
-        h = ctrl.lock(m)
+        m = ctrl.match(toks, lock=True)  # and its lock (m.lock), as lock(m) after would
+        h = m.lock
         ld = ctrl.load_back(m)
         have = m.device_len // page + (len(ld.device_pages) if ld else 0)
         try:

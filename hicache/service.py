@@ -257,8 +257,8 @@ class HiCache:
         self._reqs[request_id] = req
         self._stats.requests += 1
         if self.tiers:
-            m = self._ctl(self.ctrl.match, arr[:-1])
-            req.lock = self._ctl(self.ctrl.lock, m)
+            m = self._ctl(functools.partial(self.ctrl.match, lock=True), arr[:-1])
+            req.lock = m.lock
             prefix.device_len = m.device_len
             prefix.page_table = m.device_pages.tolist()
             if m.host_len and "l2" in self.tiers:

@@ -185,8 +185,9 @@ def test_fast_paths_give_what_the_general_check_gives(reqs, inflight, caps):
     cached meanwhile: duplicates), with host-tier load-backs (host-only nodes adopted) and
     pages handed back whole, cut, reordered, repeated or foreign. The controller with its fast
     paths returns, refuses and caches exactly what the general node-by-node check does, and
-    an insert of the tokens past the request's locked prefix (``after=``, which releases the
-    lock) exactly what an insert of them all and an unlock do."""
+    a match that locks (``lock=True``) and an insert of the tokens past the request's locked
+    prefix (``after=``, which releases the lock) exactly what a match, a lock, an insert of
+    them all and an unlock do."""
     dev, host, threshold = caps  # a threshold past every hit: host hits are recomputed
     fast = CacheController(PT, dev, host, load_back_threshold=threshold)
     slow = _general_only(CacheController(PT, dev, host, load_back_threshold=threshold))
@@ -226,9 +227,10 @@ def test_fast_paths_give_what_the_general_check_gives(reqs, inflight, caps):
 
     for page_keys, mode in reqs:
         toks = np.array([k * 10 + i for k in page_keys for i in range(PT)], np.int64)
-        mf, ms = fast.match(toks), slow.match(toks)
+        mf, ms = fast.match(toks, lock=True), slow.match(toks)
         assert mf.device_pages.tolist() == ms.device_pages.tolist()
-        hf, hs = fast.lock(mf), slow.lock(ms)
+        hf, hs = mf.lock, slow.lock(ms)
+        assert hf.prefix_len == hs.prefix_len == ms.total_len and ms.lock is None
         lf, ls = fast.load_back(mf), slow.load_back(ms)
         assert lf == ls
         have = len(mf.device_pages) + (len(lf.device_pages) if lf else 0)

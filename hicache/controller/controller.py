@@ -5,7 +5,7 @@ transfer ops (``BackupOp`` D2H, ``LoadOp`` H2D) for the embedding layer to run; 
 tree state only when ``complete`` is called with ids that every rank agreed are finished (see
 ``agreement.py``). Typical use per request::
 
-    m = ctrl.match(tokens); h = ctrl.lock(m); load = ctrl.load_back(m)
+    m = ctrl.match(tokens, lock=True); h = m.lock; load = ctrl.load_back(m)
     pages = ctrl.alloc_device(n_new_pages)
     ...  # prefill the unmatched suffix into the pages
     res = ctrl.insert(tokens[h.prefix_len:], all_whole_pages, after=h)  # releases h
@@ -117,8 +117,10 @@ class CacheController:
         self._evicting_pages = 0        # device pages freed once their write_back backups land
 
     # ---- lookup ---------------------------------------------------------------------------
-    def match(self, tokens) -> Match:
-        """Longest cached whole-page prefix of ``tokens``: device part, then host-only part."""
+    def match(self, tokens, *, lock: bool = False) -> Match:
+        """Longest cached whole-page prefix of ``tokens``: device part, then host-only part.
+        ``lock``: also lock it, as ``lock(match)`` right after would (``Match.lock`` is the
+        handle), in the same pass over the path."""
         arr = as_tokens(tokens, int64=False)
         self._clock += 1
         self.stats.matches += 1
@@ -142,17 +144,34 @@ class CacheController:
         if self._ops:  # matched pages still being loaded
             waits = tuple(sorted({o for n in dev for o in n.pending
                                   if isinstance(self._ops[o].op, LoadOp)}))
-        used = dev + hst if hst else dev
+        used = dev + hst if hst else dev  # the whole path (host-only nodes are valid copies)
         clock, dtouch, htouch = self._clock, self._dev.touch, self._hst.touch
-        for n in reversed(used):  # used now, leaf first: a parent then follows its children
-            n.last_access = clock  # in the eviction order
-            if n.device is not None:
-                dtouch(n)
-            if n.host is not None:
-                htouch(n)
+        if not lock:
+            for n in reversed(used):  # used now, leaf first: a parent then follows its
+                n.last_access = clock  # children in the eviction order
+                if n.device is not None:
+                    dtouch(n)
+                if n.host is not None:
+                    htouch(n)
+        else:  # the same, and each node locked (see ``lock``)
+            newly = 0
+            for n in reversed(used):
+                n.last_access = clock
+                if n.device is not None:
+                    dtouch(n)
+                    if not n.lock_ref:
+                        newly += n.npages
+                if n.host is not None:
+                    htouch(n)
+                n.lock_ref += 1
+            self._locked_dev_pages += newly
         pt = self.page_tokens
-        return Match(pt * len(dpages), pt * len(hpages), dpages, hpages, tuple(dev), tuple(hst),
-                     used[-1] if used else self.tree.root, waits)
+        last = used[-1] if used else self.tree.root
+        m = Match(pt * len(dpages), pt * len(hpages), dpages, hpages, tuple(dev), tuple(hst),
+                  last, waits)
+        if lock:
+            m.lock = LockHandle(last, m.device_len + m.host_len)
+        return m
 
     def peek(self, tokens) -> tuple[int, int]:
         """``(device_len, host_len)`` that ``match(tokens)`` would return now, used for nothing:
@@ -175,14 +194,19 @@ class CacheController:
             raise UsageError(f"lock() takes a Match or a Node, got {type(target).__name__}")
         if not node.alive:
             raise UsageError(f"cannot lock node {node.nid}: it was evicted after the match")
-        n, newly, held = node, 0, 0  # newly: device pages of nodes this lock is the first on
+        n, newly = node, 0  # newly: device pages of nodes this lock is the first on
         while n.parent is not None:
             if not n.lock_ref and n.device is not None:
                 newly += n.npages
-            held += n.npages
             n.lock_ref += 1
             n = n.parent
         self._locked_dev_pages += newly
+        if isinstance(target, Match):  # the match's path ends at its last node
+            return LockHandle(node, target.device_len + target.host_len)
+        held, n = 0, node
+        while n.parent is not None:
+            held += n.npages
+            n = n.parent
         return LockHandle(node, held * self.page_tokens)
 
     def unlock(self, handle: "LockHandle | Node") -> None:
