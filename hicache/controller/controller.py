@@ -91,6 +91,7 @@ class CacheController:
         # the controller frees only pages it owns or checked itself: no per-page used map
         self.device = PageAllocator(device_pages, track_used=False)
         self.host = PageAllocator(host_pages, track_used=False)
+        self._hosted = host_pages > 0  # an L2 tier: inserts back up
         self.stats = ControllerStats()
         self._clock = 0
         # Request pages: handed out by alloc_device and not yet inserted or freed (the only
@@ -372,10 +373,12 @@ class CacheController:
         self.stats.inserts += 1
         path = self.tree.walk(arr, start)
         plan = self._check_insert(path, pages)
-        res = self._adopt(arr, base, pages, whole, path, plan)
-        if after is not None:
-            self._release(after)
-        return res
+        if after is None or self._hosted:  # (backups may evict: the lock holds till then)
+            res = self._adopt(arr, base, pages, whole, path, plan)
+            if after is not None:
+                self._release(after)
+            return res
+        return self._adopt(arr, base, pages, whole, path, plan, after)
 
     def _whole_pages(self, n_tokens: int, n_pages: int) -> int:
         pt = self.page_tokens
@@ -430,10 +433,13 @@ class CacheController:
         return _InsertPlan(cached, _concat(dups) if dups else _NO_IDS, adopt, idx)
 
     def _adopt(self, arr: np.ndarray, base: int, pages: np.ndarray, whole: int,
-               path: list[Node], plan: "_InsertPlan") -> InsertResult:
+               path: list[Node], plan: "_InsertPlan",
+               held: LockHandle | None = None) -> InsertResult:
         """Apply a checked insert (of ``base`` tokens, then ``arr``): host-only nodes on the
         path take the caller's pages, a new leaf takes the pages past the cached ones,
-        duplicates and the tail's page are freed."""
+        duplicates and the tail's page are freed. ``held``: a lock on a node of ``path``,
+        released in the same pass (only where nothing after it depends on the lock: with no
+        host tier, no backup can evict host copies)."""
         for node, a, b in plan.adopt:
             self._attach_device(node, pages[a:b].copy())
         new_pages = whole - plan.cached
@@ -444,14 +450,32 @@ class CacheController:
             self._attach_device(leaf, pages[plan.cached:whole].copy())
             path.append(leaf)
         clock, dtouch, htouch = self._clock, self._dev.touch, self._hst.touch
-        for node in reversed(path):  # used now, leaf first (as in match), each counted before
-            node.hits += 1            # it is touched: LFU files a node by its count
+        k = 0  # path[:k]: the nodes ``held`` locks
+        if held is not None:
+            held.released = True
+            if held.node.parent is not None:
+                k = path.index(held.node) + 1
+        for node in reversed(path[k:]):  # used now, leaf first (as in match), each counted
+            node.hits += 1                # before it is touched: LFU files a node by its count
             node.last_access = clock
             if node.device is not None:
                 dtouch(node)
             if node.host is not None:
                 htouch(node)
-        if self.host.num_pages:
+        if k:  # the same, and each unlocked (see ``unlock``)
+            last = 0
+            for node in reversed(path[:k]):
+                node.hits += 1
+                node.last_access = clock
+                if node.device is not None:
+                    dtouch(node)
+                if node.host is not None:
+                    htouch(node)
+                node.lock_ref -= 1
+                if not node.lock_ref and node.device is not None:
+                    last += node.npages
+            self._locked_dev_pages -= last
+        if self._hosted:
             for node in path:
                 self._maybe_backup(node)
         freed = plan.dup
