@@ -110,10 +110,13 @@ class RadixTree:
                 path.append(n)
                 n = n.parent
             path.reverse()
+        children = start.children
+        if not children:  # (e.g. an insert below the leaf its request matched)
+            return path
         total = len(arr) // self.page_tokens * self.page_tokens * 8  # bytes of the whole pages
         if arr.dtype is INT64 and arr.flags.c_contiguous:
-            return self._walk_view(memoryview(arr).cast("B"), total, start.children, path)
-        return self._walk_bytes(arr, total, start.children, path)
+            return self._walk_view(memoryview(arr).cast("B"), total, children, path)
+        return self._walk_bytes(arr, total, children, path)
 
     def _walk_bytes(self, arr: np.ndarray, total: int, children: "dict[bytes, Node]",
                     path: list[Node]) -> list[Node]:
