@@ -62,6 +62,47 @@ def test_vectorised_checks_and_trusted_free():
     assert p.iota(3).tolist() == [0, 1, 2] and len(p.iota(100)) == 100
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "trusted", "ask"]),
+                          st.integers(0, 4), st.integers(0, 2 ** 16)), max_size=30))
+def test_allocator_without_a_used_map_answers_the_same(steps):
+    """``track_used=False`` (the controller's pools: no per-page mark per allocation or trusted
+    free) hands out, frees, refuses and reports exactly what the tracked allocator does."""
+    a, b = PageAllocator(12), PageAllocator(12, track_used=False)
+    held: list[int] = []
+    for kind, k, seed in steps:
+        rng = np.random.default_rng(seed)
+        if kind == "alloc":
+            if k > a.num_free:
+                with pytest.raises(DeviceFullError):
+                    b.alloc_array(k)
+                continue
+            got = a.alloc_array(k).tolist()
+            assert b.alloc_array(k).tolist() == got
+            held += got
+        elif kind == "trusted" and held:
+            sub = rng.choice(held, size=min(k, len(held)), replace=False).astype(np.int64)
+            a.free_array(sub, trusted=True), b.free_array(sub, trusted=True)
+            held = [p for p in held if p not in set(sub.tolist())]
+        elif kind == "free":                          # untrusted: maybe foreign or repeated
+            ids = rng.integers(-1, 13, size=k).tolist()
+            errs = []
+            for pool in (a, b):
+                try:
+                    pool.free(ids)
+                    errs.append(None)
+                except UsageError as e:
+                    errs.append(str(e))
+            assert errs[0] == errs[1]
+            if errs[0] is None:
+                held = [p for p in held if p not in set(ids)]
+        idx = np.array(held[:3] + [int(rng.integers(0, 12))], np.int64)
+        assert a.allocated(idx) == b.allocated(idx)
+        assert a.used_ids().tolist() == b.used_ids().tolist() == sorted(held)
+        assert [a.is_allocated(p) for p in range(12)] == [b.is_allocated(p) for p in range(12)]
+        assert (a.num_free, a.num_used) == (b.num_free, b.num_used)
+
+
 def test_page_ids_types():
     assert id_array([3, 1]).tolist() == [3, 1]
     assert id_array([np.int64(3), 2]).tolist() == [3, 2]
