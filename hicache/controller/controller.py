@@ -521,6 +521,8 @@ class CacheController:
         """Give the match's host-only pages device pages and emit the H2D op; None when there is
         nothing to load, the hit is under ``load_back_threshold`` tokens or L1 has no room (the
         caller then recomputes those tokens). The match must be locked."""
+        if not m.host_nodes:  # (the common case: nothing only on the host)
+            return None
         nodes = [n for n in m.host_nodes if n.alive and n.device is None and n.host_valid]
         if not nodes:
             return None
