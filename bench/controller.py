@@ -390,8 +390,8 @@ def replay_controller(arrays, page, device_pages, host_pages, inflight, write="w
     q = deque()
     t0 = time.process_time()
     for toks in arrays:
-        m = ctrl.match(toks)
-        h = ctrl.lock(m)
+        m = ctrl.match(toks, lock=True)  # and its lock (m.lock), as lock(m) after would
+        h = m.lock
         ld = ctrl.load_back(m)
         have = m.device_len // page + (len(ld.device_pages) if ld else 0)
         try:
@@ -415,8 +415,10 @@ def replay_controller(arrays, page, device_pages, host_pages, inflight, write="w
 def _finish(ctrl, agree, item):
     toks, h, pages = item
     if pages is not None:
-        ctrl.insert(toks, pages)
-    ctrl.unlock(h)
+        ctrl.insert(toks[h.prefix_len:], pages, after=h)  # the tokens past its locked prefix
+                                                         # (and it releases the lock)
+    else:
+        ctrl.unlock(h)
     ctrl.take_ops()  # a transfer engine would run these; here they finish at once
     ctrl.agree(agree, ctrl.inflight_ops())
 

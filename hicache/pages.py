@@ -12,7 +12,9 @@ handed out again most recently freed call first, each call's ids in the order th
 ``alloc`` and ``free`` are all-or-nothing: a bad request changes nothing and its error names the
 offending id. Invariant: ``num_free + num_used == num_pages`` at all times.
 ``alloc_array``/``free_array`` skip the conversion between python ints and numpy for callers that
-already hold int64 arrays.
+already hold int64 arrays. ``track_used=False`` keeps no per-page used map up to date (what a
+caller that frees only its own ids, ``trusted``, never reads): an allocation or a trusted free
+then writes no per-page mark, and whatever reads the map builds it from the free stack.
 """
 
 from __future__ import annotations
@@ -35,14 +37,16 @@ PageIds = Union[Iterable[int], np.ndarray, torch.Tensor]
 class PageAllocator:
     """Free list over page ids ``[0, num_pages)``; alloc/free are all-or-nothing."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, *, track_used: bool = True) -> None:
         check_int(num_pages, "num_pages", 0, error=UsageError)
         self._n = num_pages
         # the free ids are _stack[_bot:], handed out from _bot on; a free puts its ids just
         # below _bot in their order (forward slices on both sides: no reversed copies)
         self._stack = np.arange(num_pages, dtype=np.int64)
         self._bot = 0
-        self._used = np.zeros(num_pages, np.bool_)  # [num_pages] True = allocated
+        self._track = track_used
+        # [num_pages] True = allocated (None: not kept; _used_map builds it)
+        self._used = np.zeros(num_pages, np.bool_) if track_used else None
         self._mark = np.zeros(num_pages, np.int64)  # scratch for duplicate detection
         self._iota = np.arange(0, dtype=np.int64)
 
@@ -60,11 +64,19 @@ class PageAllocator:
 
     def is_allocated(self, page: int) -> bool:
         self._check_id(page)
-        return bool(self._used[page])
+        return bool(self._used_map()[page])
 
     def used_ids(self) -> np.ndarray:
         """The allocated ids, ascending, as an int64 array."""
-        return np.flatnonzero(self._used)
+        return np.flatnonzero(self._used_map())
+
+    def _used_map(self) -> np.ndarray:
+        """bool [num_pages], True = allocated: the kept map, or one built from the free stack."""
+        if self._track:
+            return self._used
+        used = np.ones(self._n, np.bool_)
+        used[self._stack[self._bot:]] = False
+        return used
 
     def _check_id(self, page) -> None:
         if isinstance(page, (bool, np.bool_)):
@@ -86,13 +98,15 @@ class PageAllocator:
 
     def alloc_array(self, n: int) -> np.ndarray:
         """``n`` free page ids as a fresh int64 array [n] (see ``alloc``)."""
-        check_int(n, "number of pages to allocate", 0, error=UsageError)
+        if type(n) is not int or n < 0:
+            check_int(n, "number of pages to allocate", 0, error=UsageError)
         b = self._bot
         if n > self._n - b:
             raise DeviceFullError(n, self._n - b, self._n)
         out = self._stack[b:b + n].copy()
         self._bot = b + n
-        self._used[out] = True
+        if self._track:
+            self._used[out] = True
         return out
 
     # ---- vectorised checks -------------------------------------------------------------------
@@ -122,7 +136,7 @@ class PageAllocator:
         if not len(idx):
             return True
         try:
-            return int(idx.min()) >= 0 and bool(self._used[idx].all())
+            return int(idx.min()) >= 0 and bool(self._used_map()[idx].all())
         except IndexError:
             return False
 
@@ -140,7 +154,8 @@ class PageAllocator:
             return
         if not trusted:
             self._check_free(idx)
-        self._used[idx] = False
+        if self._track:
+            self._used[idx] = False
         b = self._bot - k
         self._stack[b:b + k] = idx
         self._bot = b
@@ -149,7 +164,7 @@ class PageAllocator:
         if not self.in_range(idx):
             bad = idx[(idx < 0) | (idx >= self._n)]
             self._check_id(int(bad[0]))
-        used = self._used[idx]
+        used = self._used_map()[idx]
         if not used.all():
             bad = int(idx[int(np.argmin(used))])
             raise UsageError(f"page id {bad} is not allocated (double free or foreign id)")

@@ -257,8 +257,8 @@ class HiCache:
         self._reqs[request_id] = req
         self._stats.requests += 1
         if self.tiers:
-            m = self._ctl(self.ctrl.match, arr[:-1])
-            req.lock = self._ctl(self.ctrl.lock, m)
+            m = self._ctl(functools.partial(self.ctrl.match, lock=True), arr[:-1])
+            req.lock = m.lock
             prefix.device_len = m.device_len
             prefix.page_table = m.device_pages.tolist()
             if m.host_len and "l2" in self.tiers:
@@ -425,11 +425,16 @@ class HiCache:
                 self._ctl(self.ctrl.free_device, req.own_pages)
             return
         if self.tiers:
-            res = self._ctl(self.ctrl.insert, arr[:whole * self.page_tokens], table[:whole])
-            self.io.map_chains(res.device_pages.tolist(), arr[:whole * self.page_tokens])
+            end, pre = whole * self.page_tokens, req.lock.prefix_len
+            if end >= pre:  # the tokens past the locked prefix; the insert releases the lock
+                res = self._ctl(functools.partial(self.ctrl.insert, after=req.lock), arr[pre:end],
+                                table[:whole])
+            else:
+                res = self._ctl(self.ctrl.insert, arr[:end], table[:whole])
+                self._ctl(self.ctrl.unlock, req.lock)
+            self.io.map_chains(res.device_pages.tolist(), arr[:end])
             own = set(req.own_pages)
             tail = [p for p in table[whole:] if p in own]
-            self._ctl(self.ctrl.unlock, req.lock)
             self.io.launch(self.ctrl.take_ops())
         else:
             tail = req.own_pages

@@ -62,6 +62,47 @@ def test_vectorised_checks_and_trusted_free():
     assert p.iota(3).tolist() == [0, 1, 2] and len(p.iota(100)) == 100
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "trusted", "ask"]),
+                          st.integers(0, 4), st.integers(0, 2 ** 16)), max_size=30))
+def test_allocator_without_a_used_map_answers_the_same(steps):
+    """``track_used=False`` (the controller's pools: no per-page mark per allocation or trusted
+    free) hands out, frees, refuses and reports exactly what the tracked allocator does."""
+    a, b = PageAllocator(12), PageAllocator(12, track_used=False)
+    held: list[int] = []
+    for kind, k, seed in steps:
+        rng = np.random.default_rng(seed)
+        if kind == "alloc":
+            if k > a.num_free:
+                with pytest.raises(DeviceFullError):
+                    b.alloc_array(k)
+                continue
+            got = a.alloc_array(k).tolist()
+            assert b.alloc_array(k).tolist() == got
+            held += got
+        elif kind == "trusted" and held:
+            sub = rng.choice(held, size=min(k, len(held)), replace=False).astype(np.int64)
+            a.free_array(sub, trusted=True), b.free_array(sub, trusted=True)
+            held = [p for p in held if p not in set(sub.tolist())]
+        elif kind == "free":                          # untrusted: maybe foreign or repeated
+            ids = rng.integers(-1, 13, size=k).tolist()
+            errs = []
+            for pool in (a, b):
+                try:
+                    pool.free(ids)
+                    errs.append(None)
+                except UsageError as e:
+                    errs.append(str(e))
+            assert errs[0] == errs[1]
+            if errs[0] is None:
+                held = [p for p in held if p not in set(ids)]
+        idx = np.array(held[:3] + [int(rng.integers(0, 12))], np.int64)
+        assert a.allocated(idx) == b.allocated(idx)
+        assert a.used_ids().tolist() == b.used_ids().tolist() == sorted(held)
+        assert [a.is_allocated(p) for p in range(12)] == [b.is_allocated(p) for p in range(12)]
+        assert (a.num_free, a.num_used) == (b.num_free, b.num_used)
+
+
 def test_page_ids_types():
     assert id_array([3, 1]).tolist() == [3, 1]
     assert id_array([np.int64(3), 2]).tolist() == [3, 2]
@@ -158,17 +199,10 @@ def test_insert_validation_matches_a_set_model(steps):
         c.check()
 
 
-class _NoGrants(set):
-    """A grant set that never holds one: every request-page check takes the general path."""
-
-    def add(self, item) -> None:
-        pass
-
-
 def _general_only(c: CacheController) -> CacheController:
     """``c`` with insert's one-join check and the grant shortcut off (node by node, full
     range and duplicate checks): the reference for the fast paths."""
-    c._grants = _NoGrants()
+    c._max_grants = 0
     c._check_insert = lambda path, pages: c._check_insert_nodes(path, pages, pages.tobytes())
     return c
 
@@ -191,7 +225,10 @@ def test_fast_paths_give_what_the_general_check_gives(reqs, inflight, caps):
     """Requests sharing prefixes run concurrently (so inserts meet pages another request
     cached meanwhile: duplicates), with host-tier load-backs (host-only nodes adopted) and
     pages handed back whole, cut, reordered, repeated or foreign. The controller with its fast
-    paths returns, refuses and caches exactly what the general node-by-node check does."""
+    paths returns, refuses and caches exactly what the general node-by-node check does, and
+    a match that locks (``lock=True``) and an insert of the tokens past the request's locked
+    prefix (``after=``, which releases the lock) exactly what a match, a lock, an insert of
+    them all and an unlock do."""
     dev, host, threshold = caps  # a threshold past every hit: host hits are recomputed
     fast = CacheController(PT, dev, host, load_back_threshold=threshold)
     slow = _general_only(CacheController(PT, dev, host, load_back_threshold=threshold))
@@ -199,6 +236,7 @@ def test_fast_paths_give_what_the_general_check_gives(reqs, inflight, caps):
 
     def finish():
         toks, hf, hs, pages, mode = q.pop(0)
+        released = False
         if pages is not None:
             if mode == 1 and len(pages) > 1:            # reordered
                 pages = pages[::-1].copy()
@@ -211,21 +249,29 @@ def test_fast_paths_give_what_the_general_check_gives(reqs, inflight, caps):
                 # the last page of the grant given back, and its page's tokens not inserted
                 fast.free_device(pages[-1:]), slow.free_device(pages[-1:])
                 pages, toks = pages[:-1], toks[:(len(pages) - 1) * PT]
-            got = _outcome(lambda: fast.insert(toks, pages))
+            if len(toks) >= hf.prefix_len:             # only the tokens past the locked prefix
+                got = _outcome(lambda: fast.insert(toks[hf.prefix_len:], pages, after=hf))
+                released = got[0] != "error"
+            else:
+                got = _outcome(lambda: fast.insert(toks, pages))
             assert got == _outcome(lambda: slow.insert(toks, pages))
+            assert hf.released == released            # a refused insert keeps the lock
             if got[0] == "error":                      # give the request pages back
                 mine = [p for p in set(pages.tolist()) if p in fast.request_pages]
                 fast.free_device(mine), slow.free_device(mine)
-        fast.unlock(hf), slow.unlock(hs)
+        if not released:
+            fast.unlock(hf)
+        slow.unlock(hs)
         for c in (fast, slow):
             c.take_ops()
             c.complete(c.inflight_ops())
 
     for page_keys, mode in reqs:
         toks = np.array([k * 10 + i for k in page_keys for i in range(PT)], np.int64)
-        mf, ms = fast.match(toks), slow.match(toks)
+        mf, ms = fast.match(toks, lock=True), slow.match(toks)
         assert mf.device_pages.tolist() == ms.device_pages.tolist()
-        hf, hs = fast.lock(mf), slow.lock(ms)
+        hf, hs = mf.lock, slow.lock(ms)
+        assert hf.prefix_len == hs.prefix_len == ms.total_len and ms.lock is None
         lf, ls = fast.load_back(mf), slow.load_back(ms)
         assert lf == ls
         have = len(mf.device_pages) + (len(lf.device_pages) if lf else 0)
@@ -247,6 +293,35 @@ def test_fast_paths_give_what_the_general_check_gives(reqs, inflight, caps):
     while q:
         finish()
     assert fast.digest() == slow.digest() and fast.request_pages == slow.request_pages
+
+
+def test_insert_after_a_lock_takes_the_tokens_past_its_prefix():
+    c = CacheController(PT, 32, 0)
+    base = fresh_tokens(0, 3)
+    c.insert(base, c.alloc_device(3))
+    toks = np.concatenate([base, fresh_tokens(1, 2)])
+    m = c.match(toks)
+    h = c.lock(m)
+    assert h.prefix_len == m.total_len == 3 * PT
+    pages = np.concatenate([m.device_pages, c.alloc_device(2, as_array=True)])
+    with pytest.raises(UsageError, match="5 whole pages"):   # the prefix's pages count too
+        c.insert(toks[h.prefix_len:], pages[:3], after=h)
+    assert not h.released and c.evictable_pages() == 0      # refused: still locked
+    r = c.insert(toks[h.prefix_len:], pages, after=h)
+    assert h.released and c.evictable_pages() == 5          # inserted, and released
+    assert r.new_pages == 2 and r.device_pages.tolist() == pages.tolist()
+    assert c.match(toks).device_len == 5 * PT
+    spare = c.alloc_device(1)
+    with pytest.raises(UsageError, match="already released"):
+        c.insert(fresh_tokens(2, 1), spare, after=h)
+    with pytest.raises(UsageError, match="LockHandle"):
+        c.insert(fresh_tokens(2, 1), spare, after=m.last_node)
+    other = fresh_tokens(3, 2)                              # nothing cached: the root's lock
+    h2 = c.lock(c.match(other))
+    assert h2.prefix_len == 0
+    assert c.insert(other, spare + c.alloc_device(1), after=h2).new_pages == 2
+    assert c.match(other).device_len == 2 * PT and c.evictable_pages() == 7
+    c.check()
 
 
 @settings(max_examples=60, deadline=None)

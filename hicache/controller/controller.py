@@ -5,10 +5,11 @@ transfer ops (``BackupOp`` D2H, ``LoadOp`` H2D) for the embedding layer to run; 
 tree state only when ``complete`` is called with ids that every rank agreed are finished (see
 ``agreement.py``). Typical use per request::
 
-    m = ctrl.match(tokens); h = ctrl.lock(m); load = ctrl.load_back(m)
+    m = ctrl.match(tokens, lock=True); h = m.lock; load = ctrl.load_back(m)
     pages = ctrl.alloc_device(n_new_pages)
     ...  # prefill the unmatched suffix into the pages
-    res = ctrl.insert(tokens, all_whole_pages); ctrl.unlock(h)
+    res = ctrl.insert(tokens[h.prefix_len:], all_whole_pages, after=h)  # releases h
+    # (or: res = ctrl.insert(tokens, all_whole_pages); ctrl.unlock(h), which walks the prefix)
     ops = ctrl.take_ops()  # execute; then each step: ctrl.agree(agreement, local_done_ids)
 """
 
@@ -35,12 +36,14 @@ _MAX_GRANTS = 4096
 
 
 class LockHandle:
-    """What ``lock`` returns; ``unlock`` it exactly once."""
+    """What ``lock`` returns; release it exactly once (``unlock``, or ``insert(after=)``).
+    ``prefix_len``: tokens of the prefix it holds (the root's path to ``node``)."""
 
-    __slots__ = ("node", "released")
+    __slots__ = ("node", "prefix_len", "released")
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, prefix_len: int) -> None:
         self.node = node
+        self.prefix_len = prefix_len
         self.released = False
 
 
@@ -85,19 +88,24 @@ class CacheController:
         self.tree = RadixTree(page_tokens)
         self.tree.on_split = self._on_split
         self.page_tokens = page_tokens
-        self.device = PageAllocator(device_pages)
-        self.host = PageAllocator(host_pages)
+        # the controller frees only pages it owns or checked itself: no per-page used map
+        self.device = PageAllocator(device_pages, track_used=False)
+        self.host = PageAllocator(host_pages, track_used=False)
+        self._hosted = host_pages > 0  # an L2 tier: inserts back up
         self.stats = ControllerStats()
         self._clock = 0
-        # per device page: True while it is a request page, i.e. handed out by alloc_device and
-        # not yet inserted or freed (the only pages insert and free_device take from a caller)
+        # Request pages: handed out by alloc_device and not yet inserted or freed (the only
+        # pages insert and free_device take from a caller). Each is in exactly one of:
+        # - a grant: the bytes of an alloc_device result whose pages are all still request
+        #   pages. Request pages taken by an insert (after any cached ones) or freed as exactly
+        #   one grant skip every check, which the allocation and this set guarantee, and no
+        #   per-page mark is written for them;
+        # - the map: per device page, True for a request page in no grant. Request pages given
+        #   back any other way first move every grant into the map (a grant may hold some of
+        #   them; the next inserts then take the general check), so does passing _max_grants
         self._request_page = np.zeros(self.device.num_pages, np.bool_)
-        # the bytes of alloc_device results ("grants") whose pages are all still request pages:
-        # request pages taken by an insert (after any cached ones) or freed as exactly one of
-        # them skip every check, which the allocation and this set guarantee. Request pages
-        # given back any other way empty the set (a grant may hold some of them; the next
-        # inserts then take the general check), so does passing _MAX_GRANTS
         self._grants: set[bytes] = set()
+        self._max_grants = _MAX_GRANTS  # (0: no grants, every request page in the map)
         lfu = self.policy.eviction == "lfu"
         self._dev = EvictionOrder(lfu)  # nodes with device pages, eviction order
         self._hst = EvictionOrder(lfu)  # nodes with host pages, eviction order
@@ -110,8 +118,10 @@ class CacheController:
         self._evicting_pages = 0        # device pages freed once their write_back backups land
 
     # ---- lookup ---------------------------------------------------------------------------
-    def match(self, tokens) -> Match:
-        """Longest cached whole-page prefix of ``tokens``: device part, then host-only part."""
+    def match(self, tokens, *, lock: bool = False) -> Match:
+        """Longest cached whole-page prefix of ``tokens``: device part, then host-only part.
+        ``lock``: also lock it, as ``lock(match)`` right after would (``Match.lock`` is the
+        handle), in the same pass over the path."""
         arr = as_tokens(tokens, int64=False)
         self._clock += 1
         self.stats.matches += 1
@@ -135,11 +145,34 @@ class CacheController:
         if self._ops:  # matched pages still being loaded
             waits = tuple(sorted({o for n in dev for o in n.pending
                                   if isinstance(self._ops[o].op, LoadOp)}))
-        used = dev + hst if hst else dev
-        self._touch(reversed(used), self._clock)
+        used = dev + hst if hst else dev  # the whole path (host-only nodes are valid copies)
+        clock, dtouch, htouch = self._clock, self._dev.touch, self._hst.touch
+        if not lock:
+            for n in reversed(used):  # used now, leaf first: a parent then follows its
+                n.last_access = clock  # children in the eviction order
+                if n.device is not None:
+                    dtouch(n)
+                if n.host is not None:
+                    htouch(n)
+        else:  # the same, and each node locked (see ``lock``)
+            newly = 0
+            for n in reversed(used):
+                n.last_access = clock
+                if n.device is not None:
+                    dtouch(n)
+                    if not n.lock_ref:
+                        newly += n.npages
+                if n.host is not None:
+                    htouch(n)
+                n.lock_ref += 1
+            self._locked_dev_pages += newly
         pt = self.page_tokens
-        return Match(pt * len(dpages), pt * len(hpages), dpages, hpages, tuple(dev), tuple(hst),
-                     used[-1] if used else self.tree.root, waits)
+        last = used[-1] if used else self.tree.root
+        m = Match(pt * len(dpages), pt * len(hpages), dpages, hpages, tuple(dev), tuple(hst),
+                  last, waits)
+        if lock:
+            m.lock = LockHandle(last, m.device_len + m.host_len)
+        return m
 
     def peek(self, tokens) -> tuple[int, int]:
         """``(device_len, host_len)`` that ``match(tokens)`` would return now, used for nothing:
@@ -153,17 +186,6 @@ class CacheController:
             else:
                 break
         return self.page_tokens * dev, self.page_tokens * host
-
-    def _touch(self, nodes: Iterable[Node], clock: int) -> None:
-        """Mark ``nodes`` used now; pass a path leaf first (a parent then follows its children
-        in the eviction order)."""
-        dtouch, htouch = self._dev.touch, self._hst.touch
-        for n in nodes:
-            n.last_access = clock
-            if n.device is not None:
-                dtouch(n)
-            if n.host is not None:
-                htouch(n)
 
     # ---- locks ----------------------------------------------------------------------------
     def lock(self, target: "Match | Node") -> LockHandle:
@@ -180,10 +202,23 @@ class CacheController:
             n.lock_ref += 1
             n = n.parent
         self._locked_dev_pages += newly
-        return LockHandle(node)
+        if isinstance(target, Match):  # the match's path ends at its last node
+            return LockHandle(node, target.device_len + target.host_len)
+        held, n = 0, node
+        while n.parent is not None:
+            held += n.npages
+            n = n.parent
+        return LockHandle(node, held * self.page_tokens)
 
     def unlock(self, handle: "LockHandle | Node") -> None:
         """Release one lock taken by ``lock`` (pass its handle, or the node it returned)."""
+        self._held(handle, "unlock()")
+        self._release(handle)
+
+    @staticmethod
+    def _held(handle: "LockHandle | Node", what: str) -> Node:
+        """The node of a lock still held (UsageError naming ``what`` otherwise); changes
+        nothing."""
         if isinstance(handle, LockHandle):
             if handle.released:
                 raise UsageError(f"lock on node {handle.node.nid} was already released")
@@ -191,9 +226,18 @@ class CacheController:
         elif isinstance(handle, Node):
             node = handle
         else:
-            raise UsageError(f"unlock() takes a LockHandle or Node, got {type(handle).__name__}")
+            raise UsageError(f"{what} takes a LockHandle or Node, got {type(handle).__name__}")
         if node.parent is not None and node.lock_ref <= 0:
             raise UsageError(f"unlock of node {node.nid} without a matching lock")
+        return node
+
+    def _release(self, handle: "LockHandle | Node") -> None:
+        """Release a lock ``_held`` checked."""
+        if isinstance(handle, LockHandle):
+            handle.released = True
+            node = handle.node
+        else:
+            node = handle
         n, last = node, 0  # last: device pages of nodes this was the last lock on
         while n.parent is not None:
             n.lock_ref -= 1
@@ -201,32 +245,32 @@ class CacheController:
                 last += n.npages
             n = n.parent
         self._locked_dev_pages -= last
-        if isinstance(handle, LockHandle):
-            handle.released = True
 
     # ---- device pages ---------------------------------------------------------------------
     def alloc_device(self, n: int, *, as_array: bool = False) -> "list[int] | np.ndarray":
         """``n`` device pages for new tokens, evicting unlocked leaves if needed; as a list of
         ints, or with ``as_array`` as a fresh int64 array (no Python int per page: with
         ``np.concatenate`` after ``Match.device_pages``, what ``insert`` takes fastest)."""
-        check_int(n, "number of device pages", 0, error=UsageError)
+        if type(n) is not int or n < 0:
+            check_int(n, "number of device pages", 0, error=UsageError)
         if not n:
             return np.zeros(0, np.int64) if as_array else []
         pages = self._take(self.device, self.evict_device, n)
         if pages is None:
             raise DeviceFullError(n, self.device.num_free, self.device.num_pages,
                                   pending=self._evicting_pages)
-        self._request_page[pages] = True
-        if len(self._grants) >= _MAX_GRANTS:
-            self._grants.clear()
+        if len(self._grants) >= self._max_grants:
+            self._loosen_grants()
+            if not self._max_grants:
+                self._request_page[pages] = True
+                return pages if as_array else pages.tolist()
         self._grants.add(pages.tobytes())
         return pages if as_array else pages.tolist()  # a fresh array the controller keeps not
 
     def free_device(self, pages) -> None:
         """Return pages from ``alloc_device`` that were not inserted (e.g. a partial tail)."""
         idx = page_ids(pages)
-        self._check_request_pages(idx, "free_device")
-        self._request_page[idx] = False
+        self._take_request_pages(idx, "free_device")
         self.device.free_array(idx, trusted=True)
 
     @staticmethod
@@ -239,10 +283,24 @@ class CacheController:
                 return None
         return pool.alloc_array(n)
 
-    def _check_request_pages(self, idx: np.ndarray, what: str, grant: bytes | None = None) -> None:
-        """UsageError unless the ids of ``idx`` (int64 [k]; ``grant``: its bytes, if at hand)
-        are distinct request pages, which the caller then gives back. Exactly one grant (an
-        ``alloc_device`` result, as handed out) passes at once and is used up."""
+    def _loosen_grants(self) -> None:
+        """Move every grant's pages into the request-page map."""
+        for g in self._grants:
+            self._request_page[np.frombuffer(g, INT64)] = True
+        self._grants.clear()
+
+    def _request_map(self) -> np.ndarray:
+        """bool [device pages]: True for every request page (a new array)."""
+        out = self._request_page.copy()
+        for g in self._grants:
+            out[np.frombuffer(g, INT64)] = True
+        return out
+
+    def _take_request_pages(self, idx: np.ndarray, what: str, grant: bytes | None = None) -> None:
+        """UsageError, changing nothing, unless the ids of ``idx`` (int64 [k]; ``grant``: its
+        bytes, if at hand) are distinct request pages; they then stop being request pages (the
+        caller places or frees them). Exactly one grant (an ``alloc_device`` result, as handed
+        out) passes at once, unchecked."""
         if not len(idx):
             return
         if grant is None:
@@ -250,7 +308,7 @@ class CacheController:
         if grant in self._grants:
             self._grants.remove(grant)
             return
-        self._grants.clear()  # idx may hold some grant's pages
+        self._loosen_grants()  # idx may hold some grant's pages
         try:
             ok = int(idx.min()) >= 0 and _all_set(self._request_page[idx])
         except IndexError:
@@ -261,6 +319,7 @@ class CacheController:
             raise UsageError(self._foreign_page_msg(bad, what))
         if self.device.has_duplicates(idx):
             raise UsageError(f"{what} got the same device page twice")
+        self._request_page[idx] = False
 
     def _foreign_page_msg(self, p: int, what: str) -> str:
         if not (0 <= p < self.device.num_pages) or not self.device.is_allocated(p):
@@ -286,21 +345,40 @@ class CacheController:
         return k
 
     # ---- insert ---------------------------------------------------------------------------
-    def insert(self, tokens, device_pages) -> InsertResult:
+    def insert(self, tokens, device_pages, *, after: LockHandle | None = None) -> InsertResult:
         """Cache the whole pages of ``tokens``, whose KV is in ``device_pages``: one page per
         whole page, optionally followed by the partial tail's page, which is freed (a request
         that continues decoding keeps its tail page by not passing it). Pages duplicating
         cached ones are freed too; ``freed`` lists both. Any integer sequence or buffer of page
         ids is accepted (``Match.device_pages`` plus ``alloc_device``'s list, an int64 array,
-        ``array('q')`` ...). Nothing changes when the pages are refused."""
+        ``array('q')`` ...). Nothing changes when the pages are refused.
+
+        ``after``: the request's lock (from ``lock(match)``). ``tokens`` are then those that
+        follow the prefix it holds (``after.prefix_len`` tokens: the match's ``total_len``),
+        while ``device_pages`` still cover the prefix and them, and the insert releases the
+        lock (a refused one keeps it). The same as inserting the prefix's tokens and ``tokens``
+        end to end, then ``unlock(after)``, without looking the prefix up again: the walk
+        starts below the locked node."""
         arr = as_tokens(tokens, int64=False)
         pages = page_ids(device_pages)
-        whole = self._whole_pages(len(arr), len(pages))
+        if after is None:
+            start, base = None, 0
+        elif isinstance(after, LockHandle):
+            start, base = self._held(after, "insert(after=)"), after.prefix_len
+        else:
+            raise UsageError(f"insert(after=) takes the LockHandle lock() returned, got "
+                             f"{type(after).__name__}")
+        whole = self._whole_pages(base + len(arr), len(pages))
         self._clock += 1
         self.stats.inserts += 1
-        path = self.tree.walk(arr)
+        path = self.tree.walk(arr, start)
         plan = self._check_insert(path, pages)
-        return self._adopt(arr, pages, whole, path, plan)
+        if after is None or self._hosted:  # (backups may evict: the lock holds till then)
+            res = self._adopt(arr, base, pages, whole, path, plan)
+            if after is not None:
+                self._release(after)
+            return res
+        return self._adopt(arr, base, pages, whole, path, plan, after)
 
     def _whole_pages(self, n_tokens: int, n_pages: int) -> int:
         pt = self.page_tokens
@@ -312,7 +390,8 @@ class CacheController:
         return whole
 
     def _check_insert(self, path: list[Node], pages: np.ndarray) -> "_InsertPlan":
-        """Validate an insert along its walked ``path``; changes nothing. At each position the
+        """Validate an insert along its walked ``path``; a refusal changes nothing, and once
+        accepted the request pages it takes stop being request pages. At each position the
         caller's page is the cached node's own page there, or a request page the insert takes:
         one duplicating a cached page (freed), one for a host-only node the caller recomputed
         (adopted), a new page or the tail's. No request page may repeat."""
@@ -329,7 +408,7 @@ class CacheController:
             dup = part[part != np.frombuffer(held, INT64)]
             taken = join_ids([dup, pages[cached:]])  # in position order
             key = taken.tobytes()
-        self._check_request_pages(taken, "insert", key)
+        self._take_request_pages(taken, "insert", key)
         return _InsertPlan(cached, dup, [], taken)
 
     def _check_insert_nodes(self, path: list[Node], pages: np.ndarray,
@@ -350,27 +429,53 @@ class CacheController:
         if len(pages) > cached:
             taken.append(pages[cached:])
         idx = _concat(taken) if taken else _NO_IDS
-        self._check_request_pages(idx, "insert")
+        self._take_request_pages(idx, "insert")
         return _InsertPlan(cached, _concat(dups) if dups else _NO_IDS, adopt, idx)
 
-    def _adopt(self, arr: np.ndarray, pages: np.ndarray, whole: int, path: list[Node],
-               plan: "_InsertPlan") -> InsertResult:
-        """Apply a checked insert: host-only nodes on the path take the caller's pages, a new
-        leaf takes the pages past the cached ones, duplicates and the tail's page are freed."""
-        self._request_page[plan.taken] = False  # every request page is now placed or freed
+    def _adopt(self, arr: np.ndarray, base: int, pages: np.ndarray, whole: int,
+               path: list[Node], plan: "_InsertPlan",
+               held: LockHandle | None = None) -> InsertResult:
+        """Apply a checked insert (of ``base`` tokens, then ``arr``): host-only nodes on the
+        path take the caller's pages, a new leaf takes the pages past the cached ones,
+        duplicates and the tail's page are freed. ``held``: a lock on a node of ``path``,
+        released in the same pass (only where nothing after it depends on the lock: with no
+        host tier, no backup can evict host copies)."""
         for node, a, b in plan.adopt:
             self._attach_device(node, pages[a:b].copy())
         new_pages = whole - plan.cached
         if new_pages:
             pt = self.page_tokens
             leaf = self.tree.add_child(path[-1] if path else self.tree.root,
-                                       arr[plan.cached * pt:whole * pt])
+                                       arr[plan.cached * pt - base:whole * pt - base])
             self._attach_device(leaf, pages[plan.cached:whole].copy())
             path.append(leaf)
-        for node in path:
-            node.hits += 1
-        self._touch(reversed(path), self._clock)  # counted first: LFU files a node by its count
-        if self.host.num_pages:
+        clock, dtouch, htouch = self._clock, self._dev.touch, self._hst.touch
+        k = 0  # path[:k]: the nodes ``held`` locks
+        if held is not None:
+            held.released = True
+            if held.node.parent is not None:
+                k = path.index(held.node) + 1
+        for node in reversed(path[k:]):  # used now, leaf first (as in match), each counted
+            node.hits += 1                # before it is touched: LFU files a node by its count
+            node.last_access = clock
+            if node.device is not None:
+                dtouch(node)
+            if node.host is not None:
+                htouch(node)
+        if k:  # the same, and each unlocked (see ``unlock``)
+            last = 0
+            for node in reversed(path[:k]):
+                node.hits += 1
+                node.last_access = clock
+                if node.device is not None:
+                    dtouch(node)
+                if node.host is not None:
+                    htouch(node)
+                node.lock_ref -= 1
+                if not node.lock_ref and node.device is not None:
+                    last += node.npages
+            self._locked_dev_pages -= last
+        if self._hosted:
             for node in path:
                 self._maybe_backup(node)
         freed = plan.dup
@@ -416,6 +521,8 @@ class CacheController:
         """Give the match's host-only pages device pages and emit the H2D op; None when there is
         nothing to load, the hit is under ``load_back_threshold`` tokens or L1 has no room (the
         caller then recomputes those tokens). The match must be locked."""
+        if not m.host_nodes:  # (the common case: nothing only on the host)
+            return None
         nodes = [n for n in m.host_nodes if n.alive and n.device is None and n.host_valid]
         if not nodes:
             return None
@@ -641,7 +748,7 @@ class CacheController:
         head = [("clock", self._clock, "next_op", self._next_op, "inflight",
                  tuple(self.inflight_ops()), "device_used", self.device.num_used,
                  "host_used", self.host.num_used,
-                 "req_pages", tuple(np.flatnonzero(self._request_page).tolist()))]
+                 "req_pages", tuple(np.flatnonzero(self._request_map()).tolist()))]
         return head + self.tree.digest()
 
     def iter_nodes(self):
@@ -650,7 +757,7 @@ class CacheController:
     @property
     def request_pages(self) -> frozenset[int]:
         """Device pages handed out by alloc_device and not yet inserted or freed."""
-        return frozenset(np.flatnonzero(self._request_page).tolist())
+        return frozenset(np.flatnonzero(self._request_map()).tolist())
 
     def cached_pages(self) -> tuple[int, int]:
         """(device pages held by the tree, valid host copies held by the tree); O(1)."""
@@ -664,9 +771,12 @@ class CacheController:
     def check(self) -> None:
         """Raise InvariantError if the bookkeeping is inconsistent (tests, debug)."""
         dev_seen: set[int] = set(np.flatnonzero(self._request_page).tolist())
-        for g in self._grants:
-            if not set(np.frombuffer(g, np.int64).tolist()) <= dev_seen:
-                raise InvariantError("a grant holds pages that are not request pages")
+        for g in self._grants:  # disjoint from each other and from the map
+            gp = np.frombuffer(g, np.int64).tolist()
+            if not len(gp) or not dev_seen.isdisjoint(gp) or len(set(gp)) != len(gp):
+                raise InvariantError("a grant holds pages another grant or the request-page "
+                                     "map holds")
+            dev_seen.update(gp)
         host_seen: set[int] = set()
         dev_nodes, host_nodes = set(), set()
         evicting = dev_pages = locked = host_valid = 0

@@ -18,8 +18,8 @@ import numpy as np
 
 from hicache.checks import check_int
 from hicache.errors import UsageError
-from hicache.ids import INT64, as_tokens, join_ids  # noqa: F401  (as_tokens: the one token
-                                                     # coercion; re-exported)
+from hicache.ids import INT64, as_tokens  # noqa: F401  (as_tokens: the one token coercion;
+                                          # re-exported)
 
 
 class Node:
@@ -88,28 +88,46 @@ class RadixTree:
         self._next_id += 1
         return nid
 
-    def walk(self, arr: np.ndarray) -> list[Node]:
+    def walk(self, arr: np.ndarray, start: "Node | None" = None) -> list[Node]:
         """Nodes covering the longest cached whole-page prefix of ``arr`` (ints), root excluded.
 
-        A node only partly covered is split, so the path ends exactly on the matched prefix.
-        Per node: one dict lookup on the page's bytes and one memcmp of the node's tokens. The
-        query is compared as bytes, made lazily (a prefix at least twice what was compared, at
-        least ``_FIRST_BYTES``: a miss does not convert a long prompt), except a long native
-        int64 query, which is compared in place (a memoryview: no copy of the prompt)."""
-        total = len(arr) // self.page_tokens * self.page_tokens * 8  # bytes of the whole pages
-        if arr.dtype is INT64 and total > _FIRST_BYTES and arr.flags.c_contiguous:
-            return self._walk_view(memoryview(arr).cast("B"), total)
-        return self._walk_bytes(arr, total)
+        With ``start`` (a node in the tree), ``arr`` is what follows ``start``'s prefix: the
+        path is ``start``'s ancestors and itself (read off parent pointers, nothing compared),
+        then the nodes below it covering the longest cached whole-page prefix of ``arr``.
 
-    def _walk_bytes(self, arr: np.ndarray, total: int) -> list[Node]:
-        """``walk`` on the query's bytes: the first ``hi`` of ``total``, more when a compare
-        reaches past them (the hot loop is a dict lookup and a memcmp per node)."""
-        w = self.page_tokens * 8
-        if arr.dtype is INT64 and total <= _FIRST_BYTES:  # (a partial tail's bytes follow:
-            q, hi = arr.tobytes(), total                  # no compare reaches them)
+        A node only partly covered is split, so the path ends exactly on the matched prefix.
+        Per node: one dict lookup on the page's bytes and one memcmp of the node's tokens. A
+        native int64 query (one contiguous buffer: what HiCache hands the controller) is
+        compared in place (a memoryview: no copy of the prompt); any other is compared as
+        int64 bytes, made lazily (a prefix at least twice what was compared, at least
+        ``_FIRST_BYTES``: a miss does not convert a long prompt)."""
+        path: list[Node] = []
+        if start is None or start is self.root:
+            start = self.root
         else:
-            hi, q = _query_bytes(arr, _FIRST_BYTES, total)
-        a, path, children = 0, [], self.root.children  # a: bytes matched
+            n = start
+            while n.parent is not None:
+                path.append(n)
+                n = n.parent
+            path.reverse()
+        children = start.children
+        if not children:  # (e.g. an insert below the leaf its request matched)
+            return path
+        total = len(arr) // self.page_tokens * self.page_tokens * 8  # bytes of the whole pages
+        if arr.dtype is INT64 and arr.flags.c_contiguous:
+            return self._walk_view(memoryview(arr).cast("B"), total, children, path)
+        return self._walk_bytes(arr, total, children, path)
+
+    def _walk_bytes(self, arr: np.ndarray, total: int, children: "dict[bytes, Node]",
+                    path: list[Node]) -> list[Node]:
+        """``walk`` on the query's bytes below the node whose ``children`` are given, appending
+        to ``path``: the first ``hi`` of ``total`` bytes, more when a compare reaches past them
+        (the hot loop is a dict lookup and a memcmp per node)."""
+        w = self.page_tokens * 8
+        if not total or not children:
+            return path
+        hi, q = _query_bytes(arr, _FIRST_BYTES, total)
+        a = 0  # bytes matched
         while a < total and children:
             child = children.get(q[a:a + w])
             if child is None:
@@ -131,10 +149,11 @@ class RadixTree:
             break
         return path
 
-    def _walk_view(self, q: memoryview, total: int) -> list[Node]:
-        """``walk`` on a long native int64 query in place (``q``: its bytes, not copied)."""
+    def _walk_view(self, q: memoryview, total: int, children: "dict[bytes, Node]",
+                   path: list[Node]) -> list[Node]:
+        """``walk`` on a native int64 query in place (``q``: its bytes, not copied)."""
         w = self.page_tokens * 8
-        a, path, children = 0, [], self.root.children
+        a = 0
         while a < total and children:
             child = children.get(q[a:a + w].tobytes())
             if child is None:
@@ -267,5 +286,6 @@ HOST_PAGES = operator.attrgetter("host")      # no Python frame per node)
 
 def chain_pages(nodes: Sequence[Node], tier: "operator.attrgetter") -> np.ndarray:
     """The nodes' page ids of one tier (``DEVICE_PAGES`` or ``HOST_PAGES``), end to end (a new
-    int64 array); TypeError if a node is not on that tier."""
-    return join_ids(list(map(tier, nodes)))
+    writable int64 array: one C join of their bytes, every node's array being contiguous);
+    TypeError if a node is not on that tier."""
+    return np.frombuffer(bytearray().join(map(tier, nodes)), INT64)

@@ -10,6 +10,7 @@ import numpy as np
 from hicache.ids import join_ids
 
 if TYPE_CHECKING:  # pragma: no cover
+    from hicache.controller.controller import LockHandle
     from hicache.controller.tree import Node
 
 
@@ -39,7 +40,8 @@ class Match:
     ``[device_len, device_len + host_len)`` only on the host (``host_pages``). ``wait_ops`` are in-flight loads that some matched
     device pages still depend on. Page ids are int64 arrays (the caller's copy), one per page;
     ``device_pages`` can go straight into ``insert`` (``np.concatenate`` or ``list() +`` with
-    ``alloc_device``'s pages)."""
+    ``alloc_device``'s pages). ``lock``: the match's lock, from ``match(tokens, lock=True)``
+    (else None)."""
     device_len: int
     host_len: int
     device_pages: np.ndarray  # int64 [device_len // page_tokens]
@@ -48,6 +50,7 @@ class Match:
     host_nodes: tuple["Node", ...]
     last_node: "Node"
     wait_ops: tuple[int, ...] = ()
+    lock: "LockHandle | None" = None
 
     @property
     def total_len(self) -> int:
