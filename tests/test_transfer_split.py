@@ -411,3 +411,59 @@ def test_a_failing_chunk_copied_by_the_waiter_fails_the_job(monkeypatch):
         assert eng.stats.jobs_d2h == 0
         monkeypatch.setattr(copy_cpu, "run_block_plan", real)
         eng.backup([0], [0]).wait(timeout=30)  # the engine still works
+
+
+def test_a_layer_waiter_leaving_with_chunks_left_calls_a_helper_back(monkeypatch):
+    """A helper that found every copy slot taken (the copy thread's and a ``wait_layer``
+    waiter's) goes back to its queue; the waiter, leaving with chunks left, calls one back so
+    its slot does not stay empty for the rest of the job."""
+    d, h = pools("page_first")
+    d.kv.normal_()
+    ref = d.kv.clone()
+    monkeypatch.setattr(copy_cpu, "LAYER_GROUP_BYTES", 1)
+    monkeypatch.setattr(copy_cpu, "CHUNK_BYTES", PAGES * P * D * 2 // 3)  # 3 pieces a layer
+    real = copy_cpu.run_page_runs
+    first, second, hold = (threading.Event() for _ in range(3))
+    mine, theirs = [], []
+
+    class SpyQueue:  # the helpers' queue, counting what is posted to it
+        def __init__(self, q):
+            self.q, self.posted = q, []
+
+        def put(self, work):
+            self.posted.append(work)
+            self.q.put(work)
+
+        def get(self):
+            return self.q.get()
+
+    with split_engine(d, h) as eng:
+        pages = list(range(PAGES))
+        eng.backup(pages, pages).wait(timeout=30)
+        d.kv.zero_()
+        b = eng.backend
+        for _ in b._helpers:  # every helper is busy until the end
+            b._help_q.put(lambda: hold.wait(30))
+        spy = b._help_q = SpyQueue(b._help_q)
+
+        def gated(*args):
+            if threading.current_thread() is threading.main_thread():
+                mine.append(1)
+            else:
+                theirs.append(1)
+                assert (first if len(theirs) == 1 else second).wait(30)
+            real(*args)
+            if len(mine) == 5:  # the waiter copied the rest of layers 0 and 1
+                first.set()
+        monkeypatch.setattr(copy_cpu, "run_page_runs", gated)
+        job = eng.load(pages, pages)
+        for _ in range(3000):
+            if theirs:
+                break
+            threading.Event().wait(0.01)
+        job.wait_layer(1, timeout=30)  # the copy thread is now held in its second chunk
+        assert len(mine) == 5 and len(spy.posted) == 2  # the job's call, then the waiter's
+        second.set()
+        hold.set()
+        job.wait(timeout=30)
+        assert job.status() == DONE and torch.equal(d.kv, ref)

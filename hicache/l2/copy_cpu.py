@@ -262,6 +262,12 @@ class CpuBackend(CopyBackend):
 
         def help_waiter(need: int) -> None:  # the chunks the first ``need`` layers need
             join(n if firsts is None else bisect.bisect_left(firsts, need))
+            # a helper turned away while this waiter held a copy slot does not come back by
+            # itself: hand the slot on while chunks are left
+            with cond:
+                left = not failed and taken[0] < n
+            if left and self._helpers:
+                self._help_q.put(join)
 
         job._help = help_waiter
         try:
