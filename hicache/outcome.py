@@ -52,7 +52,7 @@ def code_of(err: BaseException) -> int:
 def describe(code: int) -> str | None:
     """What the fault ``code`` of :func:`code_of` names ("a ValueError"), None if none."""
     if code == SKIP_FLUSH:
-        return "close(flush=False), called after an error"
+        return "close(flush=False)"
     i = code - EXIT_BASE
     if not 0 <= i < len(KINDS):
         return None
@@ -60,8 +60,13 @@ def describe(code: int) -> str | None:
 
 
 def _line(err: BaseException) -> str:
-    text = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-    line = text.splitlines()[0]
+    """``err``'s first line for the peers (its class alone if it cannot be printed: every
+    rank must reach the gather that follows)."""
+    try:
+        text = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    except Exception:
+        text = type(err).__name__
+    line = text.splitlines()[0] if text.strip() else type(err).__name__
     return line if len(line) <= 400 else line[:397] + "..."
 
 

@@ -214,9 +214,8 @@ class HiCache:
         """A 60-bit hash of what the replicated controller depends on (equal on every rank)."""
         c, p = self.config, self.config.policy
         key = (self.mode, self.page_tokens, c.l1.num_pages, self.ctrl.host.num_pages,
-               p.write, p.eviction,
-               p.selective_threshold, p.load_back_threshold, self.agreement.debug,
-               self.weights_signature if self.l3 is not None else "")
+               repr(p), self.agreement.debug,  # the whole [policy]: every key drives a
+               self.weights_signature if self.l3 is not None else "")  # replicated choice
         raw = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
         return int.from_bytes(raw, "little") >> 4
 

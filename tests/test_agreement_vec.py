@@ -82,3 +82,14 @@ def test_bad_fault_codes_and_vector_sizes_are_refused():
         fault_slot(0, minvec.FAULT_CODES)
     with pytest.raises(ValueError, match="capacity"):
         unpack([0] * 5, 1, 2)
+
+
+def test_a_peer_is_told_the_class_of_an_error_that_cannot_be_printed():
+    from hicache.outcome import _line
+
+    class Unprintable(ValueError):
+        def __str__(self):
+            raise RuntimeError("no")
+    assert _line(Unprintable()) == "Unprintable"
+    assert _line(ValueError("two\nlines")) == "ValueError: two"
+    assert _line(KeyError()) == "KeyError"

@@ -190,8 +190,9 @@ def test_cancel_waits_a_bounded_time_for_a_stuck_read(tmp_path):
     policy = PrefetchPolicy("timeout", timeout_s=0.5, timeout_per_1k_s=0.0)
     pf = Prefetcher(store, policy, chunk_pages=2)
     assert pf.stop_timeout_s == pytest.approx(2.0 + 0.5)  # one redis-bounded call + the policy's
-    with pytest.raises(L3Error, match="stop_timeout_s"):
-        Prefetcher(store, policy, stop_timeout_s=-1)
+    for bad in (-1, float("inf"), float("nan")):
+        with pytest.raises(L3Error, match="stop_timeout_s"):
+            Prefetcher(store, policy, stop_timeout_s=bad)
     pf = Prefetcher(store, policy, chunk_pages=2, stop_timeout_s=0.05)
     h = pf.start("stuck", keys, empty(4))
     assert h.stop_timeout_s == 0.05
@@ -211,7 +212,8 @@ def test_finishing_a_request_whose_read_is_stuck_does_not_hang(tmp_path):
     from helpers import make_cfg
     from hicache.service import HiCache
     from test_faults import leaks
-    cfg = make_cfg(tmp_path / "l3", prefetch="wait_complete", prefetch_wait_s=0.0)
+    cfg = make_cfg(tmp_path / "l3", l3={"timeout_s": 7.0}, prefetch="wait_complete",
+                   prefetch_wait_s=0.0)
     prompt = torch.arange(33).numpy() % 128
     with HiCache(cfg, mode="l1+l2+l3") as cache:  # write the prompt's pages to L3
         p = cache.admit("a", prompt)
@@ -224,6 +226,10 @@ def test_finishing_a_request_whose_read_is_stuck_does_not_hang(tmp_path):
     try:
         real_get = cache.l3.get
         cache.l3.get = lambda k, o: (gate.wait(30), real_get(k, o))[1]
+        # the bound follows the configured store call timeout ([l3] timeout_s)
+        assert cache.io.prefetcher.stop_timeout_s == pytest.approx(
+            cfg.l3.timeout_s + cfg.policy.prefetch_timeout_s
+            + cfg.policy.prefetch_timeout_per_1k_s * 8 * cache.page_tokens / 1000)
         cache.io.prefetcher.stop_timeout_s = 0.05
         p = cache.admit("b", prompt)
         assert not p.ready and cache._pending  # the read is in the store

@@ -98,6 +98,9 @@ def _construction(rank, base):
     # rank 1 built from another policy: both built, neither may run
     other = make_cfg(f"{base}/l3", dcp=2, l1_pages=16 + 4 * rank)
     out["settings"] = _build(rank, other, mode="l1+l2+l3")
+    # ... or with another prefetch threshold (a policy key every rank decides alike by)
+    other = make_cfg(f"{base}/l3", dcp=2, l1_pages=16, prefetch_min_tokens=4 + 4 * rank)
+    out["policy"] = _build(rank, other, mode="l1+l2+l3")
     return out
 
 
@@ -202,9 +205,10 @@ def test_a_bad_argument_on_one_rank_raises_on_every_rank_at_construction(runs):
 
 def test_ranks_built_from_different_settings_refuse_to_run_alike(runs):
     for r in runs:
-        s = r["construction"]["settings"]
-        assert s["res"][0] == "DivergenceError" and "settings differ" in s["res"][1]
-        _no_leak(s)
+        for case in ("settings", "policy"):
+            s = r["construction"][case]
+            assert s["res"][0] == "DivergenceError" and "settings differ" in s["res"][1]
+            _no_leak(s)
 
 
 def _exit_no_leak(e):

@@ -37,6 +37,8 @@ class GuardedStore:
         lmdb_backend = getattr(where, "backend", "lmdb") == "lmdb"
         self.where = getattr(where, "path", where) if lmdb_backend else getattr(where, "url", "")
         self.page_bytes = namespace.shard_bytes
+        # the bound on one store call (``[l3] timeout_s``): how long a cancelled read may take
+        self.timeout_s: float | None = getattr(where, "timeout_s", None)
         self.failure: str | None = None   # why L3 is off on this rank
         self.failures = 0                 # store errors seen (the first one disables L3)
         self._lock = threading.Lock()

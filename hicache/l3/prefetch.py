@@ -235,8 +235,8 @@ class Prefetcher:
                  stop_timeout_s: float | None = None) -> None:
         if chunk_pages < 1 or num_threads < 1:
             raise L3Error("chunk_pages and num_threads must be >= 1")
-        if stop_timeout_s is not None and not stop_timeout_s >= 0:
-            raise L3Error(f"stop_timeout_s must be >= 0, got {stop_timeout_s}")
+        if stop_timeout_s is not None and not 0 <= stop_timeout_s < float("inf"):
+            raise L3Error(f"stop_timeout_s must be finite and >= 0, got {stop_timeout_s}")
         self.store = store
         self.policy = policy or PrefetchPolicy()
         self.chunk_pages = chunk_pages
