@@ -9,7 +9,9 @@ over (``layer_view``), and two writes (``plan_write(slots)`` makes the second fr
   CPU tensor, any order); the rank keeps the rows it owns. Validated on the host.
 - ``write(layer, RowWrite, rows)``: the engine's hot path. A ``RowWrite`` says which input rows
   this rank keeps (``src``) and at which pool rows (``dst``), both index tensors on the port's
-  device, built once per step (``RowWrite.for_positions``) and reused for every layer. The copy
+  device, built once per step (the runner computes them on the host and uploads the batch's in
+  one copy; ``RowWrite.for_positions`` is the same by device arithmetic) and reused for every
+  layer; its ``pages`` are read-only, so a check of them holds for every layer. The copy
   is one ``index_select`` + ``index_copy_``: no boolean mask, no ``.item()``, no data-dependent
   shape, so the GPU is never synchronised by a KV write.
 

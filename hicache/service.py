@@ -341,7 +341,8 @@ class HiCache:
 
     def _check_writable(self, pages: np.ndarray) -> None:
         self._check_usable("write_kv")
-        if pages is self._writable and self._released == self._writable_at:
+        at = self._released  # read before the check: a release during it ends the memo
+        if pages is self._writable and at == self._writable_at:
             return  # the same write's next layer, and no page was released since
         bad = pages[~self._owned[pages]]
         if bad.size:
@@ -349,7 +350,7 @@ class HiCache:
                              "request owns (a cached page or a free one): only pages "
                              "from alloc() take new KV")
         if checked_once(pages):
-            self._writable, self._writable_at = pages, self._released
+            self._writable, self._writable_at = pages, at
 
     def write_kv(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> int:
         """Keep this rank's owned rows of ``rows`` ([n, kv_dim]) at virtual ``slots``. Every
