@@ -37,12 +37,18 @@ Exact signatures (for the ``--pcp N`` wiring of ``hicache decode``):
         dist.new_group(range(N))`` on every rank, a KV port on ranks < C (``layout`` elsewhere),
         and give the DCP runner ``group=dist.new_group(range(C))`` when C < max(N, C).
 
-Failures are agreed: before its first data collective, each of these calls takes one small
-fixed-size all-reduce (``hicache.outcome.checkpoint``) carrying this rank's bad input as a fault
-code and the values every rank must share (prompt length and tokens, mode, slots, row width, DCP
-layout) as min/max pairs; a rank whose input is bad raises its error, the others ``PeerError``
-naming it, and ranks whose prompts or layouts differ all raise ``DivergenceError``, at the same
-point, instead of a rank waiting in a collective the others never join.
+Failures are agreed: before its first data collective, ``pcp_prefill`` and
+``write_pcp_kv_to_pool`` each take one small fixed-size all-reduce (``hicache.outcome.checkpoint``)
+and ``pcp_prefill_request`` two (its own before the prefill, the write's before the exchange).
+Each carries this rank's bad input as a fault code (a bad mode, an empty prompt, a token id
+outside the vocabulary anywhere in the prompt, rows that do not fit, a page the pool refuses) and
+the values every rank must share as min/max pairs: prompt length, mode and a digest of the tokens
+(the prefills); slot count, row width, DCP size, page tokens, interleave and a digest of the
+slots (the write; the request's own check has the same layout and slots digest). A rank whose
+input is bad raises its error, the others ``PeerError`` naming it, and ranks whose prompts, page
+tables or layouts differ all raise ``DivergenceError``, at the same point, instead of a rank
+waiting in a collective the others never join. (With one rank nothing is communicated and the
+slots are not hashed.)
 """
 
 from __future__ import annotations
@@ -79,13 +85,18 @@ def _group_info(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _prompt(tokens, mode: str) -> torch.Tensor:
-    """The prompt as int64 [n] on the CPU; raises UsageError for what cannot be prefilled."""
+def _prompt(tokens, mode: str, vocab_size: int) -> torch.Tensor:
+    """The prompt as int64 [n] on the CPU; raises UsageError for what cannot be prefilled. The
+    whole prompt's ids are range-checked here: each rank embeds only its own positions, so a
+    bad id found there would stop one rank while the others wait in the ring."""
     if mode not in MODES:
         raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
     tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1).cpu()
     if tokens.numel() == 0:
         raise UsageError("cannot prefill an empty prompt")
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= vocab_size:
+        raise UsageError(f"token ids must be in [0, {vocab_size}); got range [{lo}, {hi}]")
     return tokens
 
 
@@ -93,34 +104,64 @@ def _pairs(*values: int) -> list[int]:
     return [v for x in values for v in (x, -x)]
 
 
-def _digest(tokens: torch.Tensor) -> int:
-    """A 60-bit hash of the prompt's tokens (int64 [n], CPU)."""
-    raw = hashlib.blake2b(tokens.numpy().tobytes(), digest_size=8).digest()
+def _spread(h: Sequence[int], i: int) -> tuple[int, int]:
+    """(min, max) over ranks of value ``i`` of a ``_pairs`` header reduced by MIN."""
+    return h[2 * i], -h[2 * i + 1]
+
+
+def _digest(values: torch.Tensor) -> int:
+    """A 60-bit hash of int64 [n] CPU values (a prompt's tokens, a request's slots)."""
+    raw = hashlib.blake2b(values.numpy().tobytes(), digest_size=8).digest()
     return int.from_bytes(raw, "little") >> 4
 
 
+NO_ROUTE = (0, 0, 0, 0)
+
+
+def _route(layout: DCPLayout, slots: torch.Tensor, world: int) -> tuple[int, int, int, int]:
+    """What every rank must route rows by: DCP size, page tokens, interleave and a digest of
+    the slots (0 alone: with one rank nothing is compared, so nothing is hashed)."""
+    return (layout.dcp_size, layout.page_tokens, layout.interleave,
+            _digest(slots) if world > 1 else 0)
+
+
+def _check_route(where: str, h: Sequence[int], first: int, mine: tuple[int, ...]) -> None:
+    """DivergenceError unless the ranks' ``_route`` values (from value ``first`` of ``h``) agree."""
+    spreads = [_spread(h, first + i) for i in range(4)]
+    if any(lo != hi for lo, hi in spreads[:3]):
+        size, tokens, inter = (f"{lo}" if lo == hi else f"{lo} to {hi}" for lo, hi in spreads[:3])
+        raise DivergenceError(
+            f"{where}: the ranks' DCP layouts differ (DCP size {size}, {tokens} tokens a page, "
+            f"interleave {inter}; this rank {mine[0]}, {mine[1]}, {mine[2]}); every rank must "
+            "route by the same layout")
+    lo, hi = spreads[3]
+    if lo != hi:
+        raise DivergenceError(f"{where}: the ranks' page tables differ (same prompt, other "
+                              "slots); every rank must write through the same page table")
+
+
 def _agree_prompt(where: str, error: BaseException | None, tokens, mode: str, group,
-                  extra: tuple[int, ...] = ()) -> None:
+                  route: tuple[int, ...] = ()) -> None:
     """Every rank of ``group``: one fixed-size check before the first data collective. Raises on
     every rank when one failed (``error``) or when the ranks' prompts (length, tokens), modes
-    or ``extra`` values differ."""
+    or ``route`` values (``_route``; the same count on every rank) differ."""
     n = int(tokens.numel()) if error is None else 0
-    vals = (n, MODES.index(mode), _digest(tokens), *extra) if error is None \
-        else (0,) * (3 + len(extra))
+    vals = (n, MODES.index(mode), _digest(tokens), *route) if error is None \
+        else (0,) * (3 + len(route))
     h = outcome.checkpoint(where, error, group, header=_pairs(*vals), detail=True)
-    lo, hi = h[0], -h[1]
+    lo, hi = _spread(h, 0)
     if lo != hi:
         raise DivergenceError(f"{where}: the ranks' prompts have {lo} to {hi} tokens (this rank "
                               f"{n}); every rank must prefill the same prompt")
-    if h[2] != -h[3]:
-        raise DivergenceError(f"{where}: the ranks use different modes (this rank {mode!r})")
+    lo, hi = _spread(h, 1)
+    if lo != hi:
+        raise DivergenceError(f"{where}: the ranks use different modes ({MODES[lo]!r}, "
+                              f"{MODES[hi]!r}; this rank {mode!r})")
     if h[4] != -h[5]:
         raise DivergenceError(f"{where}: the ranks' prompts have the same length ({n}) but "
                               "different tokens; every rank must prefill the same prompt")
-    for i in range(len(extra)):
-        if h[6 + 2 * i] != -h[7 + 2 * i]:
-            raise DivergenceError(f"{where}: the ranks' DCP layouts differ (dcp size, page "
-                                  "tokens); every rank must route by the same layout")
+    if route:
+        _check_route(where, h, 3, route)
 
 
 @torch.no_grad()
@@ -130,7 +171,7 @@ def pcp_prefill(model, tokens, mode: str = "ring", group=None) -> PCPPrefillResu
     with different prompts raise on every rank before any data moves."""
     error = None
     try:
-        prompt = _prompt(tokens, mode)
+        prompt = _prompt(tokens, mode, model.cfg.vocab_size)
     except Exception as e:  # agreed, then raised here
         error, prompt = e, torch.empty(0, dtype=torch.int64)
     _agree_prompt("PCP prefill", error, prompt, mode, group)
@@ -184,21 +225,29 @@ def write_pcp_kv_to_pool(rows_by_layer: Sequence[torch.Tensor], positions: torch
                          layout: Optional[DCPLayout] = None) -> int:
     """Route each prefill row to the DCP rank owning its slot and store it (see module doc)."""
     rank, world = _group_info(group)
-    error, vals = None, (0,) * 4
+    error, vals = None, (0, 0) + NO_ROUTE
     try:  # this rank's checks and packing; agreed before any data moves
         layout = _routing_layout(kv, layout, rank, world)
         positions, slots = _check_rows(rows_by_layer, positions, slots, kv)
+        if kv is not None:  # a refusal at the store would stop this rank alone
+            kv.check_pages(np.unique(slots.numpy() // layout.page_tokens))
         my_slots = slots[positions]
         packed, counts = _pack_by_owner(rows_by_layer, my_slots, layout.owner(my_slots), world)
-        vals = (slots.numel(), packed.shape[1], layout.dcp_size, layout.page_tokens)
+        vals = (slots.numel(), packed.shape[1]) + _route(layout, slots, world)
     except Exception as e:
         error = e
-    h = outcome.checkpoint("PCP KV write", error, group, header=_pairs(*vals), detail=True)
-    if any(h[i] != -h[i + 1] for i in range(0, len(h), 2)):
-        raise DivergenceError(
-            f"PCP KV write: the ranks differ in slots, row width or DCP layout (this rank: "
-            f"{vals[0]} slots, {vals[1]}-byte rows, DCP {vals[2]}, {vals[3]} tokens a page; "
-            f"min/max over ranks: {[(h[i], -h[i + 1]) for i in range(0, len(h), 2)]})")
+    where = "PCP KV write"
+    h = outcome.checkpoint(where, error, group, header=_pairs(*vals), detail=True)
+    lo, hi = _spread(h, 0)
+    if lo != hi:
+        raise DivergenceError(f"{where}: the ranks pass {lo} to {hi} slots (this rank "
+                              f"{vals[0]}); every rank must pass the slots of the whole prompt")
+    lo, hi = _spread(h, 1)
+    if lo != hi:
+        raise DivergenceError(f"{where}: the ranks' packed rows are {lo} to {hi} bytes (slot and "
+                              f"every layer; this rank {vals[1]}); every rank must write rows of "
+                              "the same model")
+    _check_route(where, h, 2, vals[2:])
     got = _exchange(packed, counts, rank, world, group)  # [m, 8 + L * D * elt]
     if kv is None:
         if got.shape[0]:
@@ -315,23 +364,24 @@ def pcp_prefill_request(model, kv, state, prompt, mode: str = "ring", group=None
     ``len(prompt)`` tokens, ``length == 0``); on return ``state.length == len(prompt)``. Returns
     the logits [V] of the last prompt token, the same on every rank of ``group``.
     """
-    error, tokens, dcp = None, torch.empty(0, dtype=torch.int64), (0, 0)
+    error, tokens, route = None, torch.empty(0, dtype=torch.int64), NO_ROUTE
     try:  # this rank's checks, agreed by every rank of ``group`` before any collective
         if state.length != 0:
             raise UsageError(f"PCP prefill needs a fresh request, this one holds "
                              f"{state.length} positions")
-        layout = _routing_layout(kv, layout, *_group_info(group))
-        tokens = _prompt(prompt, mode)
+        rank, world = _group_info(group)
+        layout = _routing_layout(kv, layout, rank, world)
+        tokens = _prompt(prompt, mode, model.cfg.vocab_size)
         length = int(tokens.numel())
         if kv is not None:  # (ranks receive different rows: a refusal at the write would
             # stop some ranks and not others)
             kv.check_pages(np.asarray(state.page_table[:-(-length // layout.page_tokens)],
                                       dtype=np.int64))
         slots = slots_for_pages(state.page_table, length, layout.page_tokens)
-        dcp = (layout.dcp_size, layout.page_tokens)
+        route = _route(layout, slots, world)
     except Exception as e:
         error = e
-    _agree_prompt("PCP prefill", error, tokens, mode, group, extra=dcp)
+    _agree_prompt("PCP prefill", error, tokens, mode, group, route=route)
     cfg = model.cfg
     member = _member(pcp_group)
     if member:  # the PCP group is within ``group``: its ranks agreed above
