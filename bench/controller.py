@@ -415,8 +415,7 @@ def replay_controller(arrays, page, device_pages, host_pages, inflight, write="w
 def _finish(ctrl, agree, item):
     toks, h, pages = item
     if pages is not None:
-        ctrl.insert(toks[h.prefix_len:], pages, after=h)  # the tokens past its locked prefix
-                                                         # (and it releases the lock)
+        ctrl.insert(toks, pages, after=h)  # walks on from its locked prefix, releases it
     else:
         ctrl.unlock(h)
     ctrl.take_ops()  # a transfer engine would run these; here they finish at once

@@ -425,13 +425,9 @@ class HiCache:
                 self._ctl(self.ctrl.free_device, req.own_pages)
             return
         if self.tiers:
-            end, pre = whole * self.page_tokens, req.lock.prefix_len
-            if end >= pre:  # the tokens past the locked prefix; the insert releases the lock
-                res = self._ctl(functools.partial(self.ctrl.insert, after=req.lock), arr[pre:end],
-                                table[:whole])
-            else:
-                res = self._ctl(self.ctrl.insert, arr[:end], table[:whole])
-                self._ctl(self.ctrl.unlock, req.lock)
+            end = whole * self.page_tokens  # the insert releases the lock (walks on from it)
+            res = self._ctl(functools.partial(self.ctrl.insert, after=req.lock), arr[:end],
+                            table[:whole])
             self.io.map_chains(res.device_pages.tolist(), arr[:end])
             own = set(req.own_pages)
             tail = [p for p in table[whole:] if p in own]

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.controller import CacheController
-from hicache.errors import DeviceFullError, UsageError
+from hicache.errors import DeviceFullError, InvariantError, UsageError
 from hicache.ids import join_ids
 from hicache.ids import page_ids as id_array
 from hicache.pages import PageAllocator
@@ -219,16 +219,18 @@ def _outcome(fn):
 
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=6),
-                          st.integers(0, 5)), min_size=1, max_size=30),
+                          st.integers(0, 9)), min_size=1, max_size=30),
        st.integers(1, 4), st.sampled_from([(40, 0, 0), (9, 0, 0), (9, 12, 0), (9, 12, 10 ** 6)]))
 def test_fast_paths_give_what_the_general_check_gives(reqs, inflight, caps):
     """Requests sharing prefixes run concurrently (so inserts meet pages another request
     cached meanwhile: duplicates), with host-tier load-backs (host-only nodes adopted) and
-    pages handed back whole, cut, reordered, repeated or foreign. The controller with its fast
-    paths returns, refuses and caches exactly what the general node-by-node check does, and
-    a match that locks (``lock=True``) and an insert of the tokens past the request's locked
-    prefix (``after=``, which releases the lock) exactly what a match, a lock, an insert of
-    them all and an unlock do."""
+    pages handed back whole, cut, reordered, repeated or foreign, and tokens cut inside the
+    locked prefix (an abort), with a partial tail, or cut to the suffix past the locked prefix
+    (a misuse of ``after=``). The controller with its fast paths returns, refuses and caches
+    exactly what the general node-by-node check does, and a match that locks (``lock=True``)
+    and an insert after the request's lock (``after=``, the same tokens and pages; it
+    releases the lock) exactly what a match, a lock, an insert and an unlock do, except that
+    tokens which differ from the locked prefix are refused (nothing changed, the lock kept)."""
     dev, host, threshold = caps  # a threshold past every hit: host hits are recomputed
     fast = CacheController(PT, dev, host, load_back_threshold=threshold)
     slow = _general_only(CacheController(PT, dev, host, load_back_threshold=threshold))
@@ -249,12 +251,28 @@ def test_fast_paths_give_what_the_general_check_gives(reqs, inflight, caps):
                 # the last page of the grant given back, and its page's tokens not inserted
                 fast.free_device(pages[-1:]), slow.free_device(pages[-1:])
                 pages, toks = pages[:-1], toks[:(len(pages) - 1) * PT]
-            if len(toks) >= hf.prefix_len:             # only the tokens past the locked prefix
-                got = _outcome(lambda: fast.insert(toks[hf.prefix_len:], pages, after=hf))
-                released = got[0] != "error"
+            elif mode == 5 and hf.prefix_len:           # finished inside its locked prefix
+                k = hf.prefix_len // PT // 2
+                mine = fast.request_pages
+                rest = [p for p in pages[k:].tolist() if p in mine]
+                fast.free_device(rest), slow.free_device(rest)
+                pages, toks = pages[:k], toks[:k * PT + 1]
+            elif mode == 6:                             # a partial tail, its page kept
+                toks = np.concatenate([toks, np.full(PT - 1, 99, np.int64)])
+            elif mode == 7:  # misuse: the suffix past the prefix, with a partial tail
+                toks = np.concatenate([toks, np.full(PT - 1, 99, np.int64)])[hf.prefix_len:]
+            elif mode == 8:  # misuse: the suffix past the prefix, as many pages as it has
+                k = len(toks[hf.prefix_len:]) // PT
+                mine = fast.request_pages
+                rest = [p for p in pages[k:].tolist() if p in mine]
+                fast.free_device(rest), slow.free_device(rest)
+                pages, toks = pages[:k], toks[hf.prefix_len:]
+            got = _outcome(lambda: fast.insert(toks, pages, after=hf))
+            released = got[0] != "error"
+            if got[0] == "error" and "locked prefix" in got[1]:  # only after= can tell
+                assert mode in (7, 8), got
             else:
-                got = _outcome(lambda: fast.insert(toks, pages))
-            assert got == _outcome(lambda: slow.insert(toks, pages))
+                assert got == _outcome(lambda: slow.insert(toks, pages))
             assert hf.released == released            # a refused insert keeps the lock
             if got[0] == "error":                      # give the request pages back
                 mine = [p for p in set(pages.tolist()) if p in fast.request_pages]
@@ -295,20 +313,20 @@ def test_fast_paths_give_what_the_general_check_gives(reqs, inflight, caps):
     assert fast.digest() == slow.digest() and fast.request_pages == slow.request_pages
 
 
-def test_insert_after_a_lock_takes_the_tokens_past_its_prefix():
+def test_insert_after_a_lock_takes_the_full_tokens_and_pages():
     c = CacheController(PT, 32, 0)
     base = fresh_tokens(0, 3)
     c.insert(base, c.alloc_device(3))
     toks = np.concatenate([base, fresh_tokens(1, 2)])
-    m = c.match(toks)
-    h = c.lock(m)
+    m = c.match(toks, lock=True)
+    h = m.lock
     assert h.prefix_len == m.total_len == 3 * PT
     pages = np.concatenate([m.device_pages, c.alloc_device(2, as_array=True)])
-    with pytest.raises(UsageError, match="5 whole pages"):   # the prefix's pages count too
-        c.insert(toks[h.prefix_len:], pages[:3], after=h)
-    assert not h.released and c.evictable_pages() == 0      # refused: still locked
-    r = c.insert(toks[h.prefix_len:], pages, after=h)
-    assert h.released and c.evictable_pages() == 5          # inserted, and released
+    with pytest.raises(UsageError, match=r"insert of 20 tokens \(5 whole pages of 4\) got 3 "):
+        c.insert(toks, pages[:3], after=h)               # counts only what was passed
+    assert not h.released and c.evictable_pages() == 0  # refused: still locked
+    r = c.insert(toks, pages, after=h)
+    assert h.released and c.evictable_pages() == 5      # inserted, and released
     assert r.new_pages == 2 and r.device_pages.tolist() == pages.tolist()
     assert c.match(toks).device_len == 5 * PT
     spare = c.alloc_device(1)
@@ -316,12 +334,65 @@ def test_insert_after_a_lock_takes_the_tokens_past_its_prefix():
         c.insert(fresh_tokens(2, 1), spare, after=h)
     with pytest.raises(UsageError, match="LockHandle"):
         c.insert(fresh_tokens(2, 1), spare, after=m.last_node)
-    other = fresh_tokens(3, 2)                              # nothing cached: the root's lock
+    other = fresh_tokens(3, 2)                          # nothing cached: the root's lock
     h2 = c.lock(c.match(other))
     assert h2.prefix_len == 0
     assert c.insert(other, spare + c.alloc_device(1), after=h2).new_pages == 2
     assert c.match(other).device_len == 2 * PT and c.evictable_pages() == 7
+    # a request that ends inside its locked prefix (an abort, a finish before its pages):
+    # walked from the root, as insert then unlock would, and the lock released all the same
+    h3 = c.match(toks, lock=True).lock
+    assert c.evictable_pages() == 2
+    r = c.insert(toks[:2 * PT + 1], r.device_pages[:2], after=h3)
+    assert h3.released and r.new_pages == 0 and not len(r.freed)
+    assert c.evictable_pages() == 7
     c.check()
+
+
+def test_insert_after_refuses_tokens_other_than_the_locked_prefix():
+    """The misuse the old ``insert(tokens[h.prefix_len:], pages, after=h)`` invited: with the
+    full tokens the contract, a suffix (or any tokens that differ from the locked prefix) is
+    refused with an error naming the first token that differs; nothing changes and the lock
+    is kept. Before, a one-page locked prefix with the tail's page passed cached the tokens
+    shifted by a page and a partly written tail page as a whole page."""
+    c = CacheController(PT, 16, 0)
+    c.insert(np.arange(PT), c.alloc_device(1))          # one cached page
+    toks = np.arange(11)                                # 2 whole pages and a partial tail
+    m = c.match(toks, lock=True)
+    h = m.lock
+    assert h.prefix_len == PT
+    pages = np.concatenate([m.device_pages, c.alloc_device(2, as_array=True)])  # + new + tail
+    before = c.digest()
+    with pytest.raises(UsageError, match=r"token 0 is 4 but the locked prefix \(4 tokens"):
+        c.insert(toks[h.prefix_len:], pages[:2], after=h)   # the suffix, its whole pages
+    with pytest.raises(UsageError, match=r"insert of 7 tokens \(1 whole pages of 4\) got 3"):
+        c.insert(toks[h.prefix_len:], pages, after=h)       # the suffix, the tail's page too
+    other = toks.copy()
+    other[2] = 77                                       # another prompt's tokens
+    with pytest.raises(UsageError, match="token 2 is 77 but the locked prefix"):
+        c.insert(other, pages, after=h)
+    assert c.digest() == before and not h.released
+    r = c.insert(toks, pages, after=h)                  # the contract: the full tokens
+    assert h.released and r.new_pages == 1 and r.freed.tolist() == [int(pages[2])]
+    got = c.match(np.arange(12))
+    assert got.device_len == 2 * PT                     # [0..7]: the tail page not cached
+    assert c.tree.path_tokens(got.last_node).tolist() == list(range(8))
+    c.check()
+
+
+def test_check_compares_the_host_pool_by_ids():
+    """``check`` finds a host page the pool holds as allocated but no node owns, even when
+    the counts agree (the allocator keeps no used map to compare with)."""
+    c = CacheController(PT, 8, 8)
+    c.insert(fresh_tokens(0, 2), c.alloc_device(2))
+    c.complete(c.inflight_ops())
+    c.check()
+    node = next(n for n in c.iter_nodes() if n.host is not None)
+    node.host = node.host.copy()
+    free = np.setdiff1d(np.arange(8), c.host.used_ids())
+    node.host[0] = free[0]                              # a page the pool never handed out
+    with pytest.raises(InvariantError, match="host pool's allocated pages"):
+        c.check()
 
 
 @settings(max_examples=60, deadline=None)

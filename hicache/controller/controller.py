@@ -8,8 +8,9 @@ tree state only when ``complete`` is called with ids that every rank agreed are 
     m = ctrl.match(tokens, lock=True); h = m.lock; load = ctrl.load_back(m)
     pages = ctrl.alloc_device(n_new_pages)
     ...  # prefill the unmatched suffix into the pages
-    res = ctrl.insert(tokens[h.prefix_len:], all_whole_pages, after=h)  # releases h
-    # (or: res = ctrl.insert(tokens, all_whole_pages); ctrl.unlock(h), which walks the prefix)
+    res = ctrl.insert(tokens, all_whole_pages, after=h)  # releases h
+    # (the same as: res = ctrl.insert(tokens, all_whole_pages); ctrl.unlock(h), which walks
+    # the prefix again)
     ops = ctrl.take_ops()  # execute; then each step: ctrl.agree(agreement, local_done_ids)
 """
 
@@ -353,32 +354,36 @@ class CacheController:
         ids is accepted (``Match.device_pages`` plus ``alloc_device``'s list, an int64 array,
         ``array('q')`` ...). Nothing changes when the pages are refused.
 
-        ``after``: the request's lock (from ``lock(match)``). ``tokens`` are then those that
-        follow the prefix it holds (``after.prefix_len`` tokens: the match's ``total_len``),
-        while ``device_pages`` still cover the prefix and them, and the insert releases the
-        lock (a refused one keeps it). The same as inserting the prefix's tokens and ``tokens``
-        end to end, then ``unlock(after)``, without looking the prefix up again: the walk
-        starts below the locked node."""
+        ``after``: the request's lock (``Match.lock`` from ``match(tokens, lock=True)``, or
+        what ``lock(match)`` returned), released by the insert (a refused one keeps it):
+        the same result, state and refusals as ``insert(tokens, device_pages)`` then
+        ``unlock(after)``, with the same ``tokens`` and ``device_pages`` (from the first
+        token), but the walk skips the locked prefix: its nodes are read off parent pointers
+        and their tokens compared once, with no lookups (tokens that differ from the prefix
+        the lock holds are refused: UsageError naming the first that differs). Tokens whose
+        whole pages end inside the locked prefix (a request that finished early) are walked
+        from the root, as a plain insert does."""
         arr = as_tokens(tokens, int64=False)
         pages = page_ids(device_pages)
-        if after is None:
-            start, base = None, 0
-        elif isinstance(after, LockHandle):
-            start, base = self._held(after, "insert(after=)"), after.prefix_len
-        else:
-            raise UsageError(f"insert(after=) takes the LockHandle lock() returned, got "
-                             f"{type(after).__name__}")
-        whole = self._whole_pages(base + len(arr), len(pages))
+        whole = self._whole_pages(len(arr), len(pages))
+        start, held = None, 0
+        if after is not None:
+            if not isinstance(after, LockHandle):
+                raise UsageError(f"insert(after=) takes the LockHandle lock() returned, got "
+                                 f"{type(after).__name__}")
+            node = self._held(after, "insert(after=)")
+            if after.prefix_len <= whole * self.page_tokens:
+                start, held = node, after.prefix_len
+        path = self.tree.walk(arr, start, held)
         self._clock += 1
         self.stats.inserts += 1
-        path = self.tree.walk(arr, start)
         plan = self._check_insert(path, pages)
-        if after is None or self._hosted:  # (backups may evict: the lock holds till then)
-            res = self._adopt(arr, base, pages, whole, path, plan)
+        if start is None or self._hosted:  # (backups may evict: the lock holds till then)
+            res = self._adopt(arr, pages, whole, path, plan)
             if after is not None:
                 self._release(after)
             return res
-        return self._adopt(arr, base, pages, whole, path, plan, after)
+        return self._adopt(arr, pages, whole, path, plan, after)
 
     def _whole_pages(self, n_tokens: int, n_pages: int) -> int:
         pt = self.page_tokens
@@ -432,10 +437,9 @@ class CacheController:
         self._take_request_pages(idx, "insert")
         return _InsertPlan(cached, _concat(dups) if dups else _NO_IDS, adopt, idx)
 
-    def _adopt(self, arr: np.ndarray, base: int, pages: np.ndarray, whole: int,
-               path: list[Node], plan: "_InsertPlan",
-               held: LockHandle | None = None) -> InsertResult:
-        """Apply a checked insert (of ``base`` tokens, then ``arr``): host-only nodes on the
+    def _adopt(self, arr: np.ndarray, pages: np.ndarray, whole: int, path: list[Node],
+               plan: "_InsertPlan", held: LockHandle | None = None) -> InsertResult:
+        """Apply a checked insert (of the tokens ``arr``): host-only nodes on the
         path take the caller's pages, a new leaf takes the pages past the cached ones,
         duplicates and the tail's page are freed. ``held``: a lock on a node of ``path``,
         released in the same pass (only where nothing after it depends on the lock: with no
@@ -446,7 +450,7 @@ class CacheController:
         if new_pages:
             pt = self.page_tokens
             leaf = self.tree.add_child(path[-1] if path else self.tree.root,
-                                       arr[plan.cached * pt - base:whole * pt - base])
+                                       arr[plan.cached * pt:whole * pt])
             self._attach_device(leaf, pages[plan.cached:whole].copy())
             path.append(leaf)
         clock, dtouch, htouch = self._clock, self._dev.touch, self._hst.touch
@@ -826,9 +830,9 @@ class CacheController:
         if len(dev_seen) != self.device.num_used:
             raise InvariantError(f"device pages: {self.device.num_used} allocated, "
                                  f"{len(dev_seen)} accounted for (leak)")
-        if len(host_seen) != self.host.num_used:
-            raise InvariantError(f"host pages: {self.host.num_used} allocated, "
-                                 f"{len(host_seen)} accounted for (leak)")
+        if host_seen != set(self.host.used_ids().tolist()):
+            raise InvariantError(f"host pool's allocated pages ({self.host.num_used}) != the "
+                                 f"{len(host_seen)} held by the tree")
         if dev_nodes != set(self._dev) or host_nodes != set(self._hst) \
                 or len(self._dev) != len(dev_nodes) or len(self._hst) != len(host_nodes):
             raise InvariantError("tier eviction orders disagree with the tree")

@@ -88,12 +88,14 @@ class RadixTree:
         self._next_id += 1
         return nid
 
-    def walk(self, arr: np.ndarray, start: "Node | None" = None) -> list[Node]:
+    def walk(self, arr: np.ndarray, start: "Node | None" = None, held: int = 0) -> list[Node]:
         """Nodes covering the longest cached whole-page prefix of ``arr`` (ints), root excluded.
 
-        With ``start`` (a node in the tree), ``arr`` is what follows ``start``'s prefix: the
-        path is ``start``'s ancestors and itself (read off parent pointers, nothing compared),
-        then the nodes below it covering the longest cached whole-page prefix of ``arr``.
+        With ``start`` (a node in the tree whose path from the root holds ``held`` tokens, at
+        most ``arr``'s whole pages): the first ``held`` tokens of ``arr`` must be that path's
+        (each node compared once, no lookups; UsageError naming the first token that differs
+        otherwise, nothing changed), and the walk goes on below ``start``: the path is
+        ``start``'s ancestors and itself, then the nodes covering what follows.
 
         A node only partly covered is split, so the path ends exactly on the matched prefix.
         Per node: one dict lookup on the page's bytes and one memcmp of the node's tokens. A
@@ -101,33 +103,56 @@ class RadixTree:
         compared in place (a memoryview: no copy of the prompt); any other is compared as
         int64 bytes, made lazily (a prefix at least twice what was compared, at least
         ``_FIRST_BYTES``: a miss does not convert a long prompt)."""
-        path: list[Node] = []
+        total = len(arr) // self.page_tokens * self.page_tokens * 8  # bytes of the whole pages
+        native = arr.dtype is INT64 and arr.flags.c_contiguous
         if start is None or start is self.root:
-            start = self.root
-        else:
-            n = start
+            start, path, a = self.root, [], 0
+        else:  # the held prefix: compared node by node, leaf first (read off parent pointers)
+            a = held * 8
+            if a > total:
+                raise UsageError(self._differs(arr, start, held))
+            q = memoryview(arr).cast("B") if native else _query_bytes(arr, a, total)[1]
+            path, e, n = [], a, start
             while n.parent is not None:
+                ct = n.tokens
+                s = e - len(ct)
+                if s < 0 or not ct.startswith(q[s:e]):
+                    raise UsageError(self._differs(arr, start, held))
                 path.append(n)
-                n = n.parent
+                e, n = s, n.parent
+            if e:
+                raise UsageError(f"walk from node {start.nid}: its path holds {held - e // 8} "
+                                 f"tokens, not {held}")
             path.reverse()
         children = start.children
         if not children:  # (e.g. an insert below the leaf its request matched)
             return path
-        total = len(arr) // self.page_tokens * self.page_tokens * 8  # bytes of the whole pages
-        if arr.dtype is INT64 and arr.flags.c_contiguous:
-            return self._walk_view(memoryview(arr).cast("B"), total, children, path)
-        return self._walk_bytes(arr, total, children, path)
+        if native:
+            return self._walk_view(memoryview(arr).cast("B"), a, total, children, path)
+        return self._walk_bytes(arr, a, total, children, path)
 
-    def _walk_bytes(self, arr: np.ndarray, total: int, children: "dict[bytes, Node]",
+    def _differs(self, arr: np.ndarray, start: Node, held: int) -> str:
+        """Why the first ``held`` tokens of ``arr`` are not ``start``'s path's."""
+        want = self.path_tokens(start)
+        got = np.asarray(arr[:min(held, len(arr))], np.int64)
+        if len(want) != held:
+            return f"node {start.nid}'s path holds {len(want)} tokens, not {held}"
+        if len(got) < held:
+            return f"the tokens ({len(arr)}) are fewer than the {held} of the locked prefix"
+        i = int(np.flatnonzero(got != want)[0])
+        return (f"token {i} is {int(got[i])} but the locked prefix ({held} tokens, node "
+                f"{start.nid}) has {int(want[i])} there: pass the tokens the prefix was matched "
+                f"with, from the first")
+
+    def _walk_bytes(self, arr: np.ndarray, a: int, total: int, children: "dict[bytes, Node]",
                     path: list[Node]) -> list[Node]:
-        """``walk`` on the query's bytes below the node whose ``children`` are given, appending
-        to ``path``: the first ``hi`` of ``total`` bytes, more when a compare reaches past them
-        (the hot loop is a dict lookup and a memcmp per node)."""
+        """``walk`` on the query's bytes from byte ``a`` on, below the node whose ``children``
+        are given, appending to ``path``: the first ``hi`` of ``total`` bytes, more when a
+        compare reaches past them (the hot loop is a dict lookup and a memcmp per node)."""
         w = self.page_tokens * 8
-        if not total or not children:
+        if a >= total or not children:
             return path
-        hi, q = _query_bytes(arr, _FIRST_BYTES, total)
-        a = 0  # bytes matched
+        hi, q = _query_bytes(arr, a + _FIRST_BYTES, total)
         while a < total and children:
             child = children.get(q[a:a + w])
             if child is None:
@@ -149,11 +174,11 @@ class RadixTree:
             break
         return path
 
-    def _walk_view(self, q: memoryview, total: int, children: "dict[bytes, Node]",
+    def _walk_view(self, q: memoryview, a: int, total: int, children: "dict[bytes, Node]",
                    path: list[Node]) -> list[Node]:
-        """``walk`` on a native int64 query in place (``q``: its bytes, not copied)."""
+        """``walk`` on a native int64 query in place (``q``: its bytes, not copied), from byte
+        ``a`` on."""
         w = self.page_tokens * 8
-        a = 0
         while a < total and children:
             child = children.get(q[a:a + w].tobytes())
             if child is None:
