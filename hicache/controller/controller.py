@@ -365,15 +365,19 @@ class CacheController:
         from the root, as a plain insert does."""
         arr = as_tokens(tokens, int64=False)
         pages = page_ids(device_pages)
-        whole = self._whole_pages(len(arr), len(pages))
+        pt = self.page_tokens
+        whole = len(arr) // pt
+        if not whole <= len(pages) <= whole + 1 or (len(pages) > whole and len(arr) % pt == 0):
+            self._whole_pages(len(arr), len(pages))  # raises
         start, held = None, 0
         if after is not None:
-            if not isinstance(after, LockHandle):
-                raise UsageError(f"insert(after=) takes the LockHandle lock() returned, got "
-                                 f"{type(after).__name__}")
-            node = self._held(after, "insert(after=)")
-            if after.prefix_len <= whole * self.page_tokens:
-                start, held = node, after.prefix_len
+            if type(after) is not LockHandle or after.released or after.node.lock_ref <= 0:
+                if not isinstance(after, LockHandle):
+                    raise UsageError(f"insert(after=) takes the LockHandle lock() returned, "
+                                     f"got {type(after).__name__}")
+                self._held(after, "insert(after=)")  # raises, but for the root's lock
+            if after.prefix_len <= whole * pt:
+                start, held = after.node, after.prefix_len
         path = self.tree.walk(arr, start, held)
         self._clock += 1
         self.stats.inserts += 1

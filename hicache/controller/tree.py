@@ -92,10 +92,13 @@ class RadixTree:
         """Nodes covering the longest cached whole-page prefix of ``arr`` (ints), root excluded.
 
         With ``start`` (a node in the tree whose path from the root holds ``held`` tokens, at
-        most ``arr``'s whole pages): the first ``held`` tokens of ``arr`` must be that path's
-        (each node compared once, no lookups; UsageError naming the first token that differs
-        otherwise, nothing changed), and the walk goes on below ``start``: the path is
-        ``start``'s ancestors and itself, then the nodes covering what follows.
+        most ``arr``'s whole pages), the walk skips that prefix: the path is ``start``'s
+        ancestors and itself (read off parent pointers, no lookups), then the nodes below it
+        covering what follows. Only the prefix's last page is compared with ``arr``
+        (UsageError naming the first token that differs, nothing changed): a caller holding
+        a lock on what it matched passes the same tokens, and the page catches one that
+        passes others (a suffix: tokens shifted by the prefix) without reading the whole
+        prefix from memory again (that costs a tenth of a chat request).
 
         A node only partly covered is split, so the path ends exactly on the matched prefix.
         Per node: one dict lookup on the page's bytes and one memcmp of the node's tokens. A
@@ -103,42 +106,42 @@ class RadixTree:
         compared in place (a memoryview: no copy of the prompt); any other is compared as
         int64 bytes, made lazily (a prefix at least twice what was compared, at least
         ``_FIRST_BYTES``: a miss does not convert a long prompt)."""
-        total = len(arr) // self.page_tokens * self.page_tokens * 8  # bytes of the whole pages
-        native = arr.dtype is INT64 and arr.flags.c_contiguous
+        pt = self.page_tokens
+        q = None  # a native int64 query's bytes, in place
+        if arr.dtype is INT64:
+            try:
+                q = memoryview(arr).cast("B")
+            except TypeError:  # not C-contiguous
+                pass
         if start is None or start is self.root:
             start, path, a = self.root, [], 0
-        else:  # the held prefix: compared node by node, leaf first (read off parent pointers)
-            a = held * 8
-            if a > total:
+        else:
+            a, w = held * 8, pt * 8
+            head = q if q is not None else _query_bytes(arr, a, len(arr) * 8)[1]
+            if not (w <= a <= len(arr) // pt * w and start.tokens.endswith(head[a - w:a])):
                 raise UsageError(self._differs(arr, start, held))
-            q = memoryview(arr).cast("B") if native else _query_bytes(arr, a, total)[1]
-            path, e, n = [], a, start
+            path, n = [], start
             while n.parent is not None:
-                ct = n.tokens
-                s = e - len(ct)
-                if s < 0 or not ct.startswith(q[s:e]):
-                    raise UsageError(self._differs(arr, start, held))
                 path.append(n)
-                e, n = s, n.parent
-            if e:
-                raise UsageError(f"walk from node {start.nid}: its path holds {held - e // 8} "
-                                 f"tokens, not {held}")
+                n = n.parent
             path.reverse()
         children = start.children
         if not children:  # (e.g. an insert below the leaf its request matched)
             return path
-        if native:
-            return self._walk_view(memoryview(arr).cast("B"), a, total, children, path)
+        total = len(arr) // pt * pt * 8  # bytes of the whole pages
+        if q is not None:
+            return self._walk_view(q, a, total, children, path)
         return self._walk_bytes(arr, a, total, children, path)
 
     def _differs(self, arr: np.ndarray, start: Node, held: int) -> str:
         """Why the first ``held`` tokens of ``arr`` are not ``start``'s path's."""
         want = self.path_tokens(start)
-        got = np.asarray(arr[:min(held, len(arr))], np.int64)
         if len(want) != held:
             return f"node {start.nid}'s path holds {len(want)} tokens, not {held}"
-        if len(got) < held:
-            return f"the tokens ({len(arr)}) are fewer than the {held} of the locked prefix"
+        if len(arr) // self.page_tokens * self.page_tokens < held:
+            return (f"the tokens' whole pages ({len(arr)} tokens) end inside the locked prefix "
+                    f"({held} tokens)")
+        got = np.asarray(arr[:held], np.int64)
         i = int(np.flatnonzero(got != want)[0])
         return (f"token {i} is {int(got[i])} but the locked prefix ({held} tokens, node "
                 f"{start.nid}) has {int(want[i])} there: pass the tokens the prefix was matched "
