@@ -12,9 +12,10 @@ handed out again most recently freed call first, each call's ids in the order th
 ``alloc`` and ``free`` are all-or-nothing: a bad request changes nothing and its error names the
 offending id. Invariant: ``num_free + num_used == num_pages`` at all times.
 ``alloc_array``/``free_array`` skip the conversion between python ints and numpy for callers that
-already hold int64 arrays. ``track_used=False`` keeps no per-page used map up to date (what a
-caller that frees only its own ids, ``trusted``, never reads): an allocation or a trusted free
-then writes no per-page mark, and whatever reads the map builds it from the free stack.
+already hold int64 arrays. ``track_used=False`` keeps no per-page used map (for a caller whose
+frees are all ``trusted``: only checked frees read the map): an allocation or a trusted free then
+writes no per-page mark, and whatever reads the map (an untrusted free, ``used_ids``,
+``is_allocated``) builds it from the free stack.
 """
 
 from __future__ import annotations

@@ -230,7 +230,8 @@ def test_fast_paths_give_what_the_general_check_gives(reqs, inflight, caps):
     exactly what the general node-by-node check does, and a match that locks (``lock=True``)
     and an insert after the request's lock (``after=``, the same tokens and pages; it
     releases the lock) exactly what a match, a lock, an insert and an unlock do, except that
-    tokens which differ from the locked prefix are refused (nothing changed, the lock kept)."""
+    tokens which differ from the locked prefix's last page (the page compared) are refused
+    (nothing changed, the lock kept)."""
     dev, host, threshold = caps  # a threshold past every hit: host hits are recomputed
     fast = CacheController(PT, dev, host, load_back_threshold=threshold)
     slow = _general_only(CacheController(PT, dev, host, load_back_threshold=threshold))
@@ -362,10 +363,12 @@ def test_insert_after_a_lock_takes_the_full_tokens_and_pages():
 
 def test_insert_after_refuses_tokens_other_than_the_locked_prefix():
     """The misuse the old ``insert(tokens[h.prefix_len:], pages, after=h)`` invited: with the
-    full tokens the contract, a suffix (or any tokens that differ from the locked prefix) is
-    refused with an error naming the first token that differs; nothing changes and the lock
-    is kept. Before, a one-page locked prefix with the tail's page passed cached the tokens
-    shifted by a page and a partly written tail page as a whole page."""
+    full tokens the contract, a suffix (or any tokens that differ from the locked prefix's
+    last page, the page compared) is refused with an error naming the first token that
+    differs; nothing changes and the lock is kept. The page count lets a suffix with the
+    request's pages through only when the locked prefix is one page, the page compared. Before,
+    that case cached the tokens shifted by a page and a partly written tail page as a whole
+    page."""
     c = CacheController(PT, 16, 0)
     c.insert(np.arange(PT), c.alloc_device(1))          # one cached page
     toks = np.arange(11)                                # 2 whole pages and a partial tail

@@ -358,11 +358,12 @@ class CacheController:
         what ``lock(match)`` returned), released by the insert (a refused one keeps it):
         the same result, state and refusals as ``insert(tokens, device_pages)`` then
         ``unlock(after)``, with the same ``tokens`` and ``device_pages`` (from the first
-        token), but the walk skips the locked prefix: its nodes are read off parent pointers
-        and their tokens compared once, with no lookups (tokens that differ from the prefix
-        the lock holds are refused: UsageError naming the first that differs). Tokens whose
-        whole pages end inside the locked prefix (a request that finished early) are walked
-        from the root, as a plain insert does."""
+        token: those the prefix was matched with), but the walk skips the locked prefix (an
+        offset, nothing copied): its nodes are read off parent pointers, with no lookups, and
+        only its last page is compared with ``tokens`` (tokens that differ there are refused:
+        UsageError naming the first token that differs; a suffix past the prefix, say).
+        Tokens whose whole pages end inside the locked prefix (a request aborted or finished
+        before its pages) are walked from the root, as a plain insert does."""
         arr = as_tokens(tokens, int64=False)
         pages = page_ids(device_pages)
         pt = self.page_tokens
