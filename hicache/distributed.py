@@ -265,49 +265,72 @@ class AgreedMin(NamedTuple):
         return self.payload is not None
 
 
+class KindMismatch(DivergenceError):
+    """Ranks met in agreements of different kinds (``minvec.KINDS``): raised by
+    :func:`agree_min` on every rank, after the one collective (every kind sends one size)."""
+
+    def __init__(self, kind: int, rank: int, other: int, other_rank: int,
+                 fault: tuple[int, int] | None, where: str = "") -> None:
+        super().__init__(f"{where + ': ' if where else ''}rank {other_rank} is in {minvec.kind_name(other)} while this rank "
+                         f"(rank {rank}) is in {minvec.kind_name(kind)}; every rank stops here")
+        self.kind, self.rank, self.other, self.other_rank = kind, rank, other, other_rank
+        self.fault = fault
+
+
 def agree_min(header: Sequence[int], payload: Sequence[int], group=None, *, code: int = 0,
-              capacity: int = minvec.CAPACITY) -> AgreedMin:
+              kind: int = minvec.PLAIN) -> AgreedMin:
     """MIN over ``group`` of a fixed-size ``header`` and a payload whose length may differ
     between ranks (when it does, nothing is reduced and every rank learns it), on CPU int64
     tensors over :func:`control_group`. ``code`` (1..255, 0: none; 1 is taken for a value
     that is not an int64) reports this rank's bad input instead of raising before the
-    collective: every rank gets the lowest faulty rank and its code. One all-reduce of
-    ``3 + len(header) + capacity`` values; a second of the agreed size only when every rank's
-    payload is longer than ``capacity`` (see :mod:`hicache.minvec`). ``len(header)`` must be
-    the same on every rank (a constant of the calling code). Alone: nothing is communicated."""
+    collective: every rank gets the lowest faulty rank and its code. ``kind``
+    (``minvec.KINDS``) names the agreement: ranks in different kinds raise ``KindMismatch``
+    (a ``DivergenceError`` naming both) on every rank. Every kind sends ONE all-reduce of the
+    same size, ``5 + minvec.HEADER_SLOTS + minvec.CAPACITY`` values (the header padded; one
+    longer than ``HEADER_SLOTS`` is a ``ValueError`` of the calling code), and a second of the
+    agreed size only when every rank's payload is longer than the capacity (see
+    :mod:`hicache.minvec`). Alone: nothing is communicated."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        p = minvec.pack(header, payload, rank=0, code=code, capacity=len(payload))
-        u = minvec.unpack(p.vec.tolist(), len(header), len(payload))
-        return AgreedMin(u.fault, u.length, u.header, u.head if u.agreed else None)
+        p = minvec.pack(header, payload, rank=0, code=code, capacity=len(payload), kind=kind,
+                        header_slots=minvec.HEADER_SLOTS)
+        u = minvec.unpack(p.vec.tolist(), minvec.HEADER_SLOTS, len(payload))
+        return AgreedMin(u.fault, u.length, u.header[:len(header)],
+                         u.head if u.agreed else None)
     return agree_min_on(control_group(group), dist.get_rank(group), header, payload, code=code,
-                        capacity=capacity)
+                        kind=kind)
 
 
 def agree_min_on(ctl, rank: int, header: Sequence[int], payload: Sequence[int], *,
-                 code: int = 0, capacity: int = minvec.CAPACITY) -> AgreedMin:
+                 code: int = 0, kind: int = minvec.PLAIN) -> AgreedMin:
     """:func:`agree_min` over a control group already resolved (``control_group(group)``, of
     two ranks or more) as group rank ``rank``: the per-step path, with no group look-ups."""
-    p = minvec.pack(header, payload, rank=rank, code=code, capacity=capacity)
+    p = minvec.pack(header, payload, rank=rank, code=code, kind=kind,
+                    header_slots=minvec.HEADER_SLOTS)
     # the tensors wrap the packed buffers (no copy): the all-reduce leaves its MIN in them
     all_reduce(torch.frombuffer(p.vec, dtype=torch.int64), op=dist.ReduceOp.MIN, group=ctl)
-    u = minvec.unpack(p.vec.tolist(), len(header), capacity)
+    u = minvec.unpack(p.vec.tolist(), minvec.HEADER_SLOTS)
     if not u.agreed:
-        return AgreedMin(u.fault, u.length, u.header, None)
+        if not u.same_kind:  # before any second collective: no rank sends one
+            other, other_rank = u.other_kind(kind)
+            raise KindMismatch(kind, rank, other, other_rank, u.fault)
+        return AgreedMin(u.fault, u.length, u.header[:len(header)], None)
     body = u.head
     if u.overflow:  # every rank saw the same reduced lengths: the same size everywhere
         all_reduce(torch.frombuffer(p.rest, dtype=torch.int64), op=dist.ReduceOp.MIN,
                    group=ctl)
         body = body + p.rest.tolist()
-    return AgreedMin(None, u.length, u.header, body)
+    return AgreedMin(None, u.length, u.header[:len(header)], body)
 
 
-def min_across_ranks(values: Sequence[int], group=None) -> list[int]:
+def min_across_ranks(values: Sequence[int], group=None, *, kind: int = minvec.PLAIN
+                     ) -> list[int]:
     """Element-wise MIN of the ints ``values`` over ``group`` (a MAX rides along as
     ``-MIN(-x)``): :func:`agree_min` with no header, so one small all-reduce of a CPU int64
     tensor (no GPU sync). Ranks passing different numbers of values, or a value that is not an
-    int64, make EVERY rank raise ``DivergenceError`` (never a mismatched collective). Alone
-    (no process group, or a group of one) nothing is communicated."""
-    res = agree_min((), values, group)
+    int64, or ranks in another kind of agreement, make EVERY rank raise ``DivergenceError``
+    (never a mismatched collective). Alone (no process group, or a group of one) nothing is
+    communicated."""
+    res = agree_min((), values, group, kind=kind)
     if res.agreed:
         return res.payload
     if res.fault is not None:

@@ -71,14 +71,22 @@ def _line(err: BaseException) -> str:
 
 
 def checkpoint(where: str, error: BaseException | None, group=None,
-               header: Sequence[int] = (), *, detail: bool = False) -> list[int]:
+               header: Sequence[int] = (), *, detail: bool = False,
+               kind: int = minvec.CHECKPOINT) -> list[int]:
     """Every rank of ``group`` calls this at the same point, ``error`` being what this rank
     raised there (None: fine). Returns ``header`` MIN-reduced when no rank failed; else raises
     on every rank: ``error`` itself where there is one, ``PeerError`` (the lowest failing
-    rank, what it raised) elsewhere. Alone (no group of two ranks or more) nothing is
+    rank, what it raised) elsewhere; a rank in another ``kind`` of agreement (``minvec.KINDS``)
+    makes every rank raise (``error`` itself, else ``KindMismatch``). Alone (no group of two ranks or more) nothing is
     communicated: ``error`` is raised as it is."""
     code = code_of(error) if error is not None else 0
-    res = hd.agree_min(header, [], group, code=code, capacity=0)
+    try:
+        res = hd.agree_min(header, [], group, code=code, kind=kind)
+    except hd.KindMismatch as e:  # another rank is in another agreement: every rank stops
+        if error is not None:
+            raise error from None
+        raise hd.KindMismatch(e.kind, e.rank, e.other, e.other_rank, e.fault,
+                              where=where) from None
     if res.fault is None:
         return res.header
     rank, first = res.fault

@@ -35,7 +35,7 @@ from . import distributed as hd
 from . import outcome, preflight
 from .config import HiCacheConfig
 from .controller import CacheController, LockHandle, StepAgreement
-from .controller.agreement import HEADER_LEN
+from . import minvec
 from .errors import (ConfigError, DeviceFullError, DivergenceError, PeerError, TransferError,
                      UsageError)
 from .ids import as_tokens
@@ -47,7 +47,6 @@ from .tier_io import PREFETCH_OUTCOMES, Job, L3Read, TierIO, Waits, join
 
 TIERS = ("l1", "l2", "l3")
 RESTORE_RETRIES = 64  # steps an agreed L3 restore may wait for L1 room before recomputing
-CLOSING = -1  # in place of a step's op count in close's vector (a step's is >= 0)
 MODES = {"recompute": (), "l1": ("l1",), "l1+l2": ("l1", "l2"), "l1+l2+l3": ("l1", "l2", "l3")}
 __all__ = ["HiCache", "Prefix", "MODES", "TIERS", "RESTORE_RETRIES", "PREFETCH_OUTCOMES"]
 
@@ -573,8 +572,8 @@ class HiCache:
     def _agree_close(self, flush: bool, error: BaseException | None) -> bool:
         """Whether every rank flushes (the same answer on every rank), raising ``PeerError`` on
         a rank that closes normally when another does not. One all-reduce, of the same size as
-        a step's: a rank still stepping gets the closing rank's fault (or the CLOSING mark in
-        place of its op count) and raises ``DivergenceError`` at that step, instead of a
+        every agreement's (``minvec.CLOSE``): a rank still stepping gets the closing rank's
+        fault (or the close kind) and raises ``DivergenceError`` at that step, instead of a
         mismatched collective."""
         if self._failed is not None:  # stopped at an agreed step: alike on every rank
             return False
@@ -583,11 +582,19 @@ class HiCache:
             return flush and error is None
         code = outcome.code_of(error) if error is not None else 0 if flush else \
             outcome.SKIP_FLUSH
-        header = [CLOSING, -CLOSING] + [0] * (HEADER_LEN - 2)
         try:
-            res = hd.agree_min_on(a._ctl, a.rank, header, (), code=code, capacity=a.capacity)
-        except Exception:
+            res = hd.agree_min_on(a._ctl, a.rank, (), (), code=code, kind=minvec.CLOSE)
+        except hd.KindMismatch as e:
             if code:  # this rank is failing already: its own error goes on
+                return False
+            if e.other == minvec.STEP:
+                raise DivergenceError("HiCache close: another rank is still stepping while "
+                                      "this rank closes; every rank stops here (no flush)"
+                                      ) from None
+            raise hd.KindMismatch(e.kind, e.rank, e.other, e.other_rank, e.fault,
+                                  where="HiCache close") from None
+        except Exception:
+            if code:
                 return False
             raise
         if code:
@@ -596,9 +603,6 @@ class HiCache:
             rank, first = res.fault
             raise PeerError("HiCache close", rank,
                             outcome.describe(first) or f"fault {first}") from None
-        if -res.header[1] != CLOSING:  # the MIN of -CLOSING and a step's -n_ops
-            raise DivergenceError("HiCache close: another rank is still stepping while this "
-                                  "rank closes; every rank stops here (no flush)")
         return True
 
     # ---- internals ----------------------------------------------------------------------------

@@ -63,7 +63,7 @@ def _overflow(rank):
     """Every rank has more ops + extras than the capacity: the rest rides a second, agreed-size
     collective; a step that fits takes one."""
     from hicache.controller import StepAgreement
-    a = StepAgreement(capacity=64)
+    a = StepAgreement()
     ops = list(range(0, 300, 2))                     # 150 ops
     done = {o for o in ops if rank == 0 or o % 4 == 0}
     extras = [1000 * rank + i for i in range(40)]
@@ -175,9 +175,41 @@ def _server(rank, base):
     return out
 
 
+def _kinds(rank):
+    """The ranks meet in agreements of different kinds: one collective of one size, then both
+    raise DivergenceError naming both kinds (never a mismatched collective: gloo would abort)."""
+    import torch
+
+    from hicache import outcome
+    from hicache.controller import StepAgreement
+    from hicache.distributed import min_across_ranks
+    from hicache.l3 import restore_lengths
+    from hicache.pcp.prefill import MODES, _agree_prompt
+    step = StepAgreement()
+    pairs = {  # name -> (rank 0's agreement, rank 1's)
+        "checkpoint_vs_step": (
+            lambda: outcome.checkpoint("HiCache construction", None, None, header=[5, -5]),
+            lambda: step.step([1, 2], {1}, [3])),
+        "min_vs_step": (lambda: min_across_ranks([1, 2]), lambda: step.step([], set(), [])),
+        "pcp_vs_restore": (
+            lambda: _agree_prompt("PCP prefill", None, torch.arange(5), MODES[0], None),
+            lambda: restore_lengths([8, 12], 4)),
+    }
+    out = {}
+    for name, fns in pairs.items():
+        with CollectiveCounter.measure() as n:
+            try:
+                res = "ok", fns[rank]()
+            except DivergenceError as e:  # KindMismatch is one
+                res = "DivergenceError", str(e)
+        out[name] = {"res": res, "collectives": n["n"], "usable": _usable(rank)}
+    out["step_after"] = _attempt(lambda: tuple(step.step([4], {4}, [rank])))
+    return out
+
+
 def _group(rank, world, base):
     return {"faults": _faults(rank), "overflow": _overflow(rank), "debug": _debug(rank),
-            "helpers": _helpers(rank), "service": _service(rank, base),
+            "helpers": _helpers(rank), "kinds": _kinds(rank), "service": _service(rank, base),
             "server": _server(rank, base)}
 
 
@@ -249,6 +281,26 @@ def test_min_helpers_raise_on_every_rank_instead_of_a_mismatched_collective(runs
         assert h["usable"]
     assert ">= 0" in h1["restore_bad"][1] or "local storage-hit" in h1["restore_bad"][1]
     assert "rank 1 passed a bad storage-hit length" in h0["restore_bad"][1]
+
+
+@pytest.mark.parametrize("name,kinds", [
+    ("checkpoint_vs_step", ("a checkpoint", "a step agreement")),
+    ("min_vs_step", ("a plain min_across_ranks", "a step agreement")),
+    ("pcp_vs_restore", ("a PCP check", "restore_lengths"))])
+def test_ranks_in_agreements_of_different_kinds_raise_naming_both(runs, name, kinds):
+    for rank, r in enumerate(runs):
+        got = r["kinds"][name]
+        assert got["res"][0] == "DivergenceError", got
+        mine, other = kinds[rank], kinds[1 - rank]
+        assert f"rank {1 - rank} is in {other} while this rank (rank {rank}) is in {mine}" \
+            in got["res"][1], got
+        assert got["collectives"] == 1  # one collective of one size, no second
+        assert got["usable"]  # the group carries the next collective
+    assert "PCP prefill" in runs[0]["kinds"]["pcp_vs_restore"]["res"][1]
+    assert "step 0" in runs[1]["kinds"]["checkpoint_vs_step"]["res"][1]
+    # then a step agrees as usual (rank 1's agreement counted its two refused steps)
+    assert [r["kinds"]["step_after"] for r in runs] == [("ok", ((4,), (0,), 0)),
+                                                         ("ok", ((4,), (0,), 2))]
 
 
 def test_hicache_stops_alike_on_every_rank_when_its_agreement_diverges(runs):

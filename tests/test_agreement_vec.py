@@ -67,7 +67,7 @@ def test_pack_never_raises_and_flags_values_that_are_not_int64(values):
         assert p.code == 0 and p.vec[0] == NO_FAULT
     else:
         assert p.code == BAD_VALUE and p.vec[0] == fault_slot(3, BAD_VALUE)
-        assert list(p.vec[3:]) == [0] * 6  # nothing of a bad rank's input is reduced
+        assert list(p.vec[HEADER:]) == [0] * 6  # nothing of a bad rank's input is reduced
     assert list(p.vec[1:3]) == [len(values), -len(values)]  # its length still counts
 
 

@@ -4,9 +4,13 @@ Every rank calls ``step`` once per scheduler step, always (no early return: a sk
 deadlocks the others). One all_reduce(MIN) of a FIXED-size int64 vector (``hicache.minvec``,
 through ``hicache.distributed.agree_min``):
 
-    [fault, len, -len,                                     (len = n_ops + n_extra)
-     n_ops, -n_ops, sig, -sig, n_extra, -n_extra, debug, -debug, dig, -dig,       the header
+    [fault, len, -len, kind_lo, kind_hi,                   (len = n_ops + n_extra)
+     n_ops, -n_ops, sig, -sig, n_extra, -n_extra, debug, -debug, dig, -dig, 0 ..  the header,
+                                                           padded to minvec.HEADER_SLOTS
      done_0 .. done_{n-1}, extra_0 .. extra_{m-1}, 0 ..]   the payload, padded to CAPACITY
+
+(the size of every kind of agreement: a rank in another kind, e.g. a close or a checkpoint,
+makes every rank raise ``DivergenceError`` naming both kinds).
 
 ``done_i`` is 1 where this rank finished in-flight op i (ops in id order, identical on every
 rank), so the MIN is 1 only where every rank finished. ``extras`` (e.g. storage-hit lengths) are
@@ -46,6 +50,7 @@ FAULTS = {minvec.BAD_VALUE: "an extra that is not an int64",
           BAD_DIGEST: "a debug digest that cannot be pickled",
           BAD_ARGS: "arguments of the wrong kind"}
 HEADER_LEN = 10
+assert HEADER_LEN <= minvec.HEADER_SLOTS  # every kind sends the same fixed header
 
 
 class AgreedStep(NamedTuple):  # immutable, and cheap to make once per scheduler step
@@ -114,8 +119,7 @@ def _flags(op_ids: list[int], done) -> list[int]:
 class StepAgreement:
     """Per-step MIN agreement over ``group`` (default: the world group if initialised)."""
 
-    def __init__(self, group: Any = None, *, debug: bool = False, local: bool | None = None,
-                 capacity: int = minvec.CAPACITY):
+    def __init__(self, group: Any = None, *, debug: bool = False, local: bool | None = None):
         if local is None:
             local = not dist.is_available() or not dist.is_initialized()
         self.group = group
@@ -123,7 +127,6 @@ class StepAgreement:
         self.rank = 0 if local else dist.get_rank(group)
         self.local = local or self.world_size == 1
         self.debug = debug
-        self.capacity = capacity  # payload slots of the one collective (flags + extras)
         # the CPU group the vector travels on, resolved once (per-step look-ups cost more
         # than the rest of a step's Python)
         self._ctl = None if self.local else hd.control_group(group)
@@ -175,14 +178,20 @@ class StepAgreement:
         n, m, sig = len(ops), len(ext), _signature(ops)
         dbg = int(self.debug)
         header = [n, -n, sig, -sig, m, -m, dbg, -dbg, dig, -dig]
-        res = hd.agree_min_on(self._ctl, self.rank, header, flags + ext, code=code,
-                              capacity=self.capacity)
+        try:
+            res = hd.agree_min_on(self._ctl, self.rank, header, flags + ext, code=code,
+                                  kind=minvec.STEP)
+        except hd.KindMismatch as e:
+            if e.other != minvec.CLOSE:
+                raise hd.KindMismatch(e.kind, self.rank, e.other, e.other_rank, e.fault,
+                                      where=f"step {step}") from None
+            if e.fault is not None:  # the closing rank's outcome (or this rank's bad input)
+                self._raise_fault(step, e.fault, code, why)
+            raise DivergenceError(f"step {step}: another rank is closing its HiCache while "
+                                  "this rank steps; every rank stops at this step") from None
         if res.fault is not None:
             self._raise_fault(step, res.fault, code, why)
         h = res.header
-        if h[0] < 0:  # service.CLOSING in place of an op count
-            raise DivergenceError(f"step {step}: another rank is closing its HiCache while this "
-                                  "rank steps; every rank stops at this step")
         if h[0] != -h[1] or h[2] != -h[3] or h[4] != -h[5]:
             raise DivergenceError(
                 f"step {step}: ranks disagree on the in-flight ops or extras (this rank: "

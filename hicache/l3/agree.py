@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from hicache import minvec
 from hicache.checks import check_int
 from hicache.distributed import agree_min, min_across_ranks
 from hicache.errors import DivergenceError, L3Error
@@ -37,7 +38,7 @@ def restore_lengths(local_tokens: Sequence[int], page_tokens: int, group=None,
                      for v in local_tokens]
         except L3Error as e:
             code, why, local = _BAD_ARG, str(e), [0] * len(local_tokens)
-        res = agree_min((), local, group, code=code)
+        res = agree_min((), local, group, code=code, kind=minvec.RESTORE)
         if res.fault is not None:
             raise L3Error(why if code else f"rank {res.fault[0]} passed a bad storage-hit "
                           "length or page size to restore_lengths; every rank stops here")

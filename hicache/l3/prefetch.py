@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from .. import minvec
 from ..config import PREFETCH_POLICIES, L3Section, PolicySection
 from .agree import min_across_ranks
 from .base import L3Store, Out
@@ -299,7 +300,7 @@ def agree_prefetch(handles: Sequence[PrefetchHandle], group=None,
     MIN over ranks of loaded pages (usable only once ready). One all-reduce for all handles;
     ``agreed`` = the MIN-reduced output of :func:`prefetch_signals` from a shared collective."""
     if agreed is None:
-        agreed = min_across_ranks(prefetch_signals(handles), group)
+        agreed = min_across_ranks(prefetch_signals(handles), group, kind=minvec.PREFETCH)
     if len(agreed) != 2 * len(handles):
         raise L3Error(f"{len(agreed)} agreed values for {len(handles)} prefetches (need 2 each)")
     return [(bool(agreed[2 * i]), int(agreed[2 * i + 1])) for i in range(len(handles))]

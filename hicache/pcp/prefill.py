@@ -63,7 +63,7 @@ import torch.distributed as dist
 
 from hicache.errors import DivergenceError, UsageError
 from hicache import distributed as hdist
-from hicache import outcome
+from hicache import minvec, outcome
 from hicache.layout import DCPLayout, slot_of
 from hicache.pcp.partition import DualChunkSwap
 from hicache.pcp.ring import MODES, ContextParallelAttention, KVPlacement
@@ -116,6 +116,8 @@ def _digest(values: torch.Tensor) -> int:
 
 
 NO_ROUTE = (0, 0, 0, 0)
+# the larger check header (_agree_prompt: 3 values + the route, as pairs) fits the fixed one
+assert 2 * (3 + len(NO_ROUTE)) <= minvec.HEADER_SLOTS
 
 
 def _route(layout: DCPLayout, slots: torch.Tensor, world: int) -> tuple[int, int, int, int]:
@@ -148,7 +150,8 @@ def _agree_prompt(where: str, error: BaseException | None, tokens, mode: str, gr
     n = int(tokens.numel()) if error is None else 0
     vals = (n, MODES.index(mode), _digest(tokens), *route) if error is None \
         else (0,) * (3 + len(route))
-    h = outcome.checkpoint(where, error, group, header=_pairs(*vals), detail=True)
+    h = outcome.checkpoint(where, error, group, header=_pairs(*vals), detail=True,
+                           kind=minvec.PCP)
     lo, hi = _spread(h, 0)
     if lo != hi:
         raise DivergenceError(f"{where}: the ranks' prompts have {lo} to {hi} tokens (this rank "
@@ -237,7 +240,8 @@ def write_pcp_kv_to_pool(rows_by_layer: Sequence[torch.Tensor], positions: torch
     except Exception as e:
         error = e
     where = "PCP KV write"
-    h = outcome.checkpoint(where, error, group, header=_pairs(*vals), detail=True)
+    h = outcome.checkpoint(where, error, group, header=_pairs(*vals), detail=True,
+                           kind=minvec.PCP)
     lo, hi = _spread(h, 0)
     if lo != hi:
         raise DivergenceError(f"{where}: the ranks pass {lo} to {hi} slots (this rank "
