@@ -5,10 +5,12 @@
   rank fails (an exception, a signal, an exit) the others are stopped and ``RankError`` names
   the rank and how. Always bounded by a timeout; ranks exit without interpreter teardown.
 - Collective wrappers that feature-detect names that moved between torch 2.11 and 2.13.
-- ``agree_min(header, payload, group, code=)``: the control plane's MIN all-reduce (per-step
-  agreement, L3 restore lengths, prefetch agreement), on CPU tensors over ``control_group``:
-  a fixed-size vector (``hicache.minvec``), so ranks whose payload lengths differ, or that
-  report bad input, still send the same size and every rank learns it after the collective.
+- ``agree_min(header, payload, group, code=, kind=)``: the control plane's MIN all-reduce
+  (per-step agreement, close, checkpoints, PCP checks, L3 restore lengths, prefetch agreement),
+  on CPU tensors over ``control_group``: one fixed-size vector for every kind
+  (``hicache.minvec``), so ranks whose payload lengths differ, that report bad input, or that
+  are in agreements of different kinds (``KindMismatch``) still send the same size and every
+  rank learns it after the collective.
   ``min_across_ranks(values, group)`` is its plain form (raises ``DivergenceError`` on every
   rank when the lengths differ).
 - ``CollectiveCounter`` counts collectives issued, so tests can assert "exactly one per step".

@@ -93,3 +93,25 @@ def test_a_peer_is_told_the_class_of_an_error_that_cannot_be_printed():
     assert _line(Unprintable()) == "Unprintable"
     assert _line(ValueError("two\nlines")) == "ValueError: two"
     assert _line(KeyError()) == "KeyError"
+
+
+@given(st.lists(st.integers(1, 7), min_size=1, max_size=6))
+def test_every_rank_learns_another_ranks_kind_and_who(kinds):
+    from hicache.minvec import HEADER_SLOTS, KIND_RANKS
+    packed = [pack([r], [], rank=r, kind=k, header_slots=HEADER_SLOTS).vec
+              for r, k in enumerate(kinds)]
+    u = unpack(reduce_min(packed), HEADER_SLOTS)
+    assert u.same_kind == (len(set(kinds)) == 1)
+    assert u.agreed == u.same_kind
+    assert u.header == [0] + [0] * (HEADER_SLOTS - 1)
+    for r, k in enumerate(kinds):
+        other, who = u.other_kind(k)
+        if u.same_kind:
+            continue
+        assert other != k and kinds[who] == other and who == kinds.index(other)
+    assert KIND_RANKS > 1 << 20
+
+
+def test_a_header_longer_than_the_fixed_slots_is_refused():
+    with pytest.raises(ValueError, match="header slots"):
+        pack([0] * 17, [], rank=0, header_slots=16)
