@@ -107,17 +107,17 @@ class DCPLayout:
                              dtype=torch.int64, device=device)
         return self.virtual(local)
 
-    def owned_rows(self, page_table: Sequence[int], start: int, end: int
+    def owned_rows(self, pages: np.ndarray, start: int, end: int
                    ) -> tuple[np.ndarray, np.ndarray]:
         """The host twin of ``owned_positions`` then ``slot_of`` then ``physical``: (positions,
         pool rows), both int64 [m], of the positions in [start, end) this rank holds, for a
-        request whose widened pages are ``page_table`` (host ints, covering ``end``)."""
+        request whose widened pages from page ``start // page_tokens`` on are ``pages`` (int64,
+        covering ``end``)."""
         w = self.page_tokens
         first = start // w
-        table = np.asarray(page_table[first:-(-end // w)], dtype=np.int64)
         pos = self.virtual(np.arange(self.local_length(start), self.local_length(end),
                                      dtype=np.int64))
-        return pos, self.physical(table[pos // w - first] * w + pos % w)
+        return pos, self.physical(pages[pos // w - first] * w + pos % w)
 
     def local_length(self, length: int) -> int:
         """How many of the first ``length`` positions this rank holds."""

@@ -108,9 +108,9 @@ class DeviceIndex:
     def plan(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Host int64 (positions [m], pool rows [m], widened pages touched [p]) of positions
         [start, end) (``start == indexed``): what ``append`` then takes, on the device."""
-        pos, rows = self.layout.owned_rows(self.source, start, end)
         w = self.layout.page_tokens
-        return pos, rows, np.array(self.source[start // w:-(-end // w)], dtype=np.int64)
+        touched = np.array(self.source[start // w:-(-end // w)], dtype=np.int64)
+        return (*self.layout.owned_rows(touched, start, end), touched)
 
     def append(self, rows: torch.Tensor, pos: torch.Tensor, end: int) -> None:
         """Positions up to ``end`` are indexed: their rows and positions (int64 [m], device)."""
