@@ -14,6 +14,8 @@ from .report import table
 from .topology import KVShape
 
 GiB = 1 << 30
+# ``plan --shape ...:BYTES``: the KV element type of each size (its bytes: hicache.page_format)
+PLAN_DTYPES = {1: "float8_e4m3fn", 2: "bfloat16", 4: "float32"}
 
 
 def _num(x: float) -> str:
@@ -52,6 +54,7 @@ def _check_config(args) -> int:
         "l2_pages": cfg.l2_num_pages,
         "l2_tokens_total": cfg.l2_num_pages * cfg.page_tokens,
         "page_bytes_per_rank": cfg.page_bytes_per_rank,
+        "page_formats": [f.describe() for f in cfg.formats],
         "host_memory": f"{need.host_total / GiB:.3f} GiB for {ranks} rank(s) on this node "
                        f"({machine.host_available / GiB:.1f} GiB available)",
         "warnings": warnings,
@@ -68,6 +71,8 @@ def _check_config(args) -> int:
     for key in ("topology", "effective_page_size", "l1_tokens_per_rank", "l1_tokens_total",
                 "l2_pages", "l2_tokens_total", "page_bytes_per_rank", "host_memory"):
         print(f"{key:>22}: {info[key]}")
+    for line in info["page_formats"]:
+        print(f"{'page format':>22}: {line}")
     return 0
 
 
@@ -84,12 +89,17 @@ def _shape_from_args(args) -> KVShape:
         kind, nums = parts[0], [int(x) for x in parts[1:]]
     except ValueError:
         raise UsageError(f"--shape {args.shape!r}: fields after the kind must be integers") from None
-    if kind == "mla" and len(nums) in (3, 4):
-        return KVShape("custom", nums[0], "mla", 1, kv_lora_rank=nums[1], rope_dim=nums[2],
-                       dtype_bytes=nums[3] if len(nums) == 4 else 2)
-    if kind == "gqa" and len(nums) in (3, 4):
+    if kind in ("mla", "gqa") and len(nums) in (3, 4):
+        size = nums[3] if len(nums) == 4 else 2
+        if size not in PLAN_DTYPES:
+            raise UsageError(f"--shape {args.shape!r}: BYTES must be one of "
+                             f"{', '.join(map(str, PLAN_DTYPES))} (an element of "
+                             f"{', '.join(PLAN_DTYPES.values())}), got {size}")
+        if kind == "mla":
+            return KVShape("custom", nums[0], "mla", 1, kv_lora_rank=nums[1], rope_dim=nums[2],
+                           dtype=PLAN_DTYPES[size])
         return KVShape("custom", nums[0], "gqa", nums[1], head_dim=nums[2],
-                       dtype_bytes=nums[3] if len(nums) == 4 else 2)
+                       dtype=PLAN_DTYPES[size])
     raise UsageError(f"--shape {args.shape!r}: expected mla:LAYERS:RANK:ROPE[:BYTES] or "
                      "gqa:LAYERS:HEADS:HEAD_DIM[:BYTES]")
 

@@ -23,7 +23,7 @@ except ModuleNotFoundError:  # Python 3.10
 from . import topology
 from .errors import CheckpointError, ConfigError, L3Error, TopologyError
 
-DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+KV_DTYPES = ("float32", "float16", "bfloat16")  # sizes: hicache.page_format (torch)
 # the L3 prefetch policies (hicache.l3.prefetch.PrefetchPolicy takes these and the defaults of
 # PolicySection's prefetch keys from here)
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -44,7 +44,7 @@ class ModelSection:
     kv_lora_rank: int = opt(64, "latent KV width (512 in DeepSeek-V3)", min=1, max=65536)
     rope_dim: int = opt(16, "decoupled RoPE key width, even (64 in DeepSeek-V3)", min=2,
                         max=65536)
-    dtype: str = opt("float32", "KV dtype", choices=tuple(DTYPES))
+    dtype: str = opt("float32", "KV dtype", choices=KV_DTYPES)
     hidden_size: int = opt(128, "built-in engine: hidden size", min=1, max=1 << 20)
     num_heads: int = opt(4, "built-in engine: attention heads", min=1, max=4096)
     vocab_size: int = opt(512, "built-in engine: vocabulary size", min=2, max=1 << 24)
@@ -81,10 +81,6 @@ class ModelSection:
     @property
     def kv_dim(self) -> int:
         return self.kv_lora_rank + self.rope_dim
-
-    @property
-    def dtype_bytes(self) -> int:
-        return DTYPES[self.dtype]
 
     @property
     def torch_dtype(self):
@@ -243,10 +239,23 @@ class HiCacheConfig:
         return self.l1.num_pages * self.cache.page_size
 
     @property
-    def page_bytes_per_rank(self) -> int:
-        """One widened page's bytes on one rank across all layers."""
+    def page_format(self):
+        """The target KV's ``PageFormat`` (``hicache.page_format``): every size the pools, the
+        transfers, L3 and the memory checks use comes from it."""
+        from .page_format import PageFormat
         m = self.model
-        return m.num_layers * self.cache.page_size * m.kv_dim * m.dtype_bytes
+        return PageFormat.striped_kv(m.num_layers, self.cache.page_size, m.kv_dim, m.dtype)
+
+    @property
+    def formats(self):
+        """The ``FormatSet`` of one logical page: the target KV (companions: none yet)."""
+        from .page_format import FormatSet
+        return FormatSet(self.page_format)
+
+    @property
+    def page_bytes_per_rank(self) -> int:
+        """One widened page's bytes on one rank, every format of the page together."""
+        return self.formats.page_bytes
 
     @property
     def l2_num_pages(self) -> int:

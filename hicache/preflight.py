@@ -69,8 +69,9 @@ class MemoryNeed:
 
 def memory_need(cfg: HiCacheConfig, ranks: int, *, l2: bool = True,
                 cuda: bool = False) -> MemoryNeed:
-    """Pure: the bytes L1 and L2 of ``ranks`` ranks of ``cfg`` take on one node."""
-    page = cfg.page_bytes_per_rank
+    """Pure: the bytes L1 and L2 of ``ranks`` ranks of ``cfg`` take on one node (each pool
+    holds every format of a page: ``cfg.formats``)."""
+    page = cfg.formats.page_bytes
     l1 = cfg.l1.num_pages * page
     l2_bytes = max(cfg.l2_num_pages, 1) * page if l2 else page  # the service keeps >= 1 page
     return MemoryNeed(ranks, l1, l2_bytes, l1_on_host=not cuda)

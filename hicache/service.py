@@ -172,7 +172,6 @@ class HiCache:
         # the checks check-config and hicache-bench run (engine needs aside); this rank's pools
         machine = preflight.Machine.detect()
         preflight.validate(config, tiers=self.tiers, ranks=1, engine=False, machine=machine)
-        m = config.model
         self.layout = config.layout(rank)
         self.page_tokens = self.layout.page_tokens
         host_pages = config.l2_num_pages if "l2" in self.tiers else 0
@@ -181,10 +180,10 @@ class HiCache:
         need = preflight.memory_need(config, hd.local_world_size(), l2="l2" in self.tiers,
                                      cuda=pick_device(device).type != "cpu")
         preflight.check_node_memory(need, machine.host_total, "is the node's total")
-        self.l1 = DeviceKVPool(self.layout, m.num_layers, m.kv_dim, m.torch_dtype,
-                               config.l1.num_pages, device=device)
-        self.l2 = HostKVPool(self.layout, m.num_layers, m.kv_dim, m.torch_dtype,
-                             max(host_pages, 1), layout_kind=config.l2.layout, pin=config.l2.pin)
+        fmt = config.page_format  # every pool size below is the format's
+        self.l1 = DeviceKVPool.for_format(self.layout, fmt, config.l1.num_pages, device=device)
+        self.l2 = HostKVPool.for_format(self.layout, fmt, max(host_pages, 1),
+                                        layout_kind=config.l2.layout, pin=config.l2.pin)
         p = config.policy
         self.ctrl = CacheController(self.page_tokens, config.l1.num_pages, host_pages,
                                     write=p.write, eviction=p.eviction,

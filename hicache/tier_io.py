@@ -115,8 +115,8 @@ class InFlight:
 
 @dataclass
 class L3Read:
-    """A request's L3 prefetch: the read and the staging buffer it fills ([n, L, P, D] of the
-    pool dtype; page i of the read lands in ``staging[i]``)."""
+    """A request's L3 prefetch: the read and the staging buffer it fills ([n, *shape] of the L3
+    namespace's format, the L2 pool's; page i of the read lands in ``staging[i]``)."""
 
     handle: PrefetchHandle
     staging: torch.Tensor
@@ -162,7 +162,8 @@ class TierIO:
 
     def _open_l3(self, weights_signature: str) -> None:
         c = self.config
-        self.namespace = Namespace.from_config(c, model=weights_signature)
+        # L3 values are host pages: the namespace signs the L2 pool's format
+        self.namespace = Namespace.from_config(c, model=weights_signature, fmt=self.l2.format)
         # a failing store ends L3 on this rank, never the run (hicache/l3/guard.py)
         self.l3 = GuardedStore(lambda: open_store(c.l3, self.namespace, self.rank), c.l3,
                                self.rank, self.namespace)
@@ -303,7 +304,7 @@ class TierIO:
         elif n and not self.worth_loading(n):
             self.stats.prefetch["recompute"] += 1
             n = 0
-        staging = torch.empty((n, *self.namespace.shard_shape), dtype=self.l1.dtype)
+        staging = torch.empty((n, *self.namespace.shard_shape), dtype=self.namespace.torch_dtype)
         read = L3Read(self.prefetcher.start(request_id, keys[:n], list(staging)), staging)
         # A short read (policy prefetch_wait_pages / prefetch_wait_s) is waited for here: done
         # before the step right after admission, it is agreed there and its request starts a

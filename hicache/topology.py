@@ -25,17 +25,34 @@ class KVShape:
     kv_lora_rank: int = 0
     rope_dim: int = 0
     head_dim: int = 0
-    dtype_bytes: int = 2
+    dtype: str = "bfloat16"  # the KV element type; its size comes from hicache.page_format
 
     def __post_init__(self) -> None:
         if self.attention not in ("mla", "gqa"):
             raise TopologyError(f"attention must be 'mla' or 'gqa', got {self.attention!r}")
         if self.attention == "mla" and self.num_kv_heads != 1:
             raise TopologyError("an MLA model has exactly one latent KV head")
-        for name in ("num_layers", "num_kv_heads", "dtype_bytes"):
+        for name in ("num_layers", "num_kv_heads"):
             check_int(getattr(self, name), name, error=TopologyError)
         if self.row_elems_per_head < 1:
             raise TopologyError(f"model {self.name!r} has an empty KV row")
+
+    def page_format(self, tp_size: int = 1, page_size: int = 1):
+        """The ``PageFormat`` of one rank's share of a page: ``page_size`` rows per rank of the
+        kv heads this rank holds under TP (at least one: duplicated when tp > H)."""
+        from .errors import UsageError
+        from .page_format import PageFormat
+        _positive("tp_size", tp_size)
+        heads = max(1, -(-self.num_kv_heads // tp_size))  # ceil; duplicated when tp > H
+        try:
+            return PageFormat.striped_kv(self.num_layers, page_size,
+                                         heads * self.row_elems_per_head, self.dtype)
+        except UsageError as e:
+            raise TopologyError(f"model {self.name!r}: {e}") from None
+
+    @property
+    def dtype_bytes(self) -> int:
+        return self.page_format().itemsize
 
     @property
     def row_elems_per_head(self) -> int:
@@ -46,7 +63,7 @@ class KVShape:
     @property
     def bytes_per_token(self) -> int:
         """Bytes of KV for one token across all layers and all heads (no parallelism)."""
-        return self.num_layers * self.num_kv_heads * self.row_elems_per_head * self.dtype_bytes
+        return self.page_format(1).page_bytes
 
 
 MODELS: dict[str, KVShape] = {
@@ -109,11 +126,8 @@ def kv_duplication(tp_size: int, num_kv_heads: int, dcp_size: int = 1) -> float:
 
 def kv_bytes_per_token(shape: KVShape, tp_size: int, dcp_size: int = 1) -> float:
     """KV bytes one rank stores per token of a request (heads split by TP, tokens by DCP)."""
-    _positive("tp_size", tp_size)
     _positive("dcp_size", dcp_size)
-    heads_per_rank = max(1, -(-shape.num_kv_heads // tp_size))  # ceil; duplicated when tp > H
-    per_head = shape.num_layers * shape.row_elems_per_head * shape.dtype_bytes
-    return heads_per_rank * per_head / dcp_size
+    return shape.page_format(tp_size).page_bytes / dcp_size  # one token's row, 1/c of them
 
 
 @dataclass(frozen=True)

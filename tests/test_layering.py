@@ -4,7 +4,7 @@ modules it pulled in are compared with what it may depend on.
 - the tiers (l1, l2, l3) never import the controller, the service or the engine;
 - the controller imports no tier (page ids come from the neutral ``hicache.pages``);
 - the service never imports the engine (the engine reaches the cache through ``hicache.kvport``);
-- the neutral modules (errors, checks, ids, pages, layout, kvport) import no tier, no
+- the neutral modules (errors, checks, ids, pages, layout, kvport, page_format) import no tier, no
   controller, no service.
 """
 
@@ -18,7 +18,7 @@ PROBE = ("import importlib, json, sys; importlib.import_module(sys.argv[1]); "
          "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'hicache')))")
 
 ROOTS = ("hicache.errors", "hicache.checks", "hicache.ids", "hicache.pages",
-         "hicache.layout", "hicache.kvport", "hicache.l1", "hicache.l2", "hicache.l3",
+         "hicache.layout", "hicache.kvport", "hicache.page_format", "hicache.l1", "hicache.l2", "hicache.l3",
          "hicache.controller", "hicache.service")
 
 
@@ -66,7 +66,13 @@ def test_the_service_never_imports_the_engine(loaded):
 
 @pytest.mark.parametrize("neutral", ["hicache.errors", "hicache.checks",
                                      "hicache.ids", "hicache.pages", "hicache.layout",
-                                     "hicache.kvport"])
+                                     "hicache.kvport", "hicache.page_format"])
 def test_neutral_modules_import_no_tier_controller_or_service(loaded, neutral):
     assert under(loaded[neutral], "hicache.l1", "hicache.l2", "hicache.l3",
                  "hicache.controller", "hicache.service", "hicache.engine") == []
+
+
+def test_page_format_imports_only_errors_and_checks(loaded):
+    # every tier reads its sizes from it: it must stay a leaf (pure, nothing heavier than torch)
+    assert loaded["hicache.page_format"] <= {"hicache", "hicache.page_format", "hicache.errors",
+                                             "hicache.checks"}

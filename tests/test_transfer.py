@@ -121,10 +121,10 @@ def test_bad_page_lists():
 def test_mismatched_pools_and_backend():
     lay = DCPLayout(2, 0, 4)
     d = DeviceKVPool(lay, 2, 8, torch.float16, 2)
-    with pytest.raises(UsageError, match="kv_dim"):
+    with pytest.raises(UsageError, match="differ in shape"):  # 4 elements a row, not 8
         TransferEngine(d, HostKVPool(lay, 2, 4, torch.float16, 2))
-    with pytest.raises(UsageError, match="dtype"):
-        TransferEngine(d, HostKVPool(lay, 2, 8, torch.float32, 2))
+    with pytest.raises(UsageError, match="no declared conversion"):  # another dtype: only
+        TransferEngine(d, HostKVPool(lay, 2, 8, torch.bfloat16, 2))  # through a conversion
     with pytest.raises(UsageError, match="layouts"):
         TransferEngine(d, HostKVPool(DCPLayout(2, 1, 4), 2, 8, torch.float16, 2))
     with pytest.raises(UsageError, match="io_backend"):

@@ -19,6 +19,7 @@ from hicache.checks import check_int
 from hicache.errors import UsageError
 from hicache.kvport import RowWrite, Slots, checked_once
 from hicache.layout import DCPLayout
+from hicache.page_format import PageFormat, PageKind
 
 
 def pick_device(device: torch.device | str | None) -> torch.device:
@@ -63,6 +64,24 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
     return t.zero_()
 
 
+def format_row_layout(layout: DCPLayout, fmt: PageFormat) -> DCPLayout | None:
+    """Where the virtual slots of a page live in a pool of ``fmt``: ``layout`` for striped
+    rows, one owner of ``P*c`` rows for replicated rows, None for a state (no slots). UsageError
+    when the format's rows do not fit the layout."""
+    if not isinstance(layout, DCPLayout):
+        raise UsageError(f"layout must be a DCPLayout, got {type(layout).__name__}")
+    if not isinstance(fmt, PageFormat):
+        raise UsageError(f"format must be a PageFormat, got {type(fmt).__name__}")
+    if fmt.kind is PageKind.STATE:
+        return None
+    want = layout.page_size if fmt.striped else layout.page_tokens
+    if fmt.rows != want:
+        raise UsageError(f"page format {fmt.name!r} ({fmt.kind.value}) has {fmt.rows} rows a "
+                         f"page but the layout (P={layout.page_size}, dcp={layout.dcp_size}) "
+                         f"gives it {want}")
+    return layout if fmt.striped else DCPLayout(1, 0, want, 1)
+
+
 def check_shape_args(num_layers: int, kv_dim: int, num_pages: int, dtype: torch.dtype) -> None:
     for name, v in (("num_layers", num_layers), ("kv_dim", kv_dim)):
         check_int(v, name, error=UsageError)
@@ -72,45 +91,75 @@ def check_shape_args(num_layers: int, kv_dim: int, num_pages: int, dtype: torch.
 
 
 class DeviceKVPool:
-    """Per-rank L1 storage for ``num_pages`` widened pages of ``num_layers`` layers."""
+    """Per-rank L1 storage for ``num_pages`` widened pages of one ``PageFormat``.
+
+    ``DeviceKVPool(layout, num_layers, kv_dim, dtype, num_pages)`` holds the target KV (a
+    striped format made from those numbers); ``DeviceKVPool.for_format(layout, fmt, ...)``
+    holds any format. Every size is the format's."""
 
     def __init__(self, layout: DCPLayout, num_layers: int, kv_dim: int, dtype: torch.dtype,
                  num_pages: int, device: torch.device | str | None = None) -> None:
         if not isinstance(layout, DCPLayout):
             raise UsageError(f"layout must be a DCPLayout, got {type(layout).__name__}")
         check_shape_args(num_layers, kv_dim, num_pages, dtype)
+        self._setup(layout, PageFormat.striped_kv(num_layers, layout.page_size, kv_dim, dtype),
+                    num_pages, device)
+
+    @classmethod
+    def for_format(cls, layout: DCPLayout, fmt: PageFormat, num_pages: int,
+                   device: torch.device | str | None = None) -> "DeviceKVPool":
+        pool = cls.__new__(cls)
+        pool._setup(layout, fmt, num_pages, device)
+        return pool
+
+    def _setup(self, layout: DCPLayout, fmt: PageFormat, num_pages: int,
+               device: torch.device | str | None) -> None:
+        check_int(num_pages, "num_pages", 0, error=UsageError)
         self.layout = layout
-        self.num_layers = num_layers
-        self.kv_dim = kv_dim
-        self.dtype = dtype
+        self.format = fmt
+        # where a virtual slot's row lives: the DCP layout for striped rows; every row on every
+        # rank (one owner, P*c rows a page) for replicated ones
+        self.row_layout = format_row_layout(layout, fmt)
         self.num_pages = num_pages
         self._in_range: np.ndarray | None = None  # the last unchangeable pages found in range
         self.device = pick_device(device)
-        # [L, num_pages * P, D]; every byte is written now, so the memory is faulted in.
-        self.kv = zeroed((num_layers, num_pages * layout.page_size, kv_dim), dtype, self.device)
+        # [L, num_pages * rows, width]; every byte is written now, so the memory is faulted in.
+        self.kv = zeroed(fmt.pool_shape(num_pages), fmt.dtype, self.device)
 
-    # ---- sizes ---------------------------------------------------------------------------------
+    # ---- sizes (the format's) ------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.format.layers
+
+    @property
+    def kv_dim(self) -> int:
+        return self.format.row_width
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.format.dtype
+
     @property
     def rows_per_page(self) -> int:
-        return self.layout.page_size
+        return self.format.rows
 
     @property
     def num_rows(self) -> int:
-        return self.num_pages * self.layout.page_size
+        return self.num_pages * self.format.rows
 
     @property
     def num_slots(self) -> int:
         """Virtual slots addressable: ``num_pages * P * c``."""
-        return self.num_rows * self.layout.dcp_size
+        return self.num_pages * self.layout.page_tokens
 
     @property
     def bytes_per_page(self) -> int:
         """This rank's bytes for one widened page across all layers."""
-        return self.num_layers * self.rows_per_page * self.kv_dim * self.kv.element_size()
+        return self.format.page_bytes
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return self.format.pool_bytes(self.num_pages)
 
     def layer_view(self, layer: int) -> torch.Tensor:
         """The rows of one layer: [num_pages * P, kv_dim] (a view)."""
@@ -120,7 +169,7 @@ class DeviceKVPool:
     # ---- access by virtual slot (the KV port, ``hicache.kvport``) -----------------------------
     def plan_write(self, virtual_slots: Slots) -> RowWrite:
         """Validate virtual slots [n] on the host and say where this rank's rows among them go."""
-        return RowWrite.for_slots(self.layout, self._slots(virtual_slots), self.device)
+        return RowWrite.for_slots(self._rows(), self._slots(virtual_slots), self.device)
 
     def write(self, layer: int, where: Union[RowWrite, Slots], rows: torch.Tensor) -> int:
         """Store the owned rows among ``rows`` [n, kv_dim] (full rows for the slots of
@@ -150,7 +199,7 @@ class DeviceKVPool:
     def read(self, layer: int, virtual_slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
         """The owned slots among ``virtual_slots`` (input order) and their rows [m, kv_dim]."""
         self._check_layer(layer)
-        owned, phys = self.layout.local_rows(self._slots(virtual_slots))
+        owned, phys = self._rows().local_rows(self._slots(virtual_slots))
         return owned, self.kv[layer].index_select(0, phys.to(self.device))
 
     # ---- validation ----------------------------------------------------------------------------
@@ -164,6 +213,12 @@ class DeviceKVPool:
             raise UsageError(f"page {int(bad)} is outside the pool's [0, {self.num_pages})")
         if checked_once(pages):
             self._in_range = pages
+
+    def _rows(self) -> DCPLayout:
+        if self.row_layout is None:
+            raise UsageError(f"page format {self.format.name!r} is a state snapshot: it has "
+                             "no token slots to address")
+        return self.row_layout
 
     def _check_layer(self, layer: int) -> None:
         if isinstance(layer, bool) or not isinstance(layer, int) \
@@ -189,6 +244,7 @@ class DeviceKVPool:
         return slots
 
     def __repr__(self) -> str:
-        return (f"DeviceKVPool(layers={self.num_layers}, pages={self.num_pages}, "
+        return (f"DeviceKVPool({self.format.name}, layers={self.num_layers}, "
+                f"pages={self.num_pages}, "
                 f"rows/page={self.rows_per_page}, kv_dim={self.kv_dim}, dtype={self.dtype}, "
                 f"device={self.device}, dcp={self.layout.dcp_size}, rank={self.layout.rank})")

@@ -24,9 +24,11 @@ import weakref
 import psutil
 import torch
 
+from hicache.checks import check_int
 from hicache.errors import HostMemoryError, UsageError
-from hicache.l1.pool import advise_hugepages, check_shape_args
+from hicache.l1.pool import advise_hugepages, check_shape_args, format_row_layout
 from hicache.layout import DCPLayout
+from hicache.page_format import PageFormat
 
 LAYOUTS = ("layer_first", "page_first")
 PIN_MODES = ("auto", "on", "off")
@@ -113,7 +115,11 @@ def resolve_pin(pin: str) -> bool:
 
 
 class HostKVPool:
-    """Per-rank L2 storage of ``num_pages`` widened pages."""
+    """Per-rank L2 storage of ``num_pages`` widened pages of one ``PageFormat``.
+
+    ``HostKVPool(layout, num_layers, kv_dim, dtype, num_pages, ...)`` holds the target KV (a
+    striped format made from those numbers); ``HostKVPool.for_format(layout, fmt, ...)`` holds
+    any format (e.g. the target KV kept in a wider dtype). Every size is the format's."""
 
     def __init__(self, layout: DCPLayout, num_layers: int, kv_dim: int, dtype: torch.dtype,
                  num_pages: int, layout_kind: str = "page_first", pin: str = "auto",
@@ -121,41 +127,63 @@ class HostKVPool:
         if not isinstance(layout, DCPLayout):
             raise UsageError(f"layout must be a DCPLayout, got {type(layout).__name__}")
         check_shape_args(num_layers, kv_dim, num_pages, dtype)
+        fmt = PageFormat.striped_kv(num_layers, layout.page_size, kv_dim, dtype)
+        self._setup(layout, fmt, num_pages, layout_kind, pin, max_memory_fraction)
+
+    @classmethod
+    def for_format(cls, layout: DCPLayout, fmt: PageFormat, num_pages: int,
+                   layout_kind: str = "page_first", pin: str = "auto",
+                   max_memory_fraction: float = 0.9) -> "HostKVPool":
+        pool = cls.__new__(cls)
+        pool._setup(layout, fmt, num_pages, layout_kind, pin, max_memory_fraction)
+        return pool
+
+    def _setup(self, layout: DCPLayout, fmt: PageFormat, num_pages: int, layout_kind: str,
+               pin: str, max_memory_fraction: float) -> None:
+        format_row_layout(layout, fmt)  # the format's rows fit the layout
+        check_int(num_pages, "num_pages", 0, error=UsageError)
         if layout_kind not in LAYOUTS:
             raise UsageError(f"layout_kind must be one of {LAYOUTS}, got {layout_kind!r}")
         self.layout = layout
-        self.num_layers = num_layers
-        self.kv_dim = kv_dim
-        self.dtype = dtype
+        self.format = fmt
         self.num_pages = num_pages
         self.layout_kind = layout_kind
         self.pinned = resolve_pin(pin)
-        P = layout.page_size
-        shape = ((num_layers, num_pages * P, kv_dim) if layout_kind == "layer_first"
-                 else (num_pages, num_layers, P, kv_dim))
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        check_host_memory(math.prod(shape) * itemsize, max_memory_fraction)
+        shape = fmt.pool_shape(num_pages, page_major=layout_kind == "page_first")
+        check_host_memory(fmt.pool_bytes(num_pages), max_memory_fraction)
         try:  # exactly the policy's bytes, page-locked in place
-            self.buf = pinned_host_tensor(shape, dtype, self.pinned)
+            self.buf = pinned_host_tensor(shape, fmt.dtype, self.pinned)
         except OSError as e:
             if pin == "on":
                 raise HostMemoryError(f"cannot pin the host KV pool: {e}") from None
             warnings.warn(f"host KV pool left unpinned (slower copies): {e}", RuntimeWarning)
             self.pinned = False
-            self.buf = pinned_host_tensor(shape, dtype, False)
+            self.buf = pinned_host_tensor(shape, fmt.dtype, False)
 
-    # ---- sizes ---------------------------------------------------------------------------------
+    # ---- sizes (the format's) ------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.format.layers
+
+    @property
+    def kv_dim(self) -> int:
+        return self.format.row_width
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.format.dtype
+
     @property
     def rows_per_page(self) -> int:
-        return self.layout.page_size
+        return self.format.rows
 
     @property
     def bytes_per_page(self) -> int:
-        return self.num_layers * self.rows_per_page * self.kv_dim * self.buf.element_size()
+        return self.format.page_bytes
 
     @property
     def nbytes(self) -> int:
-        return self.buf.numel() * self.buf.element_size()
+        return self.format.pool_bytes(self.num_pages)
 
     @property
     def device(self) -> torch.device:
@@ -184,7 +212,7 @@ class HostKVPool:
 
     def write_page(self, page: int, rows: torch.Tensor) -> None:
         """Overwrite one page from ``rows`` [L, P, D] of the pool's dtype."""
-        expect = [self.num_layers, self.rows_per_page, self.kv_dim]
+        expect = list(self.format.shape)
         if not isinstance(rows, torch.Tensor):
             raise UsageError(f"page rows must be a tensor, got {type(rows).__name__}")
         if rows.dtype != self.dtype:
@@ -203,7 +231,7 @@ class HostKVPool:
         if len(data) != self.bytes_per_page:
             raise UsageError(f"page data has {len(data)} bytes, expected {self.bytes_per_page}")
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        rows = raw.view(self.dtype).view(self.num_layers, self.rows_per_page, self.kv_dim)
+        rows = raw.view(self.dtype).view(self.format.shape)
         self.page_view(page).copy_(rows)
 
     # ---- validation ----------------------------------------------------------------------------
@@ -217,6 +245,6 @@ class HostKVPool:
             raise UsageError(f"host page id {page!r} is outside the pool [0, {self.num_pages})")
 
     def __repr__(self) -> str:
-        return (f"HostKVPool({self.layout_kind}, layers={self.num_layers}, "
+        return (f"HostKVPool({self.format.name}, {self.layout_kind}, layers={self.num_layers}, "
                 f"pages={self.num_pages}, rows/page={self.rows_per_page}, kv_dim={self.kv_dim}, "
                 f"dtype={self.dtype}, pinned={self.pinned})")

@@ -9,7 +9,8 @@ whose layers complete in order: ``wait_layer(i)`` lets the engine compute layer 
 i is still loading. No collective is ever issued: each rank moves its own shard.
 
 The engine validates page lists, sees each end of a job as a ``PageSide`` (whole pages as an
-``[L, pages, W]`` view, ``W = P * kv_dim``), counts finished jobs, and hands every job to one
+``[L, pages, W]`` view, ``W`` = the elements of one page-layer block of the pools'
+``PageFormat``), counts finished jobs, and hands every job to one
 copy backend, chosen by the L1 pool's device type from a registry (``backend_for``):
 
 - ``cpu`` -> ``hicache/l2/copy_cpu.py``: a worker thread per direction; small jobs copied at
@@ -17,6 +18,9 @@ copy backend, chosen by the L1 pool's device type from a registry (``backend_for
   copies (``hicache/l2/blocks.py``) or the page-copy kernel's torch reference.
 - ``cuda`` -> ``hicache/l2/copy_cuda.py``: a stream per direction, one event per layer; copy
   engines, the Triton page gather/scatter, CuPy 2D copies or per-page copies.
+
+- pools of different dtypes (a conversion ``hicache.page_format`` declares, exact from the device
+  to the host) -> ``hicache/l2/copy_convert.py``: torch copies that convert, on any device.
 
 A backend for another kind of device is a new file with a ``CopyBackend`` subclass, named in
 ``BACKEND_MODULES`` (or passed to ``register_backend``); the engine has no branch per backend.
@@ -38,6 +42,7 @@ from hicache.errors import TransferError, UsageError
 from hicache.ids import page_ids
 from hicache.l1.pool import DeviceKVPool
 from hicache.l2.pool import HostKVPool
+from hicache.page_format import conversion
 
 PageList = Union[Sequence[int], torch.Tensor]
 IO_BACKENDS = ("direct", "kernel")
@@ -397,6 +402,8 @@ class CopyBackend(ABC):
 # device type -> module that registers its backend when imported (imported on first use, so a
 # CPU-only machine never imports the CUDA backend's optional dependencies)
 BACKEND_MODULES = {"cpu": "hicache.l2.copy_cpu", "cuda": "hicache.l2.copy_cuda"}
+# pools whose dtypes differ (a declared ``hicache.page_format.Conversion``): any device
+CONVERT_MODULE = "hicache.l2.copy_convert"
 _BACKENDS: dict[str, type[CopyBackend]] = {}
 
 
@@ -443,10 +450,16 @@ class TransferEngine:
             raise UsageError(f"copy_threads must be an int in [1, {MAX_COPY_THREADS}], got "
                              f"{copy_threads!r}")
         d, h = device_pool, host_pool
-        for name in ("num_layers", "kv_dim", "dtype"):
-            if getattr(d, name) != getattr(h, name):
-                raise UsageError(f"device and host pools disagree on {name}: "
-                                 f"{getattr(d, name)} vs {getattr(h, name)}")
+        # the pools' formats: same shape; the host's dtype may differ through a declared
+        # conversion that is exact from the device's (a backup never rounds)
+        try:
+            self.conversion = conversion(d.format, h.format)
+        except UsageError as e:
+            raise UsageError(f"device and host pools disagree: {e}") from None
+        if self.conversion is not None and not self.conversion.exact:
+            raise UsageError(f"device and host pools disagree on dtype: {d.dtype} -> {h.dtype} "
+                             "would round on every backup; the host needs a dtype that holds "
+                             "every device value")
         if (d.layout.dcp_size, d.layout.rank, d.layout.page_size) != \
                 (h.layout.dcp_size, h.layout.rank, h.layout.page_size):
             raise UsageError(f"device and host pools have different layouts: {d.layout} vs "
@@ -461,12 +474,15 @@ class TransferEngine:
         self._lock = threading.Lock()
         self._cond = threading.Condition(threading.Lock())  # shared by this engine's jobs
         self._closed = False
-        W = d.rows_per_page * d.kv_dim  # elements of one page-layer
+        W = d.format.block_elems  # elements of one page-layer
         self.block_elems = W
         self.device_side = PageSide("device", d.kv, d.num_layers, d.num_pages, W)
         self.host_side = PageSide("host", h.buf, h.num_layers, h.num_pages, W,
                                   page_major=h.layout_kind != "layer_first", pinned=h.pinned)
-        self.backend = (backend or backend_for(d.device.type))(self)
+        if backend is None:  # elements that change type: the converting backend
+            backend = (importlib.import_module(CONVERT_MODULE).ConvertBackend
+                       if self.conversion is not None else backend_for(d.device.type))
+        self.backend = backend(self)
 
     # ---- public API ----------------------------------------------------------------------------
     def backup(self, device_pages: PageList, host_pages: PageList) -> TransferJob:
@@ -485,15 +501,15 @@ class TransferEngine:
         """H2D from an L3 read's staging buffer: page i of ``staging`` (a contiguous CPU tensor
         ``[n, L, P, D]`` of the pool dtype) -> device page ``device_pages[i]``, layer by layer
         like a load. The caller keeps ``staging`` unchanged until the job is done."""
-        d = self.device_pool
-        want = (d.num_layers, d.rows_per_page, d.kv_dim)
+        d, fmt = self.device_pool, self.host_pool.format  # an L3 value holds a host page
+        want = fmt.shape
         if not isinstance(staging, torch.Tensor) or staging.dim() != 4 \
-                or tuple(staging.shape[1:]) != want or staging.dtype != d.dtype \
+                or tuple(staging.shape[1:]) != want or staging.dtype != fmt.dtype \
                 or staging.device.type != "cpu" or not staging.is_contiguous():
             got = (f"{tuple(staging.shape)} {staging.dtype} on {staging.device}"
                    if isinstance(staging, torch.Tensor) else type(staging).__name__)
             raise UsageError(f"restore needs a contiguous CPU staging tensor [n, "
-                             f"{', '.join(map(str, want))}] of {d.dtype}, got {got}")
+                             f"{', '.join(map(str, want))}] of {fmt.dtype}, got {got}")
         dst = page_ids(device_pages, "device pages")
         n = int(staging.shape[0])
         if dst.size > n:
@@ -539,7 +555,7 @@ class TransferEngine:
                 dst: PageSide | None = None) -> TransferJob:
         if self._closed:
             raise TransferError("transfer engine is closed")
-        nbytes = plan.num_pages * self.device_pool.bytes_per_page
+        nbytes = plan.num_pages * self.device_pool.format.page_bytes
         job = self.backend.job_class(direction, plan, self.num_layers, nbytes, src, dst,
                                      self._cond)
         self.backend.submit(job)

@@ -22,7 +22,9 @@ import torch
 
 from hicache.checks import check_int
 from hicache.errors import L3Error, UsageError
+from hicache import page_format
 from hicache.ids import as_tokens
+from hicache.page_format import PageFormat, PageKind
 
 FORMAT_VERSION = 2  # 2: XXH3-64 value checksum (1: CRC-32)
 DIGEST_BYTES = 16
@@ -32,22 +34,26 @@ _CHAIN_SEED = b"hicache-l3-chain"
 
 def dtype_name(dtype: Any) -> str:
     """``torch.bfloat16`` / ``"bfloat16"`` / ``"torch.bfloat16"`` -> ``"bfloat16"``."""
-    if isinstance(dtype, torch.dtype):
-        return str(dtype).removeprefix("torch.")
-    if isinstance(dtype, str):
-        name = dtype.removeprefix("torch.")
-        if not isinstance(getattr(torch, name, None), torch.dtype):
-            raise L3Error(f"unknown dtype {dtype!r}")
-        return name
-    raise L3Error(f"dtype must be a torch.dtype or its name, got {dtype!r}")
+    try:
+        return page_format.dtype_name(dtype)
+    except UsageError:
+        raise L3Error(f"unknown dtype {dtype!r}" if isinstance(dtype, str) else
+                      f"dtype must be a torch.dtype or its name, got {dtype!r}") from None
+
+
+DEFAULT_FORMAT = ("striped", "kv", "raw")  # (kind, name, encoding) signed as before: same keys
 
 
 @dataclass(frozen=True)
 class Namespace:
-    """Everything that changes the bytes of a stored rank shard.
+    """Everything that changes the bytes of a stored rank shard: the model signature, the
+    shard's ``PageFormat`` (``format``) and the DCP layout its keys are chained over.
 
-    ``model`` is a free-form model signature (name, weights revision, ...). The stored shard of a
-    widened page on one rank has shape ``[num_layers, page_size, kv_dim]`` and dtype ``dtype``.
+    ``model`` is a free-form model signature (name, weights revision, ...). ``for_format``
+    builds one from a ``PageFormat``; the fields spell the same facts out (``num_layers``,
+    ``kv_dim`` = row width, ``dtype``, ``page_size`` = P, ``kind``, ``name``, ``rows``,
+    ``encoding``). The target KV's namespace digest is the one stores written before formats
+    existed carry; any other format signs its kind, name, rows and encoding too.
     """
 
     model: str
@@ -58,34 +64,65 @@ class Namespace:
     dcp_size: int
     interleave: int = 1
     format_version: int = FORMAT_VERSION
+    kind: str = "striped"
+    name: str = "kv"
+    rows: int = 0   # rows per shard; 0 = the kind's own (P striped, P*c replicated)
+    encoding: str = "raw"
     digest: bytes = field(init=False, repr=False, compare=False)
+    format: PageFormat = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):
             raise L3Error(f"Namespace.model must be a str, got {self.model!r}")
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
-        for name in ("num_layers", "kv_dim", "page_size", "dcp_size", "interleave",
-                     "format_version"):
-            check_int(getattr(self, name), f"Namespace.{name}", error=L3Error)
+        for key in ("num_layers", "kv_dim", "page_size", "dcp_size", "interleave",
+                    "format_version"):
+            check_int(getattr(self, key), f"Namespace.{key}", error=L3Error)
+        check_int(self.rows, "Namespace.rows", 0, error=L3Error)
+        try:
+            kind = PageKind(self.kind)
+            own = {PageKind.STRIPED: self.page_size,
+                   PageKind.REPLICATED: self.page_size * self.dcp_size}.get(kind, 0)
+            if self.rows and own and self.rows != own:
+                raise UsageError(f"a {kind.value} shard has {own} rows, got rows={self.rows}")
+            fmt = PageFormat(self.name, kind, self.num_layers, self.rows or own or 0,
+                             self.kv_dim, self.dtype, self.encoding)
+        except (UsageError, ValueError) as e:
+            raise L3Error(f"Namespace: {e}") from None
+        object.__setattr__(self, "kind", kind.value)
+        object.__setattr__(self, "rows", fmt.rows)
+        object.__setattr__(self, "format", fmt)
         fields = [self.model, self.num_layers, self.kv_dim, self.dtype, self.page_size,
                   self.dcp_size, self.interleave, self.format_version]
+        if (self.kind, self.name, self.encoding) != DEFAULT_FORMAT:
+            fields += [self.kind, self.name, self.rows, self.encoding]
         digest = hashlib.blake2b(msgpack.packb(fields), digest_size=DIGEST_BYTES,
                                  person=b"hicache-ns").digest()
         object.__setattr__(self, "digest", digest)
 
+    @classmethod
+    def for_format(cls, fmt: PageFormat, model: str, page_size: int, dcp_size: int,
+                   interleave: int = 1) -> "Namespace":
+        """The namespace of ``fmt``'s shards under a DCP layout of ``page_size`` (P) rows per
+        rank over ``dcp_size`` ranks (the chain covers ``P*c`` tokens a page)."""
+        if not isinstance(fmt, PageFormat):
+            raise L3Error(f"format must be a PageFormat, got {type(fmt).__name__}")
+        return cls(model=model, num_layers=fmt.layers, kv_dim=fmt.row_width, dtype=fmt.dtype,
+                   page_size=page_size, dcp_size=dcp_size, interleave=interleave,
+                   kind=fmt.kind.value, name=fmt.name, rows=fmt.rows, encoding=fmt.encoding)
+
     @property
     def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
+        return self.format.dtype
 
     @property
     def shard_shape(self) -> tuple[int, int, int]:
-        """Shape of one rank's shard of one widened page: ``[L, P, D]``."""
-        return (self.num_layers, self.page_size, self.kv_dim)
+        """Shape of one rank's shard of one widened page: ``[L, rows, width]``."""
+        return self.format.shape
 
     @property
     def shard_bytes(self) -> int:
-        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
-        return self.num_layers * self.page_size * self.kv_dim * itemsize
+        return self.format.page_bytes
 
     @property
     def page_tokens(self) -> int:
@@ -93,19 +130,22 @@ class Namespace:
         return self.page_size * self.dcp_size
 
     @classmethod
-    def from_config(cls, config: Any, model: str = "mla") -> "Namespace":
-        """Build from a ``HiCacheConfig`` (duck-typed: model/parallel/cache sections). Pass
-        ``model`` = a weights signature when the same shapes can carry different weights (the
-        model section's own ``signature`` field is left to the caller: it may be overridden)."""
+    def from_config(cls, config: Any, model: str = "mla",
+                    fmt: PageFormat | None = None) -> "Namespace":
+        """Build from a ``HiCacheConfig`` (duck-typed: model/parallel/cache sections) for
+        ``fmt`` (default: the config's target KV format). Pass ``model`` = a weights signature
+        when the same shapes can carry different weights (the model section's own
+        ``signature`` field is left to the caller: it may be overridden)."""
         m, par = config.model, config.parallel
         if dataclasses.is_dataclass(m):  # every model field (shapes, preset, ...) signs the bytes
             sig = ",".join(f"{k}={v}" for k, v in sorted(dataclasses.asdict(m).items())
                            if k != "signature")
         else:
             sig = f"lora{m.kv_lora_rank}:rope{m.rope_dim}"
-        return cls(model=f"{model}:{sig}", num_layers=m.num_layers,
-                   kv_dim=m.kv_dim, dtype=dtype_name(m.dtype), page_size=config.cache.page_size,
-                   dcp_size=par.dcp, interleave=par.interleave)
+        if fmt is None:
+            fmt = PageFormat.striped_kv(m.num_layers, config.cache.page_size, m.kv_dim, m.dtype)
+        return cls.for_format(fmt, f"{model}:{sig}", config.cache.page_size, par.dcp,
+                              par.interleave)
 
 
 def _tokens_array(tokens: Any) -> np.ndarray:
