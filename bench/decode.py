@@ -24,7 +24,7 @@ from tqdm import tqdm
 from hicache.distributed import launch
 from hicache.engine.cli import DecodeSpec, decode_worker, decode_worker_many
 
-BACKENDS = [("a2a", True), ("a2a", False), ("ag_rs", True), ("ag_rs", False)]
+VARIANTS = [("a2a", True), ("a2a", False), ("ag_rs", True), ("ag_rs", False)]
 
 
 def model_overrides(quick: bool) -> tuple:
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
             specs = [DecodeSpec(dcp=1, **base)]
             results = [[decode_worker(0, 1, specs[0])]]
         else:
-            specs = [DecodeSpec(dcp=c, backend=b, replicate_q=rq, **base) for b, rq in BACKENDS]
+            specs = [DecodeSpec(dcp=c, backend=b, replicate_q=rq, **base) for b, rq in VARIANTS]
             per_rank = launch(c, decode_worker_many, specs, backend="gloo", timeout_s=900)
             results = [[per_rank[r][i] for r in range(c)] for i in range(len(specs))]
         for spec, res in zip(specs, results):

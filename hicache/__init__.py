@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {"ConfigError": "errors", "HiCacheConfig": "config", "load_config": "config",
-            "MODES": "service", "HiCache": "service", "HiCacheError": "errors",
+            "CACHE_MODES": "service", "HiCache": "service", "HiCacheError": "errors",
             "Prefix": "service"}
 
 __all__ = sorted(_EXPORTS, key=str.lower)

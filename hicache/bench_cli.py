@@ -28,7 +28,7 @@ from .config import HiCacheConfig, load_config
 from .controller.policy import WRITE_POLICIES
 from .errors import UsageError
 from .report import table
-from .service import MODES, RESTORE_RETRIES, HiCache
+from .service import CACHE_MODES, RESTORE_RETRIES, HiCache
 from .workloads import (MAX_REQUEST_TOKENS, SCALE_MAX, SEED_MAX, agentic_trace, chat_trace,
                         load_trace, trace_summary)
 
@@ -170,9 +170,10 @@ def variants(cfg: HiCacheConfig, modes: list[str], writes: list[str] | None,
     differs from the other rows (``l1+l2 write_back``, ``l1 overtake=0``)."""
     out = []
     for m in modes:
-        for w in (writes if writes and "l2" in MODES[m] else [cfg.policy.write]):
+        for w in (writes if writes and "l2" in CACHE_MODES[m] else [cfg.policy.write]):
             for k in overtakes:
-                name = m + (f" {w}" if writes and len(writes) > 1 and "l2" in MODES[m] else "")
+                name = m + (f" {w}" if writes and len(writes) > 1 and "l2" in CACHE_MODES[m]
+                            else "")
                 name += f" overtake={k}" if len(overtakes) > 1 else ""
                 out.append(Variant(name, m, w, k))
     return out
@@ -187,7 +188,7 @@ def run_variants(cfg: HiCacheConfig, vs: list[Variant], jobs: list, opts: dict,
     for _ in range(reps):
         for i, v in enumerate(vs):
             c = cfg if v.write == cfg.policy.write else cfg.replace(policy={"write": v.write})
-            with _cold_l3(c, opts.get("cold_l3") and "l3" in MODES[v.mode]) as c:
+            with _cold_l3(c, opts.get("cold_l3") and "l3" in CACHE_MODES[v.mode]) as c:
                 runs[i].append(run_mode(c, v.mode, jobs,
                                         {**opts, "max_overtakes": v.max_overtakes}))
     rows = []
@@ -340,8 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="Hugging Face DeepSeek-V2/V3 checkpoint directory to run "
                    "(replaces the policy file's [model] section)")
     p.add_argument("--dcp", type=int, help="DCP ranks to spawn (overrides the policy file)")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated, any of "
-                   + ", ".join(MODES))
+    p.add_argument("--modes", default=",".join(CACHE_MODES), help="comma-separated, any of "
+                   + ", ".join(CACHE_MODES))
     p.add_argument("--scale", type=float, default=None,
                    help="trace size, 1.0 = full (default: chat 0.1, agentic 0.02: ~2 min on "
                         "2 CPU cores)")
@@ -364,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every run of an L3 mode starts on an empty store of its own (a fresh "
                         "directory beside the LMDB l3.path, removed after the run): cold reps")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk tokens")
-    p.add_argument("--backend", default="a2a", choices=("a2a", "ag_rs"))
+    from .engine.dcp import DCP_BACKENDS  # the engine's list is the one home of these names
+    p.add_argument("--backend", default=DCP_BACKENDS[0], choices=DCP_BACKENDS)
     p.add_argument("--verify", action="store_true",
                    help="token ids of every mode must equal recompute's (run for the purpose "
                         "when recompute is not among --modes); exit 1 otherwise")
@@ -454,7 +456,7 @@ def _resolve(args) -> tuple[HiCacheConfig, list[Variant], list[str]]:
         if not 1 <= args.dcp <= 4096:
             raise UsageError(f"--dcp must be in [1, 4096], got {args.dcp}")
         cfg = cfg.replace(parallel={"dcp": args.dcp})
-    modes = _names("--modes", args.modes, MODES)
+    modes = _names("--modes", args.modes, CACHE_MODES)
     writes = _names("--write", args.write, WRITE_POLICIES) if args.write is not None else None
     overtakes = []
     for x in str(args.max_overtakes).split(","):
@@ -506,7 +508,7 @@ def _resolve(args) -> tuple[HiCacheConfig, list[Variant], list[str]]:
             raise UsageError("--plot needs matplotlib: pip install 'hicache[plot]'")
     if args.out is not None:
         check_destination("--out", args.out)
-    tiers = tuple(sorted({t for m in modes for t in MODES[m]}))
+    tiers = tuple(sorted({t for m in modes for t in CACHE_MODES[m]}))
     for w in preflight.validate(cfg, tiers=tiers):  # before any rank is spawned
         print(f"warning: {w}", file=sys.stderr)
     return cfg, variants(cfg, modes, writes, overtakes), workloads

@@ -35,11 +35,34 @@ def opt(default: Any, help: str, *, choices: tuple = (), min: float | None = Non
     return field(default=default, metadata=meta)
 
 
+# The schema below is the one home of every key's choices, default and range: code elsewhere
+# (the pools, the transfer engine, the controller, the CLIs) reads them through these three.
+def _key(section: type, key: str) -> dataclasses.Field:
+    return {f.name: f for f in dataclasses.fields(section)}[key]
+
+
+def choices(section: type, key: str) -> tuple:
+    """The allowed values of ``section.key`` (e.g. ``choices(L2Section, "layout")``)."""
+    return _key(section, key).metadata["choices"]
+
+
+def default(section: type, key: str) -> Any:
+    """The default of ``section.key``."""
+    return _key(section, key).default
+
+
+def bounds(section: type, key: str) -> tuple[Any, Any]:
+    """``(min, max)`` of a numeric key."""
+    meta = _key(section, key).metadata
+    return meta["min"], meta["max"]
+
+
 @dataclass(frozen=True)
 class ModelSection:
     preset: str = opt("", "registry model (deepseek-r1, deepseek-v3, kimi-k2): sets num_layers, "
                           "kv_lora_rank and rope_dim; empty = use the fields below",
-                      choices=("", "deepseek-r1", "deepseek-v3", "kimi-k2"))
+                      choices=("",) + tuple(n for n, m in topology.MODELS.items()
+                                            if m.attention == "mla"))
     num_layers: int = opt(4, "MLA layers whose KV is cached", min=1, max=1024)
     kv_lora_rank: int = opt(64, "latent KV width (512 in DeepSeek-V3)", min=1, max=65536)
     rope_dim: int = opt(16, "decoupled RoPE key width, even (64 in DeepSeek-V3)", min=2,

@@ -47,8 +47,9 @@ from .tier_io import PREFETCH_OUTCOMES, Job, L3Read, TierIO, Waits, join
 
 TIERS = ("l1", "l2", "l3")
 RESTORE_RETRIES = 64  # steps an agreed L3 restore may wait for L1 room before recomputing
-MODES = {"recompute": (), "l1": ("l1",), "l1+l2": ("l1", "l2"), "l1+l2+l3": ("l1", "l2", "l3")}
-__all__ = ["HiCache", "Prefix", "MODES", "TIERS", "RESTORE_RETRIES", "PREFETCH_OUTCOMES"]
+CACHE_MODES = {"recompute": (), "l1": ("l1",), "l1+l2": ("l1", "l2"),
+               "l1+l2+l3": ("l1", "l2", "l3")}
+__all__ = ["HiCache", "Prefix", "CACHE_MODES", "TIERS", "RESTORE_RETRIES", "PREFETCH_OUTCOMES"]
 
 
 @dataclass
@@ -147,13 +148,13 @@ class HiCache:
         transfers and L3 store."""
         if mode is None:
             mode = "l1+l2+l3" if config.l3.enabled else "l1+l2"
-        if mode not in MODES:
-            raise UsageError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        if mode not in CACHE_MODES:
+            raise UsageError(f"unknown mode {mode!r}; expected one of {', '.join(CACHE_MODES)}")
         if weights_signature is None:
             weights_signature = config.model.signature
         if not isinstance(weights_signature, str):
             raise UsageError(f"weights_signature must be a str, got {weights_signature!r}")
-        if "l3" in MODES[mode] and not weights_signature:
+        if "l3" in CACHE_MODES[mode] and not weights_signature:
             raise ConfigError(
                 "model.signature: L3 is enabled but no weights signature is set, so another "
                 "checkpoint of the same shapes could be served this one's KV; set [model] "
@@ -168,7 +169,7 @@ class HiCache:
         # (id, count) among the TP replicas of this shard that share this rank's L3 store (one
         # writer per page per store: l3.store_replica computes it from the ranks' nodes)
         self.replica = replica
-        self.tiers = MODES[mode]
+        self.tiers = CACHE_MODES[mode]
         # the checks check-config and hicache-bench run (engine needs aside); this rank's pools
         machine = preflight.Machine.detect()
         preflight.validate(config, tiers=self.tiers, ranks=1, engine=False, machine=machine)

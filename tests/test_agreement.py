@@ -184,7 +184,7 @@ def _kinds(rank):
     from hicache.controller import StepAgreement
     from hicache.distributed import min_across_ranks
     from hicache.l3 import restore_lengths
-    from hicache.pcp.prefill import MODES, _agree_prompt
+    from hicache.pcp.prefill import PCP_MODES, _agree_prompt
     step = StepAgreement()
     pairs = {  # name -> (rank 0's agreement, rank 1's)
         "checkpoint_vs_step": (
@@ -192,7 +192,7 @@ def _kinds(rank):
             lambda: step.step([1, 2], {1}, [3])),
         "min_vs_step": (lambda: min_across_ranks([1, 2]), lambda: step.step([], set(), [])),
         "pcp_vs_restore": (
-            lambda: _agree_prompt("PCP prefill", None, torch.arange(5), MODES[0], None),
+            lambda: _agree_prompt("PCP prefill", None, torch.arange(5), PCP_MODES[0], None),
             lambda: restore_lengths([8, 12], 4)),
     }
     out = {}

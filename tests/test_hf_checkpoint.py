@@ -185,10 +185,10 @@ def serve_modes(path, l3_root, dcp, jobs, rank=0, group=None):
     """Every mode of the serving loop on the checkpoint: mode -> (outputs by id, hit tokens)."""
     from helpers import l3_writes_land_at_once
     from hicache.serving import Server
-    from hicache.service import HiCache, MODES
+    from hicache.service import HiCache, CACHE_MODES
     model = hf.load_model(path)
     out = {}
-    for mode in MODES:
+    for mode in CACHE_MODES:
         # L1 holds two running requests (6 pages each): later ones find the prefixes of the
         # finished ones in L1
         cfg = policy(path, Path(l3_root) / mode.replace("+", "_"), dcp, l1_pages=12,

@@ -196,3 +196,23 @@ def test_the_service_builds_its_pools_and_namespace_from_the_config_format(tmp_p
         assert cache.namespace.format == cache.l2.format
         assert cache.namespace.digest == Namespace.from_config(cfg, "test-weights").digest
         assert cache.l2.nbytes == cache.ctrl.host.num_pages * cfg.page_format.page_bytes
+
+
+def test_check_config_and_plan_show_the_format(tmp_path, capsys):
+    import json
+
+    from hicache.cli import main
+    policy = tmp_path / "p.toml"
+    policy.write_text('[model]\nnum_layers = 3\nkv_lora_rank = 24\nrope_dim = 8\n'
+                      'dtype = "bfloat16"\n[cache]\npage_size = 8\n[l1]\nnum_pages = 4\n')
+    assert main(["check-config", str(policy), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    fmt = PageFormat.striped_kv(3, 8, 32, torch.bfloat16)
+    assert info["page_formats"] == [fmt.describe()] and "3 layers x 8 rows x 32 bfloat16" in \
+        fmt.describe()
+    assert info["page_bytes_per_rank"] == fmt.page_bytes == 3 * 8 * 32 * 2
+    assert main(["plan", "--shape", "mla:4:24:8:4", "--tp", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows[0]["kv_bytes_per_token_per_rank"] == 4 * 32 * 4  # float32: 4 bytes a value
+    assert main(["plan", "--shape", "mla:4:24:8:3", "--tp", "2"]) == 2
+    assert "BYTES must be one of 1, 2, 4" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from hicache.distributed import launch
 from hicache.engine.model import MLAModel
 from hicache.errors import ConfigError, DeviceFullError, HiCacheError, TransferError
 from hicache.serving import Server, model_config
-from hicache.service import HiCache, MODES
+from hicache.service import HiCache, CACHE_MODES
 from hicache.workloads import Request
 
 from helpers import admit_ready, l3_writes_land_at_once, make_cfg
@@ -60,7 +60,7 @@ def test_every_mode_gives_the_same_tokens_and_each_tier_serves(tmp_path):
     # every session (L2 hits); at 1x L1 it cannot, so the second visits come from L3.
     jobs = revisit_trace()
     outs = {}
-    for mode in MODES:
+    for mode in CACHE_MODES:
         cfg = make_cfg(tmp_path / mode / "l3", l1_pages=24, l2_ratio=1.0 if "l3" in mode else 3.0,
                        prefetch="wait_complete")
         with l3_writes_land_at_once():
@@ -79,7 +79,7 @@ def test_every_mode_gives_the_same_tokens_and_each_tier_serves(tmp_path):
         if "l3" in mode:
             assert hits["l3"] >= 2 * 32 and stats["bytes"]["l3_read"] > 0
         assert stats["locks"] == 0
-    for mode in MODES:
+    for mode in CACHE_MODES:
         assert outs[mode] == outs["recompute"], mode
 
 

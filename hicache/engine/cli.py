@@ -40,9 +40,9 @@ from typing import Optional
 
 import torch
 
-from hicache.engine.dcp import BACKENDS
+from hicache.engine.dcp import DCP_BACKENDS
 from hicache.errors import TopologyError, UsageError
-from hicache.pcp.ring import MODES
+from hicache.pcp.ring import PCP_MODES
 
 
 MAX_RANKS = 256          # processes one decode run may launch
@@ -262,9 +262,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def spec_from_args(args) -> DecodeSpec:
     """Validate the arguments; every problem is a one-line UsageError."""
     from hicache.topology import validate
-    if args.backend not in BACKENDS:
+    if args.backend not in DCP_BACKENDS:
         raise UsageError(
-            f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
+            f"--backend must be one of {', '.join(DCP_BACKENDS)}, got {args.backend!r}")
     for name, lo, hi in (("dcp", 1, MAX_RANKS), ("pcp", 1, MAX_RANKS),
                          ("prompt_len", 1, MAX_TOKENS), ("new_tokens", 0, MAX_TOKENS),
                          ("page_size", 1, MAX_PAGE_SIZE)):
@@ -279,9 +279,9 @@ def spec_from_args(args) -> DecodeSpec:
                          f"got {args.timeout}")
     if args.seed < 0 or args.seed >= 1 << 63:
         raise UsageError(f"--seed must be in [0, 2**63 - 1], got {args.seed}")
-    if args.pcp_mode not in MODES:
+    if args.pcp_mode not in PCP_MODES:
         raise UsageError(
-            f"--pcp-mode must be one of {', '.join(MODES)}, got {args.pcp_mode!r}")
+            f"--pcp-mode must be one of {', '.join(PCP_MODES)}, got {args.pcp_mode!r}")
     if args.device not in ("cpu", "cuda"):
         raise UsageError(f"--device must be cpu or cuda, got {args.device!r}")
     world = max(args.pcp, args.dcp)

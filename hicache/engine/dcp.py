@@ -26,7 +26,7 @@ from hicache.errors import TopologyError
 from hicache import distributed as hd
 from hicache.engine.merge import merge_attn_states, merge_weights
 
-BACKENDS = ("a2a", "ag_rs")
+DCP_BACKENDS = ("a2a", "ag_rs")
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,9 @@ class DCPComm:
     group: Any = None  # torch.distributed process group; None = the default group
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise TopologyError(f"unknown DCP backend {self.backend!r}; choose one of {BACKENDS}")
+        if self.backend not in DCP_BACKENDS:
+            raise TopologyError(f"unknown DCP backend {self.backend!r}; choose one of "
+                                f"{DCP_BACKENDS}")
         check_int(self.size, "DCP size", error=TopologyError)
         if not 0 <= self.rank < self.size:
             raise TopologyError(f"rank {self.rank} is outside the DCP group [0, {self.size})")

@@ -1,6 +1,7 @@
 """CPU block copies: plan and run the copy of page-layer blocks between two flat block arrays.
 
-A block is ``P`` rows of one layer (``P * kv_dim`` elements). ``plan_blocks`` turns block id
+A block is one page-layer of the pools' ``PageFormat`` (``fmt.block_elems`` elements, ``P`` rows
+of ``kv_dim`` for the target KV). ``plan_blocks`` turns block id
 lists into a few C-level copy loops, whichever kind needs the fewest calls: ``numpy.take`` into
 each contiguous destination run, a numpy scatter from each (strided) source run, or one
 ``memmove`` per run contiguous on both sides (all release the GIL). Pure numpy: no threads, no

@@ -25,17 +25,21 @@ import psutil
 import torch
 
 from hicache.checks import check_int
+from hicache.config import L2Section, choices, default
 from hicache.errors import HostMemoryError, UsageError
 from hicache.l1.pool import advise_hugepages, check_shape_args, format_row_layout
 from hicache.layout import DCPLayout
 from hicache.page_format import PageFormat
 
-LAYOUTS = ("layer_first", "page_first")
-PIN_MODES = ("auto", "on", "off")
+# the policy file's choices and defaults (hicache.config is their one home)
+LAYOUTS: tuple[str, ...] = choices(L2Section, "layout")
+PIN_MODES: tuple[str, ...] = choices(L2Section, "pin")
+DEFAULT_LAYOUT: str = default(L2Section, "layout")
+DEFAULT_PIN: str = default(L2Section, "pin")
 
 
 def host_pages_for(l1_pages: int, bytes_per_page: int, size_bytes: int = 0,
-                   ratio: float = 2.0) -> int:
+                   ratio: float = default(L2Section, "ratio")) -> int:
     """L2 page count: ``size_bytes // bytes_per_page`` when ``size_bytes > 0``, else
     ``floor(l1_pages * ratio)``. ``bytes_per_page`` is this rank's bytes for one widened page."""
     if bytes_per_page <= 0:
@@ -122,7 +126,7 @@ class HostKVPool:
     any format (e.g. the target KV kept in a wider dtype). Every size is the format's."""
 
     def __init__(self, layout: DCPLayout, num_layers: int, kv_dim: int, dtype: torch.dtype,
-                 num_pages: int, layout_kind: str = "page_first", pin: str = "auto",
+                 num_pages: int, layout_kind: str = DEFAULT_LAYOUT, pin: str = DEFAULT_PIN,
                  max_memory_fraction: float = 0.9) -> None:
         if not isinstance(layout, DCPLayout):
             raise UsageError(f"layout must be a DCPLayout, got {type(layout).__name__}")
@@ -132,7 +136,7 @@ class HostKVPool:
 
     @classmethod
     def for_format(cls, layout: DCPLayout, fmt: PageFormat, num_pages: int,
-                   layout_kind: str = "page_first", pin: str = "auto",
+                   layout_kind: str = DEFAULT_LAYOUT, pin: str = DEFAULT_PIN,
                    max_memory_fraction: float = 0.9) -> "HostKVPool":
         pool = cls.__new__(cls)
         pool._setup(layout, fmt, num_pages, layout_kind, pin, max_memory_fraction)

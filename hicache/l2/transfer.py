@@ -38,6 +38,7 @@ from typing import Sequence, Union
 import numpy as np
 import torch
 
+from hicache.config import IOSection, bounds, choices, default
 from hicache.errors import TransferError, UsageError
 from hicache.ids import page_ids
 from hicache.l1.pool import DeviceKVPool
@@ -45,10 +46,11 @@ from hicache.l2.pool import HostKVPool
 from hicache.page_format import conversion
 
 PageList = Union[Sequence[int], torch.Tensor]
-IO_BACKENDS = ("direct", "kernel")
+# the policy file's choices and defaults (hicache.config is their one home)
+IO_BACKENDS: tuple[str, ...] = choices(IOSection, "backend")
 # CPU copy backend: threads that copy one big job together (see ``TransferEngine.split_bytes``)
-COPY_THREADS = 2
-MAX_COPY_THREADS = 16
+COPY_THREADS: int = default(IOSection, "copy_threads")
+MAX_COPY_THREADS: int = bounds(IOSection, "copy_threads")[1]
 MEDIA = ("device", "host", "staging")  # L1 pool, L2 pool, an L3 read's staging buffer
 
 
@@ -440,7 +442,7 @@ class TransferEngine:
     split_bytes: int = 8 << 20
 
     def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool,
-                 io_backend: str = "direct", use_cupy: bool | None = None,
+                 io_backend: str = default(IOSection, "backend"), use_cupy: bool | None = None,
                  copy_threads: int = COPY_THREADS, backend: type[CopyBackend] | None = None
                  ) -> None:
         if io_backend not in IO_BACKENDS:

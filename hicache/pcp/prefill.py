@@ -66,7 +66,7 @@ from hicache import distributed as hdist
 from hicache import minvec, outcome
 from hicache.layout import DCPLayout, slot_of
 from hicache.pcp.partition import DualChunkSwap
-from hicache.pcp.ring import MODES, ContextParallelAttention, KVPlacement
+from hicache.pcp.ring import PCP_MODES, ContextParallelAttention, KVPlacement
 
 
 @dataclass(frozen=True)
@@ -89,8 +89,8 @@ def _prompt(tokens, mode: str, vocab_size: int) -> torch.Tensor:
     """The prompt as int64 [n] on the CPU; raises UsageError for what cannot be prefilled. The
     whole prompt's ids are range-checked here: each rank embeds only its own positions, so a
     bad id found there would stop one rank while the others wait in the ring."""
-    if mode not in MODES:
-        raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode not in PCP_MODES:
+        raise UsageError(f"mode must be one of {PCP_MODES}, got {mode!r}")
     tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1).cpu()
     if tokens.numel() == 0:
         raise UsageError("cannot prefill an empty prompt")
@@ -148,7 +148,7 @@ def _agree_prompt(where: str, error: BaseException | None, tokens, mode: str, gr
     every rank when one failed (``error``) or when the ranks' prompts (length, tokens), modes
     or ``route`` values (``_route``; the same count on every rank) differ."""
     n = int(tokens.numel()) if error is None else 0
-    vals = (n, MODES.index(mode), _digest(tokens), *route) if error is None \
+    vals = (n, PCP_MODES.index(mode), _digest(tokens), *route) if error is None \
         else (0,) * (3 + len(route))
     h = outcome.checkpoint(where, error, group, header=_pairs(*vals), detail=True,
                            kind=minvec.PCP)
@@ -158,8 +158,8 @@ def _agree_prompt(where: str, error: BaseException | None, tokens, mode: str, gr
                               f"{n}); every rank must prefill the same prompt")
     lo, hi = _spread(h, 1)
     if lo != hi:
-        raise DivergenceError(f"{where}: the ranks use different modes ({MODES[lo]!r}, "
-                              f"{MODES[hi]!r}; this rank {mode!r})")
+        raise DivergenceError(f"{where}: the ranks use different modes ({PCP_MODES[lo]!r}, "
+                              f"{PCP_MODES[hi]!r}; this rank {mode!r})")
     if h[4] != -h[5]:
         raise DivergenceError(f"{where}: the ranks' prompts have the same length ({n}) but "
                               "different tokens; every rank must prefill the same prompt")

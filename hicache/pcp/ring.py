@@ -26,7 +26,7 @@ from hicache import distributed as hdist
 from hicache.engine.attention import attend_latent
 from hicache.engine.merge import merge_attn_states
 
-MODES = ("full_kv", "ring")
+PCP_MODES = ("full_kv", "ring")
 
 
 @dataclass(frozen=True)
@@ -119,8 +119,8 @@ class ContextParallelAttention:
 
     def __init__(self, placement: KVPlacement, rank: int, q_pos: torch.Tensor, mode: str = "ring",
                  group=None) -> None:
-        if mode not in MODES:
-            raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode not in PCP_MODES:
+            raise UsageError(f"mode must be one of {PCP_MODES}, got {mode!r}")
         if not 0 <= rank < placement.world_size:
             raise UsageError(
                 f"rank {rank} is outside the placement's {placement.world_size} ranks")
@@ -257,5 +257,5 @@ class ContextParallelAttention:
             self.pairs_computed += (run.hi - run.lo) * keys.shape[0]
 
 
-__all__: Sequence[str] = ["MODES", "Run", "contiguous_runs", "KVPlacement",
+__all__: Sequence[str] = ["PCP_MODES", "Run", "contiguous_runs", "KVPlacement",
                           "ContextParallelAttention"]
