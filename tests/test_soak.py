@@ -14,7 +14,7 @@ from hicache.l3 import chain_hashes
 from hicache.faults import FaultConfig, FaultInjector, InjectedFault, corrupt_values
 from hicache.service import HiCache
 
-from helpers import admit_ready, make_cfg
+from helpers import write_kv_rows, admit_ready, make_cfg
 from test_metrics import bench_config
 
 # L1 and L2 smaller than the trace: every pass evicts, backs up (D2H), loads back (H2D) and
@@ -106,6 +106,7 @@ def test_an_injected_copy_failure_stops_the_step_and_a_cache_without_faults_is_u
     tokens = np.random.default_rng(2).integers(0, 128, 16)
     cache.admit("a", tokens)
     cache.alloc("a", 16)
+    write_kv_rows(cache, "a", 16)
     cache.finish("a", tokens)  # write-through backup: its D2H copy is the injected failure
     with pytest.raises(TransferError, match="injected d2h copy failure"):
         cache.drain()
