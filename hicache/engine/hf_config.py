@@ -16,6 +16,9 @@ tests check token for token:
   a group scores the sum of its best two; weights renormalised when ``norm_topk_prob``, then
   times ``routed_scaling_factor``; ``rope_interleave`` as configured.
 - Layers ``>= first_k_dense_replace`` are MoE (``moe_layer_freq`` 1), the others dense SwiGLU.
+- RoPE fields are read where transformers 5 reads them (``original_max_position_embeddings`` at
+  the top level first, then in the RoPE dict; ``rope_theta`` and ``partial_rotary_factor`` in
+  the dict first, then at the top level).
 - YaRN: interpolated inverse frequencies, the RoPE part of q and k scaled by
   ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` (or ``attention_factor``) and the
   softmax scale by ``mscale(factor, mscale_all_dim) ** 2``.
@@ -96,16 +99,21 @@ def _rope(raw: dict, arch: str, src: str) -> tuple[float, dict | None]:
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0:
         raise CheckpointError(f"{src}: rope_theta must be a positive number, got {theta!r}")
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise CheckpointError(f"{src}: {key}.partial_rotary_factor "
-                              f"{params['partial_rotary_factor']!r} is not supported (only 1.0)")
+    # where transformers reads each field: rope_theta and partial_rotary_factor from the RoPE
+    # dict first, then the top level; original_max_position_embeddings from the TOP LEVEL first
+    # (``standardize_rope_params``), then the dict, then max_position_embeddings
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial is not None and partial != 1.0:
+        raise CheckpointError(f"{src}: partial_rotary_factor {partial!r} is not supported "
+                              "(only 1.0)")
     if kind == "default":
         return float(theta), None
     if kind != "yarn":
         raise CheckpointError(f"{src}: {key} type {kind!r} is not supported; expected "
                               "'default' or 'yarn'")
     max_pos = raw.get("max_position_embeddings", _DEFAULTS[arch]["max_position_embeddings"])
-    orig = params.get("original_max_position_embeddings") or max_pos
+    orig = (raw.get("original_max_position_embeddings")
+            or params.get("original_max_position_embeddings") or max_pos)
     factor = params.get("factor")
     if factor is None:
         factor = max_pos / orig
