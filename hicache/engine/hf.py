@@ -41,6 +41,7 @@ from typing import Optional
 
 import torch
 
+from hicache.checks import regular_file
 from hicache.engine.hf_config import read_hf_config, weight_files
 from hicache.engine.model import MLAModel, ModelConfig
 from hicache.errors import CheckpointError
@@ -247,6 +248,7 @@ def load_model(path: str | os.PathLike, device: Optional[str | torch.device] = N
         # tensors: a 600 GB checkpoint is hashed once, not at every start.
         model.source_digest = weights_signature(path)
         return model
+    regular_file(path, "the model file", CheckpointError)  # stat before open
     return MLAModel.load(path, device)
 
 
@@ -258,6 +260,8 @@ _CHUNK = 16 << 20
 def _file_digest(path: Path) -> str:
     import xxhash
     h = xxhash.xxh3_128()
+    if not regular_file(path, "a checkpoint file", CheckpointError):
+        raise CheckpointError(f"{path}: missing")
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
@@ -283,6 +287,7 @@ def weights_signature(directory: str | os.PathLike) -> str:
     paths = [d / n for n in names] + files
     cache_path = d / SIGNATURE_FILE
     try:
+        regular_file(cache_path, "the signature cache")  # a FIFO: no cache, never a hang
         cached = json.loads(cache_path.read_text()).get("files", {})
         if not isinstance(cached, dict):
             cached = {}

@@ -31,7 +31,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from hicache.checks import check_int
+from hicache.checks import check_int, regular_file
 from hicache.errors import CheckpointError
 
 ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
@@ -65,6 +65,7 @@ _ROUTING = {  # architecture -> (scoring_func, allowed topk_method values)
 
 
 def load_json(path: Path, what: str) -> dict:
+    regular_file(path, what, CheckpointError)  # stat before open: a FIFO would hang the read
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -259,7 +260,7 @@ def weight_files(directory: str | Path) -> tuple[list[Path], dict[str, Path] | N
     """The checkpoint's safetensors files and, when sharded, its tensor -> file map."""
     d = Path(directory)
     index = d / "model.safetensors.index.json"
-    if index.is_file():
+    if regular_file(index, "the safetensors index", CheckpointError):
         data = load_json(index, "safetensors index")
         wmap = data.get("weight_map")
         if not isinstance(wmap, dict) or not wmap:
@@ -267,11 +268,11 @@ def weight_files(directory: str | Path) -> tuple[list[Path], dict[str, Path] | N
         owners = {k: d / str(v) for k, v in wmap.items()}
         files = sorted(set(owners.values()))
         for f in files:
-            if not f.is_file():
+            if not regular_file(f, "a weight file", CheckpointError):
                 raise CheckpointError(f"{index}: lists {f.name}, which is missing")
         return files, owners
     single = d / "model.safetensors"
-    if single.is_file():
+    if regular_file(single, "the weight file", CheckpointError):
         return [single], None
     others = sorted(p.name for p in d.glob("*.bin")) if d.is_dir() else []
     hint = f" (found {', '.join(others)}: only safetensors weights are read)" if others else ""
