@@ -131,6 +131,16 @@ def _ignored(name: str, num_layers: int) -> bool:
             and parts[2].isdigit() and int(parts[2]) >= num_layers)
 
 
+def non_finite(t: torch.Tensor) -> int:
+    """How many values of ``t`` are NaN or inf. A sum first (NaN and inf propagate through it;
+    a finite tensor's sum overflows only for values near the dtype's limit, which the exact
+    count below then clears): a sum streams the weights 20-30x faster than ``isfinite`` on CPU
+    (bench/finite_check.py)."""
+    if bool(torch.isfinite(t.sum())):
+        return 0
+    return int((~torch.isfinite(t)).sum())
+
+
 def _bound(cfg: ModelConfig, where: dict, d: Path) -> None:
     """CheckpointError (one line naming the config.json field) when config.json claims more
     layers, routed experts or vocabulary than the stored tensors hold: checked on the header
@@ -212,8 +222,7 @@ def load_checkpoint(directory: str | os.PathLike, device: Optional[str | torch.d
         t = where[k][0].get_tensor(k)  # memory-mapped
         if not t.is_floating_point():
             raise CheckpointError(f"{d}: tensor {k} has dtype {t.dtype}; expected a float")
-        if check_finite and not bool(torch.isfinite(t).all()):
-            bad = int((~torch.isfinite(t)).sum())
+        if check_finite and (bad := non_finite(t)):
             raise CheckpointError(f"{d}: tensor {k} ({where[k][1].name}) has {bad} non-finite "
                                   "values (NaN or inf): a corrupt checkpoint")
         name = _engine_name(k)
