@@ -55,9 +55,13 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
                  weights_signature=model.weights_signature()) as cache, \
             _serve_metrics(cache, rank, opts):
         model.to(cache.kv.device)  # the engine computes where its KV port lives
+        probe = None
+        if opts.get("verify"):  # the rows each served page brought, and first-token logits
+            from .kvcheck import KVProbe
+            probe = KVProbe(cache.kv, cache.page_tokens, all_pages=mode == "recompute")
         server = Server(model, cache, group=group, backend=opts["backend"],
                         chunk_tokens=opts["chunk"], max_running=opts["max_running"],
-                        max_overtakes=opts.get("max_overtakes", 4))
+                        max_overtakes=opts.get("max_overtakes", 4), probe=probe)
         bar = None
         if rank == 0 and opts["progress"]:
             from tqdm import tqdm
@@ -69,6 +73,9 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
         t0 = time.perf_counter()
         results = server.run(jobs, on_done=(lambda r: bar.update(1)) if bar else None)
         wall = time.perf_counter() - t0
+        if probe is not None:
+            out["probe"] = probe.result()
+            server.probe = None  # the soak's further passes are not compared
         cache.drain()  # every rank: apply the last transfers and L3 writes before counting
         first = cache.stats()  # the figures of the first pass; the soak only watches for leaks
         first["serving"] = {"preemptions": server.preemptions,
@@ -261,6 +268,8 @@ def summarize(mode: str, ranks: list[dict], opts: dict) -> dict:
                      for r in res],
     }
     row["final_stats"] = [r["final_stats"] for r in ranks]  # per rank, after the soak
+    if all("probe" in r for r in ranks):  # --verify: compared, then dropped from the report
+        row["probes"] = [r["probe"] for r in ranks]
     if opts["duration"]:
         row["soak"] = _soak_verdict([r["soak"] for r in ranks])
     return row
@@ -280,16 +289,27 @@ def stall_summary(stats: dict) -> dict:
     return out
 
 
-def verify_outputs(reference: dict, rows: list[dict]) -> dict:
-    """Compare each mode's token ids with recompute's, request by request."""
-    differs = {}
+def verify_outputs(reference: dict, rows: list[dict], ref_probes: list | None = None) -> dict:
+    """Compare each mode's token ids with recompute's, request by request; with the runs'
+    probes (``hicache.kvcheck``), also the KV rows of every page each mode served and the
+    first-token logits, rank by rank (``kv``: per mode, a ``Comparison``'s figures)."""
+    from .kvcheck import Comparison, compare
+    differs, kv = {}, {}
     for r in rows:
         out = r["outputs"]
         bad = sum(1 for k in set(reference) | set(out) if out.get(k) != reference.get(k))
         if bad:
             differs[r["name"]] = bad
-    return {"reference": "recompute", "requests": len(reference), "equal": not differs,
-            "differs": differs}
+        probes = r.pop("probes", None)
+        if ref_probes and probes and r.get("mode", r["name"]) != "recompute":
+            c = Comparison()
+            for ref, got in zip(ref_probes, probes):
+                c.add(compare(ref, got))
+            kv[r["name"]] = c.as_dict()
+    corrupt = {m: c for m, c in kv.items() if c["bad_pages"] or c["bad_logits"]}
+    return {"reference": "recompute", "requests": len(reference),
+            "equal": not differs and not corrupt, "differs": differs, "kv": kv,
+            "kv_corrupt": corrupt}
 
 
 def ideal_hit_ratio(jobs: list, outputs: dict, page_tokens: int) -> float:
@@ -381,6 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokens against recompute, agreement, leaks, hangs")
     p.add_argument("--fault-every", type=int, default=40, metavar="STEPS",
                    help="--faults: one injection every STEPS scheduler steps on average")
+    p.add_argument("--fault-kinds", default=None, metavar="K,..",
+                   help="--faults: the kinds drawn (default: every kind but the opt-in ones; "
+                        "kv_corrupt is a mutation the soak's KV check must report)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus /metrics on 127.0.0.1: rank r of each mode on PORT+r "
                         "while it runs (0 = off)")
@@ -496,6 +519,14 @@ def _resolve(args) -> tuple[HiCacheConfig, list[Variant], list[str]]:
             raise UsageError(f"--faults needs 2 or more ranks (--dcp), got {cfg.parallel.dcp}")
         number("--faults (seed)", args.faults, 0, SEED_MAX)
         number("--fault-every", args.fault_every, 2, 1 << 20)
+        if args.fault_kinds is not None:
+            from .faults import KINDS
+            kinds = tuple(k.strip() for k in args.fault_kinds.split(",") if k.strip())
+            bad = [k for k in kinds if k not in KINDS or k == "l3_restart"]
+            if bad or not kinds:
+                raise UsageError(f"--fault-kinds: unknown kind {(bad or [''])[0]!r}; expected "
+                                 f"some of {', '.join(k for k in KINDS if k != 'l3_restart')}")
+            args.fault_kinds = kinds
         given = [f for f, on in (("--write", args.write is not None),
                                  ("--max-overtakes", str(args.max_overtakes) != "4"),
                                  ("--reps", args.reps != 1), ("--cold-l3", args.cold_l3)) if on]
@@ -561,7 +592,7 @@ def _main(args) -> int:
         opts = {"seed": args.seed, "backend": args.backend, "chunk": args.chunk,
                 "max_running": args.max_running, "progress": not args.no_progress,
                 "duration": args.duration, "workload": w, "metrics_port": args.metrics_port,
-                "cold_l3": args.cold_l3}
+                "cold_l3": args.cold_l3, "verify": args.verify}
         rows = run_variants(cfg, vs, jobs, opts, args.reps)
         entry = {"workload": w, "trace": trace_summary(jobs), "modes": rows,
                  "ideal_hit_ratio": ideal_hit_ratio(jobs, rows[0]["outputs"],
@@ -569,10 +600,17 @@ def _main(args) -> int:
         if args.verify:  # always against recompute, run for the purpose when not a mode
             ref = next((r for r in rows if r.get("mode", r["name"]) == "recompute"), None) \
                 or run_mode(cfg, "recompute", jobs, opts)
-            entry["verify"] = v = verify_outputs(ref["outputs"], rows)
+            entry["verify"] = v = verify_outputs(ref["outputs"], rows, ref.pop("probes", None))
             for name, n in v["differs"].items():
                 failed.append(f"{w}: token ids of {n} of {v['requests']} requests differ from "
                               f"recompute in {name}")
+            for name, c in v["kv_corrupt"].items():
+                failed.append(f"{w}: {name} served KV that differs from recompute's: "
+                              f"{c['bad_pages']} of {c['pages']} pages, first-token logits of "
+                              f"{c['bad_logits']} requests (max |diff| "
+                              f"{c['logits_max_abs_diff']:.3g})")
+        for r in rows:
+            r.pop("probes", None)
         for r in rows:
             if r.get("soak", {}).get("leak"):
                 failed.append(f"{w}:{r['name']}: leak: {r['soak']['leak']}")
@@ -600,7 +638,7 @@ def _faults_main(args, cfg: HiCacheConfig, workload: str) -> int:
     jobs = _jobs(args, workload, cfg)
     opts = {"seed": args.seed, "backend": args.backend, "chunk": args.chunk,
             "max_running": args.max_running, "duration": args.duration, "faults": args.faults,
-            "fault_every": args.fault_every,
+            "fault_every": args.fault_every, "fault_kinds": args.fault_kinds,
             "metrics_port": args.metrics_port}
     f = run_soak(cfg, jobs, opts)
     report = {"config": cfg.to_dict(), "machine": machine(), "workload": workload,
@@ -670,9 +708,14 @@ def _print(workload: str, entry: dict, cfg: HiCacheConfig) -> None:
     v = entry.get("verify")
     if v and v["equal"]:
         print(f"  verify: token ids equal to recompute in every mode ({v['requests']} requests)")
-    elif v:
+    elif v and v["differs"]:
         print("  verify: token ids DIFFER from recompute: " + ", ".join(
             f"{m} ({n} of {v['requests']} requests)" for m, n in v["differs"].items()))
+    if v:
+        from .kvcheck import Comparison
+        for m, c in v["kv"].items():
+            flag = "CORRUPT " if m in v["kv_corrupt"] else ""
+            print(f"  verify {m}: {flag}{Comparison(**c).line()}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,12 +1,19 @@
-"""The one argument check the boundaries share (policy file, public constructors, trace files).
+"""The checks the boundaries share (policy file, public constructors, trace files, every path
+hicache opens).
 
 ``check_int(value, name, lo=1, hi=None, error=ValueError)``: ``value`` when it is an int (never a
 bool, which Python counts as one) in ``[lo, hi]``; otherwise ``error`` with one line naming
 ``name``, the range and what was given. Internal code trusts what a boundary checked.
+
+``regular_file(path, what, error=OSError)``: ``stat`` before ``open``. True for a regular file,
+False when nothing is there; a FIFO, socket, device or directory is ``error`` with one line
+(opening a FIFO blocks until a writer comes, a device may never end: never a hang).
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from typing import Any
 
 
@@ -25,3 +32,27 @@ def check_int(value: Any, name: str, lo: int = 1, hi: int | None = None,
             or (hi is not None and value > hi):
         raise error(f"{name} must be {int_range(lo, hi)}, got {value!r:.40}")
     return value
+
+
+def file_kind(mode: int) -> str:
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a character device"
+            if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+            else "a special file")
+
+
+def regular_file(path: str | os.PathLike, what: str,
+                 error: type[Exception] = OSError) -> bool:
+    """True when ``path`` (symlinks followed) is a regular file, False when there is nothing;
+    anything else (FIFO, socket, device, directory) raises ``error`` naming ``path`` and what it
+    is, before anything opens it."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise error(f"{path}: cannot stat {what}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{path}: {what} must be a regular file, but this is "
+                    f"{file_kind(st.st_mode)}")
+    return True

@@ -20,6 +20,10 @@ Kinds (a seeded shuffle of all of them, repeated, with seeded gaps in steps):
     l3_restart      (Redis, with ``server``) the target rank kills the L3 server by PID
                     (SIGKILL); it restarts it ``restart_after`` steps later
     late_step       the target rank arrives late at this step's collective
+    kv_corrupt      (opt-in mutation, never drawn by default) rows of some of the target
+                    rank's L2 pages are overwritten with noise: KV that no checksum sees (L2
+                    has none; L3 values backed up from it carry a valid one). The soak's KV
+                    and logit comparison must report it (``hicache.kvcheck``)
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 KINDS = ("d2h_fail", "h2d_fail", "slow_copy", "l3_corrupt", "l3_delete", "l3_error",
-         "l3_restart", "late_step")
+         "l3_restart", "late_step", "kv_corrupt")
+OPT_IN = ("l3_restart", "kv_corrupt")  # drawn only when asked for
 L3_KINDS = ("l3_corrupt", "l3_delete", "l3_error", "l3_restart")
 
 
@@ -48,7 +53,7 @@ class FaultConfig:
     corrupt_values: int = 3
     error_reads: int = 2
     restart_after: int = 10                  # l3_restart: steps the server stays down
-    kinds: tuple[str, ...] = tuple(k for k in KINDS if k != "l3_restart")
+    kinds: tuple[str, ...] = tuple(k for k in KINDS if k not in OPT_IN)
 
 
 @dataclass
@@ -122,6 +127,17 @@ class FaultInjector:
             if self.server is not None and self._restart_at is None:
                 self.server.kill()  # SIGKILL by PID: every rank's next calls fail, bounded
                 self._restart_at = self._step + c.restart_after
+                with self._lock:
+                    self.injected[kind] += 1
+        elif kind == "kv_corrupt":
+            used = cache.ctrl.host.used_ids() if "l2" in cache.tiers else []
+            if len(used):
+                import numpy as np
+
+                from .kvcheck import corrupt_pages
+                pick = self._local.sample(sorted(int(p) for p in used),
+                                          min(c.corrupt_values, len(used)))
+                corrupt_pages(cache.l2, pick, np.random.default_rng(self._local.getrandbits(32)))
                 with self._lock:
                     self.injected[kind] += 1
         elif kind == "late_step":

@@ -31,6 +31,7 @@ from typing import Callable, Protocol, Sequence, Union, runtime_checkable
 import numpy as np
 import torch
 
+from hicache.errors import UsageError
 from hicache.layout import DCPLayout
 
 Slots = Union[torch.Tensor, Sequence[int]]
@@ -50,6 +51,43 @@ def checked_once(pages: np.ndarray) -> bool:
     return not pages.flags.writeable and pages.base is None
 
 
+def span_slots(pages: np.ndarray, start: int, end: int, page_tokens: int) -> np.ndarray:
+    """Virtual slots (read-only int64 [end - start]) of positions [start, end) of a request
+    whose widened pages from page ``start // page_tokens`` on are ``pages``."""
+    w = page_tokens
+    pos = np.arange(start, end, dtype=np.int64)
+    return frozen_ids(np.asarray(pages, dtype=np.int64)[pos // w - start // w] * w + pos % w)
+
+
+def check_ties(layout: DCPLayout, w: "RowWrite") -> None:
+    """UsageError unless ``w`` writes where it says: its ``slots`` are ``n`` slots in its
+    ``pages``, and its ``src``/``dst`` are exactly this rank's rows of them (compared where
+    ``dst`` lives on the CPU; on an accelerator that would cost a sync per write, and the
+    constructors above derive ``dst`` from the same host arithmetic)."""
+    slots = w.slots
+    if not isinstance(slots, np.ndarray) or slots.shape != (w.n,):
+        raise UsageError(f"RowWrite.slots must be a host int64 array of its n = {w.n} slots")
+    if slots.size and not np.isin(slots // layout.page_tokens, w.pages).all():
+        bad = slots[~np.isin(slots // layout.page_tokens, w.pages)][0]
+        raise UsageError(f"RowWrite slot {int(bad)} lies in page "
+                         f"{int(bad) // layout.page_tokens}, which is not among its pages")
+    if w.dst.device.type != "cpu":
+        return
+    if layout.dcp_size == 1 and w.src is None:
+        src, kept = None, slots
+    else:
+        src = np.flatnonzero(layout.owner(slots) == layout.rank)
+        kept = slots[src]
+    dst = w.dst.numpy()
+    ok = dst.shape == kept.shape and np.array_equal(dst, layout.physical(kept))
+    if ok and src is not None:
+        ok = w.src is not None and np.array_equal(w.src.cpu().numpy(), src)
+    if not ok:
+        raise UsageError("RowWrite.dst (or src) is not this rank's rows of its slots: a write "
+                         "lands only in the pages it names (build it with RowWrite.for_slots "
+                         "or for_positions)")
+
+
 @dataclass(frozen=True)
 class RowWrite:
     """Where the rows of one write land on this rank.
@@ -60,12 +98,17 @@ class RowWrite:
     pages: int64 [k] host array: the widened pages written (what a checked port verifies);
            read-only in the writes the constructors below make, so a check of one write
            holds for every layer it is reused for (see ``checked_once``)
+    slots: int64 [n] host array: the virtual slot of each of the n input rows (read-only). A
+           checked port ties the rest to it once per write (``check_ties``): every slot in
+           ``pages``, and ``src``/``dst`` exactly this rank's rows of them; it records the
+           slots a write of the last layer filled (``CheckedPort.unwritten``)
     """
 
     n: int
     src: torch.Tensor | None
     dst: torch.Tensor
     pages: np.ndarray
+    slots: np.ndarray
 
     @staticmethod
     def for_slots(layout: DCPLayout, slots: torch.Tensor, device: torch.device) -> "RowWrite":
@@ -79,7 +122,7 @@ class RowWrite:
             kept = slots[src]
             src = src.to(device, non_blocking=True)
         dst = layout.physical(kept).to(device, non_blocking=True)
-        return RowWrite(n, src, dst, pages)
+        return RowWrite(n, src, dst, pages, frozen_ids(slots.numpy().astype(np.int64)))
 
     @staticmethod
     def for_positions(layout: DCPLayout, table: torch.Tensor, pages: Sequence[int],
@@ -94,7 +137,7 @@ class RowWrite:
         dst = layout.physical(layout.slot_of(table, pos))
         src = pos - (start - base)
         touched = frozen_ids(np.array(pages[start // w: -(-end // w)], dtype=np.int64))
-        return RowWrite(end - start, src, dst, touched)
+        return RowWrite(end - start, src, dst, touched, span_slots(touched, start, end, w))
 
     @staticmethod
     def concat(parts: Sequence["RowWrite"]) -> "RowWrite":
@@ -104,7 +147,8 @@ class RowWrite:
             return parts[0]
         return RowWrite(sum(p.n for p in parts), torch.cat([p.src for p in parts]),
                         torch.cat([p.dst for p in parts]),
-                        frozen_ids(np.concatenate([p.pages for p in parts])))
+                        frozen_ids(np.concatenate([p.pages for p in parts])),
+                        frozen_ids(np.concatenate([p.slots for p in parts])))
 
 
 @runtime_checkable
@@ -143,6 +187,10 @@ class CheckedPort:
         self.kv_dim = pool.kv_dim
         self.device = pool.device
         self.dtype = pool.dtype
+        # which virtual slots hold written rows (of every layer: set by a last-layer write);
+        # the same on every rank, since every rank is given the same slots
+        self._filled = np.zeros(pool.num_pages * self.layout.page_tokens, dtype=bool)
+        self._tied: RowWrite | None = None  # the last write whose slots/dst were checked
 
     def plan_write(self, slots: Slots) -> RowWrite:
         return self._pool.plan_write(slots)
@@ -151,7 +199,30 @@ class CheckedPort:
         if not isinstance(where, RowWrite):
             where = self._pool.plan_write(where)
         self.check_pages(where.pages)
-        return self._pool.write(layer, where, rows)
+        if where is not self._tied:
+            check_ties(self.layout, where)
+            if checked_once(where.pages) and checked_once(where.slots):
+                self._tied = where
+        stored = self._pool.write(layer, where, rows)
+        if layer == self.num_layers - 1:
+            self._filled[where.slots] = True
+        return stored
+
+    # ---- what was written (the service refuses to cache anything else) ------------------------
+    def forget(self, pages) -> None:
+        """Pages handed out afresh hold no written row."""
+        w = self.layout.page_tokens
+        self._filled.reshape(-1, w)[np.asarray(pages, dtype=np.int64)] = False
+
+    def fill(self, pages) -> None:
+        """Whole pages whose rows were put there by the cache (a restore)."""
+        w = self.layout.page_tokens
+        self._filled.reshape(-1, w)[np.asarray(pages, dtype=np.int64)] = True
+
+    def unwritten(self, slots: np.ndarray) -> int:
+        """The index of the first of ``slots`` no write of every layer filled, or -1."""
+        miss = np.flatnonzero(~self._filled[slots])
+        return int(miss[0]) if miss.size else -1
 
     def check_pages(self, pages: np.ndarray) -> None:
         self._pool.check_pages(pages)  # in the pool first: the port's check indexes by page
@@ -164,4 +235,5 @@ class CheckedPort:
         return f"CheckedPort({self._pool!r})"
 
 
-__all__ = ["CheckedPort", "KVPort", "RowWrite", "Slots", "checked_once", "frozen_ids"]
+__all__ = ["CheckedPort", "KVPort", "RowWrite", "Slots", "check_ties", "checked_once",
+           "frozen_ids", "span_slots"]

@@ -30,6 +30,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 import torch.distributed as dist
+import xxhash
 
 from . import distributed as hd
 from . import outcome, preflight
@@ -39,7 +40,7 @@ from . import minvec
 from .errors import (ConfigError, DeviceFullError, DivergenceError, PeerError, TransferError,
                      UsageError)
 from .ids import as_tokens
-from .kvport import CheckedPort, checked_once
+from .kvport import CheckedPort, checked_once, span_slots
 from .l1.pool import DeviceKVPool, pick_device
 from .l2.pool import HostKVPool
 from .l3 import agree_prefetch, prefetch_signals
@@ -278,7 +279,19 @@ class HiCache:
         prefix.ready = req.prefetch is None
         if prefix.ready:
             self._count_hits(prefix)
+        self._note("admit", request_id, arr)
         return prefix
+
+    def _note(self, what: str, request_id, tokens: np.ndarray | None = None, *more) -> None:
+        """Fold what this rank just did into the step's agreed digest (``StepAgreement.note``):
+        ranks that admit other tokens or ids, allocate other lengths or finish otherwise raise
+        ``DivergenceError`` at the next step."""
+        if self.agreement.local:
+            return
+        if tokens is not None:
+            more = (int(tokens.size),
+                    f"{xxhash.xxh3_64_intdigest(np.ascontiguousarray(tokens)):016x}") + more
+        self.agreement.note(what, repr(request_id), *more)
 
     def l1_hit_now(self, request_id) -> int:
         """Tokens of the admitted request's prompt that L1 holds from its start now (what
@@ -322,13 +335,16 @@ class HiCache:
                              "restore is not agreed yet (call step() until it is ready)")
         need = -(-n_tokens // self.page_tokens) - len(req.prefix.page_table)
         if need <= 0:
+            self._note("alloc", request_id, None, n_tokens, 0)
             return []
         pages = self._ctl(self.ctrl.alloc_device, need)
         self.io.unmap(pages)
+        self.kv.forget(pages)
         self.io.launch(self.ctrl.take_ops())
         self._owned[pages] = True
         req.own_pages += pages
         req.prefix.page_table += pages
+        self._note("alloc", request_id, None, n_tokens, len(pages))
         return pages
 
     @functools.cached_property
@@ -399,12 +415,9 @@ class HiCache:
         if req is None:
             raise UsageError(f"finish of unknown request {request_id!r}")
         arr = as_tokens(tokens)
-        n = min(arr.size, req.tokens.size)
-        if not np.array_equal(arr[:n], req.tokens[:n]):
-            bad = int(np.flatnonzero(arr[:n] != req.tokens[:n])[0])
-            raise UsageError(f"finish of request {request_id!r}: token {bad} is {int(arr[bad])} "
-                             f"but the admitted prompt has {int(req.tokens[bad])} there")
+        self._check_finish(request_id, req, arr)  # everything that can refuse, before any change
         del self._reqs[request_id]
+        self._note("finish", request_id, arr)
         if req.prefetch is not None:  # finished before its prefetch resolved
             self.io.cancel_prefetch(req.prefetch)
             self._pending.remove(req)
@@ -435,6 +448,34 @@ class HiCache:
             tail = req.own_pages
         if tail:
             self._ctl(self.ctrl.free_device, tail)
+
+    def _check_finish(self, request_id, req: _Request, arr: np.ndarray) -> None:
+        """UsageError (the request stays admitted, nothing changed) unless ``arr`` may be
+        cached for the request: it starts with the admitted prompt, has no negative id, and
+        every token past the hit that has a page has KV written at every layer (tokens past
+        the page table have nowhere to be and are never cached) (``CheckedPort.unwritten``): a
+        page is never cached with rows nobody wrote. A stopped cache caches nothing: only the
+        prompt is checked then."""
+        n = min(arr.size, req.tokens.size)
+        if not np.array_equal(arr[:n], req.tokens[:n]):
+            bad = int(np.flatnonzero(arr[:n] != req.tokens[:n])[0])
+            raise UsageError(f"finish of request {request_id!r}: token {bad} is {int(arr[bad])} "
+                             f"but the admitted prompt has {int(req.tokens[bad])} there")
+        if arr.size and arr.min() < 0:
+            bad = int(np.flatnonzero(arr < 0)[0])
+            raise UsageError(f"finish of request {request_id!r}: token {bad} is {int(arr[bad])};"
+                             " token ids are non-negative")
+        w, table = self.page_tokens, req.prefix.page_table
+        start, end = req.prefix.hit_len, min(int(arr.size), len(table) * w)  # past: no page
+        if self._failed is not None or end <= start:
+            return
+        slots = span_slots(table[start // w:], start, end, w)
+        first = self.kv.unwritten(slots)
+        if first >= 0:
+            raise UsageError(
+                f"finish of request {request_id!r}: token {start + first} of {arr.size} has no "
+                "KV written at every layer; pass only the tokens whose KV the engine wrote "
+                f"(the first {start + first} here)")
 
     def abort(self, request_id) -> None:
         """Drop an admitted request and cache nothing from it (preemption); a later ``admit``
@@ -675,6 +716,7 @@ class HiCache:
         self.io.launch(self.ctrl.take_ops())
         if pages:
             req.load_job = join(req.load_job, self.io.restore(req.prefetch, dev))
+            self.kv.fill(dev)
             self._owned[dev] = True
             req.own_pages += dev
             prefix.page_table += dev

@@ -86,7 +86,7 @@ class Server:
     def __init__(self, model: MLAModel, cache: HiCache, *, backend: str = "a2a",
                  replicate_q: bool = True, group=None, chunk_tokens: int = 512,
                  max_running: int = 4, stall_steps: int = 200_000,
-                 max_overtakes: int = 4) -> None:
+                 max_overtakes: int = 4, probe=None) -> None:
         if chunk_tokens < 1 or max_running < 1:
             raise ConfigError(f"chunk_tokens and max_running must be >= 1, got {chunk_tokens} "
                               f"and {max_running}")
@@ -94,6 +94,7 @@ class Server:
                 or max_overtakes < 0:
             raise ConfigError(f"max_overtakes must be an int >= 0, got {max_overtakes!r}")
         self.max_overtakes = max_overtakes
+        self.probe = probe  # hicache.kvcheck.KVProbe: what --verify and the soak compare
         self.stall_steps = stall_steps
         self.cache = cache
         self._waiting_on: list = []
@@ -331,5 +332,7 @@ class Server:
         self.cache.observe_prefill(len(suffix), dt)
         a.output.append(int(logits[-1].argmax()))
         a.ttft = time.perf_counter() - a.admitted
+        if self.probe is not None:  # after the prefill: every layer of the hit has arrived
+            self.probe.prefilled(job.request_id, job.tokens, prefix, logits[-1])
         a.state = state
         return True

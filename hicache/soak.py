@@ -32,7 +32,8 @@ from dataclasses import replace
 
 from .config import HiCacheConfig
 from .errors import TransferError
-from .faults import FaultConfig, FaultInjector, KINDS, L3_KINDS
+from .faults import FaultConfig, FaultInjector, KINDS, L3_KINDS, OPT_IN
+from .kvcheck import Comparison, KVProbe, compare
 
 MARGIN_S = 30.0          # the soak ends within --duration plus this (one batch, a last drain)
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -56,18 +57,23 @@ def run_soak_rank(rank: int, world: int, cfg_dict: dict, jobs: list, opts: dict)
         seconds=opts.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S)))
     model = engine_model(cfg, seed=opts["seed"])  # [model] path, or the built-in seeded model
 
-    def server(cache):
+    def server(cache, probe=None):
         return Server(model, cache, group=group, backend=opts["backend"],
-                      chunk_tokens=opts["chunk"], max_running=opts["max_running"])
+                      chunk_tokens=opts["chunk"], max_running=opts["max_running"], probe=probe)
 
     sig = model.weights_signature()  # the built-in model's digest names its weights in L3 keys
     with HiCache(cfg, rank, group, mode="recompute") as ref_cache:
         model.to(ref_cache.kv.device)  # the engine computes where its KV port lives
-        ref = {r.request_id: r.output for r in server(ref_cache).run(jobs)}
+        # the reference rows of every prompt page and first-token logits (hicache.kvcheck)
+        ref_probe = KVProbe(ref_cache.kv, ref_cache.page_tokens, all_pages=True)
+        ref = {r.request_id: r.output for r in server(ref_cache, ref_probe).run(jobs)}
+    ref_kv = ref_probe.result()
+    kv = Comparison()
 
     every = opts.get("fault_every", 40)
     l3srv = SharedServer(**opts["server"]) if opts.get("server") else None
-    kinds = FaultConfig(0).kinds + (("l3_restart",) if l3srv else ())
+    kinds = tuple(opts.get("fault_kinds") or FaultConfig(0).kinds) + (
+        ("l3_restart",) if l3srv else ())
     inj = FaultInjector(FaultConfig(opts["faults"], gap_steps=(max(1, every // 2),
                                                                max(1, every * 3 // 2)),
                                     kinds=kinds), rank, world, server=l3srv)
@@ -82,9 +88,19 @@ def run_soak_rank(rank: int, world: int, cfg_dict: dict, jobs: list, opts: dict)
         c = HiCache(cfg, rank, group, mode="l1+l2+l3", weights_signature=sig)
         inj.install(c)
         metrics.attach(c)
-        return c, server(c)
+        return c, server(c, KVProbe(c.kv, c.page_tokens))
+
+    def compared(s):
+        """The rows and logits the server's requests were served, against the reference."""
+        kv.add(compare(ref_kv, s.probe.result(), key=lambda rid: rid[1]))
+        s.probe.pages.clear()
+        s.probe.logits.clear()
 
     def retire(c):
+        # a batch that failed is not compared: what a failed copy left in its pages was
+        # agreed as a failure, and no token computed from it was returned
+        srv.probe.pages.clear()
+        srv.probe.logits.clear()
         metrics.detach()
         out["corrupt"] += c.stats()["corrupt"]
         c.close(flush=False)
@@ -113,6 +129,7 @@ def run_soak_rank(rank: int, world: int, cfg_dict: dict, jobs: list, opts: dict)
                     if pending:
                         srv.run(list(pending.values()), on_done=done)
                     cache.drain()  # a quiet point: nothing active, transfers applied
+                    compared(srv)
                     break
                 except TransferError as e:  # raised on every rank at the same step
                     out["failures"].append((inj.steps, _first_line(e)))
@@ -139,7 +156,8 @@ def run_soak_rank(rank: int, world: int, cfg_dict: dict, jobs: list, opts: dict)
                                       ("l3_errors", "hicache_l3_errors_total"),
                                       ("bytes", "hicache_transfer_bytes_total"))}
         metrics.close()
-    out.update(soak_s=soak_s, batches=n, faults=inj.report(), plan=inj.events)
+    out.update(soak_s=soak_s, batches=n, faults=inj.report(), plan=inj.events,
+               kv=kv.as_dict())
     if l3srv is not None:
         out["server"] = True
     return out
@@ -236,7 +254,10 @@ def run_soak(cfg: HiCacheConfig, jobs: list, opts: dict) -> dict:
 
 
 def verdict(ranks: list[dict], duration: float, wall_s: float, seed: int) -> dict:
-    injected: dict = {k: 0 for k in KINDS if k != "l3_restart" or "server" in ranks[0]}
+    planned = {k for r in ranks for k in r["faults"]["planned"]}
+    injected: dict = {k: 0 for k in KINDS
+                      if k not in OPT_IN or k in planned or (k == "l3_restart"
+                                                            and "server" in ranks[0])}
     for r in ranks:
         for k, v in r["faults"]["injected"].items():
             injected[k] += v
@@ -283,6 +304,13 @@ def verdict(ranks: list[dict], duration: float, wall_s: float, seed: int) -> dic
         "rss_flat": rss_flat,
         "errors": [r["error"] for r in ranks if r["error"]],
     }
+    kv = Comparison()
+    for r in ranks:
+        kv.add(Comparison(**r["kv"]))
+    f.update(kv_pages_checked=kv.pages, kv_pages_bit_identical=kv.bitwise,
+             kv_max_abs_diff=kv.kv_max_abs_diff, kv_corrupt_pages=kv.bad_pages,
+             logits_checked=kv.requests, logits_max_abs_diff=kv.logits_max_abs_diff,
+             logits_differ=kv.bad_logits)
     f["problems"] = problems(f)
     f["notes"] = notes(f)
     return f
@@ -302,6 +330,11 @@ def problems(f: dict) -> list[str]:
         return [f"a rank failed: {f['error'].splitlines()[-1]}"]
     if f["wrong_tokens"]:
         out.append(f"{f['wrong_tokens']} emitted tokens differ from recompute")
+    if f.get("kv_corrupt_pages") or f.get("logits_differ"):
+        out.append(f"served KV differs from recompute's rows: {f['kv_corrupt_pages']} of "
+                   f"{f['kv_pages_checked']} pages (max |diff| {f['kv_max_abs_diff']:.3g}), "
+                   f"first-token logits of {f['logits_differ']} requests (max |diff| "
+                   f"{f['logits_max_abs_diff']:.3g})")
     if f["hung_collectives"]:
         out.append(f"{f['hung_collectives']} collectives timed out")
     if f["leaked_pages"] or f["leaked_locks"]:
@@ -334,7 +367,11 @@ def table_rows(f: dict) -> list[list]:
                                  "leaked_locks", "service_restarts", "failures_agreed",
                                  "l3_misses_from_faults", "l3_corrupt_detected",
                                  "requests_completed",
-                                 "tokens_checked")]
+                                 "tokens_checked", "kv_pages_checked",
+                                 "kv_pages_bit_identical", "kv_corrupt_pages",
+                                 "logits_checked", "logits_differ")]
+    rows += [["kv max |diff| (projected rows)", f"{f.get('kv_max_abs_diff', 0.0):.3g}"],
+             ["first-token logits max |diff|", f"{f.get('logits_max_abs_diff', 0.0):.3g}"]]
     rows += [["hit tokens l1/l2/l3 (all ranks)", "/".join(str(int(v)) for v in
                                                         f["hit_tokens"].values())],
              ["l3 errors (store unavailable)", int(f["l3_errors"])],

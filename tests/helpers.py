@@ -70,7 +70,25 @@ def admit_ready(cache, request_id, prompt, alloc: bool = True):
         cache.step()
     if alloc:
         cache.alloc(request_id, len(prompt))
+        write_kv_rows(cache, request_id, len(prompt))
     return p
+
+
+def write_kv_rows(cache, request_id, end: int, start: int | None = None, seed: int = 0):
+    """Write KV rows (every layer, seeded random) for positions [start, end) of an admitted
+    request (start: its hit), as an engine would before ``finish`` caches them."""
+    import torch
+    from hicache.kvport import RowWrite
+    p = cache.prefix(request_id)
+    start = p.hit_len if start is None else start
+    if end <= start:
+        return
+    kv = cache.kv
+    w = RowWrite.for_positions(kv.layout, torch.tensor(p.page_table, device=kv.device),
+                               p.page_table, start, end)
+    g = torch.Generator().manual_seed(seed)
+    for layer in range(kv.num_layers):
+        kv.write(layer, w, torch.randn(end - start, kv.kv_dim, generator=g).to(kv.dtype))
 
 
 @contextmanager

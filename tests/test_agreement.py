@@ -14,7 +14,7 @@ import pytest
 from hicache.distributed import CollectiveCounter, launch
 from hicache.errors import DivergenceError, L3Error
 
-from helpers import make_cfg
+from helpers import write_kv_rows, make_cfg
 
 
 def _usable(rank) -> bool:
@@ -127,6 +127,7 @@ def _service(rank, base):
     cache.admit("a", prompt)
     cache.step()
     cache.alloc("a", len(prompt))
+    write_kv_rows(cache, "a", len(prompt))
     cache.admit("b", prompt[:9])
     if rank == 1:
         cache.finish("a", prompt)

@@ -35,6 +35,13 @@ def test_json_shape_table_verify_and_warm_restart(cfg_file, tmp_path, capsys):
         assert mode in text
     assert "verify: token ids equal to recompute in every mode" in text
     assert report["workloads"][0]["verify"]["equal"] is True
+    kv = report["workloads"][0]["verify"]["kv"]  # the rows each served page brought, too
+    assert set(kv) == {"l1", "l1+l2", "l1+l2+l3"}
+    for m, c in kv.items():
+        assert c["bad_pages"] == 0 and c["bad_logits"] == 0 and c["requests"] > 0, (m, c)
+        assert f"verify {m}: KV of {c['pages']} served pages" in text
+    assert kv["l1"]["pages"] > 0 and kv["l1"]["bitwise"] > 0
+    assert "probes" not in report["modes"][0]  # compared, not reported
     assert {"modes", "config", "machine"} <= set(report)
     modes = {m["name"]: m for m in report["modes"]}
     assert list(modes) == ["recompute", "l1", "l1+l2", "l1+l2+l3"]
@@ -108,7 +115,7 @@ def test_verify_always_compares_with_recompute_and_can_fail(cfg_file, tmp_path, 
     assert bench_cli.verify_outputs({"a": [1]}, [{"name": "l1", "outputs": {"a": [2]}},
                                                  {"name": "l1+l2", "outputs": {"a": [2]}}]) \
         == {"reference": "recompute", "requests": 1, "equal": False,
-            "differs": {"l1": 1, "l1+l2": 1}}
+            "differs": {"l1": 1, "l1+l2": 1}, "kv": {}, "kv_corrupt": {}}
 
 
 def test_a_stall_is_reported_instead_of_a_speed_up(capsys):
@@ -261,3 +268,32 @@ def test_progress_bars_leave_no_semaphore_behind(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "chat:l1" in proc.stderr  # the bar was drawn
     assert "leaked semaphore" not in proc.stderr
+
+
+def test_verify_reports_served_kv_that_differs_even_when_tokens_do_not(cfg_file, tmp_path,
+                                                                        capsys, monkeypatch):
+    """The mutation: every L1 hit page gets noise in one layer's rows as it is served (no
+    checksum is involved). The tiny model's tokens may not move; --verify must fail anyway,
+    naming the corrupt pages and printing the logits' difference."""
+    import torch
+
+    from hicache.service import HiCache
+    real = HiCache.admit
+
+    def admit(self, rid, tokens):
+        p = real(self, rid, tokens)
+        if p.device_len:
+            rows = self.l1.layout.page_size
+            for page in p.page_table[:p.device_len // self.page_tokens]:
+                v = self.l1.layer_view(1)[page * rows:(page + 1) * rows]
+                v.add_(4 * torch.randn(v.shape, generator=torch.Generator().manual_seed(page)))
+        return p
+    monkeypatch.setattr(HiCache, "admit", admit)
+    rc, report = bench(cfg_file, tmp_path, "--modes", "recompute,l1", "--verify", name="bad")
+    out = capsys.readouterr()
+    v = report["workloads"][0]["verify"]
+    assert rc == 1 and not v["equal"]
+    c = v["kv_corrupt"]["l1"]
+    assert c["bad_pages"] > 0 and c["kv_max_abs_diff"] > 0.1
+    assert "verify l1: CORRUPT KV of" in out.out and "logits of" in out.out
+    assert "l1 served KV that differs from recompute's" in out.err

@@ -20,7 +20,7 @@ from hicache.serving import Server, model_config
 from hicache.service import HiCache
 from hicache.workloads import Request
 
-from helpers import admit_ready, make_cfg
+from helpers import write_kv_rows, admit_ready, make_cfg
 
 
 # what these tests count must not depend on how fast this machine reads L3
@@ -142,10 +142,12 @@ def test_caller_mistakes_that_would_change_later_outputs_are_refused(tmp_path):
     assert not p.ready
     with pytest.raises(HiCacheError, match="before prefix.ready"):
         cache.alloc("warm", 20)
+        write_kv_rows(cache, "warm", 20)
     while not cache.step():
         pass
     assert p.storage_len == 16
     cache.alloc("warm", 20)
+    write_kv_rows(cache, "warm", 20)
     rows = torch.zeros(1, cache.l1.kv_dim)
     cache.finish("warm", prompt)
     hit = cache.admit("hit", np.concatenate([prompt[:16], [5]]))
@@ -153,6 +155,7 @@ def test_caller_mistakes_that_would_change_later_outputs_are_refused(tmp_path):
     with pytest.raises(HiCacheError, match="no admitted request owns"):
         cache.write_kv(0, torch.tensor([hit.page_table[0] * 4]), rows)  # a cached page
     cache.alloc("hit", 20)
+    write_kv_rows(cache, "hit", 20)
     own = hit.page_table[-1]
     assert cache.write_kv(0, torch.tensor([own * 4 + 1]), rows) == 1  # its own page: fine
     with pytest.raises(HiCacheError, match="token 2 is"):
@@ -283,6 +286,7 @@ def _check_finish_and_abort_after_failed_load(rank, group, cfg, model):
     q = cache.admit("c", np.concatenate([prompt[:-1], [5, 6]]))
     loads = p.host_len + q.host_len
     cache.alloc("b", 40)
+    write_kv_rows(cache, "b", 40)
     for layer in range(cache.l1.num_layers):
         cache.wait_layer("b", layer)  # never raises, even on rank 1
     cache.finish("b", prompt)

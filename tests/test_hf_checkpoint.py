@@ -38,11 +38,14 @@ CASES = {
     "v2_moe_grouped_yarn_tied": dict(arch="v2", q_lora=12, yarn=True, moe=True, tie=True,
                                      published=True),
     "v2_dense": dict(arch="v2", q_lora=None, moe=False),
+    # transformers reads a top-level original_max_position_embeddings before the RoPE dict's
+    "v3_yarn_top_level_original_max": dict(arch="v3", q_lora=None, yarn=True, moe=False,
+                                           top_orig=64),
 }
 
 
 def make_checkpoint(path, arch="v3", *, q_lora=12, yarn=False, moe=True, tie=False,
-                    interleave=True, published=False, shard=False, seed=0):
+                    interleave=True, published=False, shard=False, seed=0, top_orig=None):
     """Save a tiny random DeepSeek checkpoint with transformers; return the transformers model.
 
     Weights are redrawn with a spread that makes routing and greedy tokens non-degenerate (the
@@ -97,6 +100,13 @@ def make_checkpoint(path, arch="v3", *, q_lora=12, yarn=False, moe=True, tie=Fal
         raw["rope_scaling"] = None if kind == "default" else dict(rp, type=kind)
         raw["torch_dtype"] = raw.pop("dtype", None) or "float32"
         f.write_text(json.dumps(raw, indent=1))
+    if top_orig is not None:  # the reference is what transformers loads from the file
+        f = Path(path) / "config.json"
+        raw = json.loads(f.read_text())
+        raw["original_max_position_embeddings"] = top_orig
+        f.write_text(json.dumps(raw, indent=1))
+        model = type(model).from_pretrained(path).eval()
+        assert model.config.rope_parameters["original_max_position_embeddings"] == top_orig
     return model
 
 
@@ -379,7 +389,9 @@ _DROP = object()
     (dict(attention_bias=True), "attention_bias True is not supported"),
     (dict(dtype="float8_e4m3fn"), "dtype 'float8_e4m3fn' is not supported"),
     (dict(kv_lora_rank=12), "kv_a_proj_with_mqa.weight (model-0000"),  # shape mismatch
-    (dict(num_hidden_layers=3), "missing tensors model.layers.2."),
+    (dict(num_hidden_layers=3), "num_hidden_layers is 3 but the checkpoint stores 2 layers"),
+    (dict(n_routed_experts=1 << 20), "n_routed_experts is 1048576 but the checkpoint stores 8"),
+    (dict(vocab_size=VOCAB * 1000), f"vocab_size is {VOCAB * 1000} but model.embed_tokens"),
     (dict(tie_word_embeddings=True), "unexpected tensors lm_head.weight"),
 ])
 def test_bad_checkpoints_are_clear_errors(ckpts, tmp_path, changes, needle):
@@ -425,3 +437,54 @@ def test_weights_signature_is_cached_and_follows_the_bytes(ckpts, tmp_path, monk
     assert weights_signature(a) == changed
     # The engine hands this digest to HiCache: the L3 namespace follows the checkpoint's bytes.
     assert hf.load_model(a).weights_signature() == f"mla-file:{changed}"
+
+
+def test_a_top_level_original_max_position_embeddings_is_read_first(ckpts):
+    """transformers takes it before the RoPE dict's (16 there, 64 at the top): so does the
+    loader, and a model built from the dict's value is caught by the comparison."""
+    from dataclasses import replace
+    path, prompt, ref_tokens, ref_logits = ckpts["v3_yarn_top_level_original_max"]
+    good = load_checkpoint(path)
+    assert good.cfg.yarn.original_max_position_embeddings == 64
+    wrong = MLAModel(replace(good.cfg, yarn=replace(good.cfg.yarn,
+                                                    original_max_position_embeddings=16)),
+                     init=False)
+    wrong.load_state_dict(good.state_dict(), assign=True)
+    assert close(good.forward(prompt + ref_tokens[:-1]), ref_logits)
+    assert not close(wrong.forward(prompt + ref_tokens[:-1]), ref_logits)
+
+
+def test_a_config_that_claims_a_million_layers_is_one_line_without_building_them(ckpts,
+                                                                                tmp_path):
+    import tracemalloc
+    bad = _edit_config(ckpts["v3_moe_qlora_yarn_shards"][0], tmp_path / "big",
+                       num_hidden_layers=1_000_000)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError) as e:
+            load_checkpoint(bad)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    msg = str(e.value)
+    assert "\n" not in msg and "num_hidden_layers is 1000000" in msg, msg
+    assert peak < 32 << 20, peak  # the names of a million layers would be gigabytes
+
+
+def test_a_checkpoint_with_non_finite_weights_is_refused_naming_the_tensor(ckpts, tmp_path):
+    import shutil
+    from safetensors.torch import load_file, save_file
+    d = shutil.copytree(ckpts["v2_dense"][0], tmp_path / "nan")
+    f = Path(d) / "model.safetensors"
+    tensors = load_file(str(f))
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    tensors[name][3, 2] = float("nan")
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"tensor {name} \(model.safetensors\) has 1 "
+                                              r"non-finite values"):
+        load_checkpoint(d)
+    tensors[name][3, 2] = float("inf")
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="non-finite"):
+        load_checkpoint(d)
+    assert load_checkpoint(d, check_finite=False).cfg.num_layers == 2  # the opt-out loads

@@ -25,6 +25,7 @@ from hicache.kvport import CheckedPort, KVPort, RowWrite
 from hicache.l1 import DeviceKVPool
 from hicache.layout import DCPLayout
 from hicache.pages import PageAllocator
+from helpers import write_kv_rows
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, kv_lora_rank=16,
                   qk_rope_head_dim=8, intermediate_size=64, seed=3)
@@ -164,6 +165,7 @@ def test_hicache_port_refuses_cached_pages_by_slots_and_by_row_write(tmp_path):
         prompt = np.arange(13)
         p = cache.admit("a", prompt)
         cache.alloc("a", 13)
+        write_kv_rows(cache, "a", 13)
         cache.finish("a", prompt)  # its 3 whole pages are now cached
         hit = cache.admit("b", np.concatenate([prompt[:12], [99, 98]]))
         assert hit.device_len == 12
@@ -208,7 +210,8 @@ def test_a_write_reused_for_every_layer_is_checked_once_until_a_page_is_released
         cache.admit("b", np.arange(100, 109))
         mine = cache.alloc("b", 9)
         pages = np.array([mine[0]], np.int64)  # the caller's own, writable array
-        own = RowWrite(1, None, torch.tensor([mine[0] * 4]), pages)
+        own = RowWrite(1, None, torch.tensor([mine[0] * 4]), pages,
+                       np.array([mine[0] * 4], np.int64))
         assert port.write(0, own, torch.ones(1, dim)) == 1
         pages[0] = 15 if mine[0] != 15 else 14  # a page nobody owns, in the same array
         with pytest.raises(HiCacheError, match="no admitted request owns"):

@@ -11,6 +11,7 @@ from hicache.l3 import (AsyncWriter, CostModel, Namespace, PageStore, PrefetchPo
                         agree_prefetch, page_keys, prefetch_signals, restore_length,
                         restore_lengths)
 from hicache.l3.store import L3Stats
+from helpers import write_kv_rows
 
 NS = Namespace("m", num_layers=2, kv_dim=8, dtype="float16", page_size=4, dcp_size=1)
 PT = NS.page_tokens  # 4
@@ -220,6 +221,7 @@ def test_finishing_a_request_whose_read_is_stuck_does_not_hang(tmp_path):
         while not p.ready:
             cache.step()
         cache.alloc("a", len(prompt))
+        write_kv_rows(cache, "a", len(prompt))
         cache.finish("a", prompt)
     gate = threading.Event()
     cache = HiCache(cfg, mode="l1+l2+l3")

@@ -13,7 +13,7 @@ from hicache.serving import Server, model_config
 from hicache.service import HiCache, CACHE_MODES
 from hicache.workloads import Request
 
-from helpers import admit_ready, l3_writes_land_at_once, make_cfg
+from helpers import write_kv_rows, admit_ready, l3_writes_land_at_once, make_cfg
 
 
 def req(i, tokens, out=4):
@@ -105,6 +105,7 @@ def test_l2_and_l3_restored_kv_is_bit_identical_to_prefill(tmp_path):
         p = cache.admit("again", prompt)
         assert p.host_len > 0 and p.device_len + p.host_len == 32
         cache.alloc("again", 33)
+        write_kv_rows(cache, "again", 33)
         cache.wait_layer("again", cache.l1.num_layers - 1)
         cache.prefix("again").ready or cache.step()
         restored = _kv_of(cache, p.page_table, 32)
@@ -304,6 +305,7 @@ def test_reused_device_pages_never_carry_an_old_l3_key(tmp_path):
         p = admit_ready(cache, rid, tokens, alloc=False)
         try:
             cache.alloc(rid, len(tokens))
+            write_kv_rows(cache, rid, len(tokens))
         except DeviceFullError:
             pass
         cache.abort(rid)
@@ -369,6 +371,7 @@ def _one_rank_copy_fails(rank, world, cfg_dict, tokens):
     cache = HiCache(cfg, rank, dist.group.WORLD, mode="l1+l2")
     cache.admit("a", np.concatenate([tokens, [1]]))
     cache.alloc("a", len(tokens) + 1)
+    write_kv_rows(cache, "a", len(tokens) + 1)
     if rank == 1:
         def broken(*args, **kwargs):
             raise OSError("simulated copy failure")

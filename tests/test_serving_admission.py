@@ -17,7 +17,7 @@ from hicache.serving import Server, model_config
 from hicache.service import HiCache
 from hicache.workloads import Request
 
-from helpers import tiny_sections
+from helpers import write_kv_rows, tiny_sections
 
 P = 4  # tokens per page (dcp 1)
 
@@ -174,6 +174,7 @@ def test_peek_changes_nothing(tmp_path):
             for rid, toks in (("a", a), ("b", b)):
                 cache.admit(rid, toks)
                 cache.alloc(rid, len(toks))
+                write_kv_rows(cache, rid, len(toks))
                 cache.finish(rid, toks)
             if peek:
                 assert cache.peek(a) == (16, 0) and cache.peek(a[:16]) == (12, 0)
@@ -181,5 +182,6 @@ def test_peek_changes_nothing(tmp_path):
             assert cache.stats()["locks"] == 0
             cache.admit("big", rng.integers(0, 128, 4 * 17))
             cache.alloc("big", 4 * 17)  # evicts the least recently used of a's and b's pages
+            write_kv_rows(cache, "big", 4 * 17)
             return cache.peek(a)[0], cache.peek(b)[0]
     assert evicted_first(True) == evicted_first(False)

@@ -14,7 +14,7 @@ from hicache.l3 import chain_hashes
 from hicache.faults import FaultConfig, FaultInjector, InjectedFault, corrupt_values
 from hicache.service import HiCache
 
-from helpers import admit_ready, make_cfg
+from helpers import write_kv_rows, admit_ready, make_cfg
 from test_metrics import bench_config
 
 # L1 and L2 smaller than the trace: every pass evicts, backs up (D2H), loads back (H2D) and
@@ -106,6 +106,7 @@ def test_an_injected_copy_failure_stops_the_step_and_a_cache_without_faults_is_u
     tokens = np.random.default_rng(2).integers(0, 128, 16)
     cache.admit("a", tokens)
     cache.alloc("a", 16)
+    write_kv_rows(cache, "a", 16)
     cache.finish("a", tokens)  # write-through backup: its D2H copy is the injected failure
     with pytest.raises(TransferError, match="injected d2h copy failure"):
         cache.drain()
@@ -145,6 +146,33 @@ def test_short_fault_soak_on_two_ranks(tmp_path, capsys):
     assert not (tmp_path / "unused").exists()  # the soak's L3 is its own temporary store
     assert f["problems"] == [p for p in f["problems"] if "deadline" in p or "memory" in p]
     assert rc == (1 if f["problems"] else 0)
+    # the served rows and first-token logits were compared with recompute's: no false alarm
+    assert f["kv_pages_checked"] > 0 and f["kv_corrupt_pages"] == 0
+    assert f["logits_checked"] > 0 and f["logits_differ"] == 0
+    assert "kv_corrupt_pages" in text.out and "logits max |diff|" in text.out
+
+
+def test_a_soak_serving_corrupt_kv_reports_it(tmp_path, capsys):
+    """The mutation (``kv_corrupt``): L2 pages get noise, which no checksum sees (L2 has none,
+    and L3 values backed up from those pages carry a valid one). Tokens of the tiny model may
+    not move; the soak's comparison of served rows and logits must fail the run."""
+    cfg = tmp_path / "policy.toml"
+    cfg.write_text(bench_config(tmp_path / "unused", SOAK_L1_PAGES))
+    out = tmp_path / "soak.json"
+    rc = bench_cli.main(["--config", str(cfg), "--workload", "chat", "--scale", "0.01",
+                         "--max-output", "3", "--max-running", "2", "--duration", "8",
+                         "--faults", "5", "--fault-every", "2", "--fault-kinds", "kv_corrupt",
+                         "--no-progress", "--out", str(out)])
+    text = capsys.readouterr()
+    f = json.loads(out.read_text())["faults"]
+    assert f["injected"]["kv_corrupt"] >= 1 and set(f["injected"]) >= {"kv_corrupt"}
+    assert f["kv_corrupt_pages"] > 0, f
+    assert f["kv_max_abs_diff"] > 0.1
+    assert any("served KV differs from recompute's rows" in p for p in f["problems"])
+    assert rc == 1 and "FAIL faults: served KV differs" in text.err
+    assert bench_cli.main(["--config", str(cfg), "--faults", "1", "--duration", "5",
+                           "--fault-kinds", "kv_corrupt,bogus"]) == 2
+    assert "--fault-kinds: unknown kind 'bogus'" in capsys.readouterr().err
 
 
 def test_fault_soak_arguments(tmp_path, capsys):

@@ -5,8 +5,8 @@ deadlocks the others). One all_reduce(MIN) of a FIXED-size int64 vector (``hicac
 through ``hicache.distributed.agree_min``):
 
     [fault, len, -len, kind_lo, kind_hi,                   (len = n_ops + n_extra)
-     n_ops, -n_ops, sig, -sig, n_extra, -n_extra, debug, -debug, dig, -dig, 0 ..  the header,
-                                                           padded to minvec.HEADER_SLOTS
+     n_ops, -n_ops, sig, -sig, n_extra, -n_extra, debug, -debug, dig, -dig,
+     act, -act, 0 ..                                       the header, padded to HEADER_SLOTS
      done_0 .. done_{n-1}, extra_0 .. extra_{m-1}, 0 ..]   the payload, padded to CAPACITY
 
 (the size of every kind of agreement: a rank in another kind, e.g. a close or a checkpoint,
@@ -22,7 +22,11 @@ done ids not in flight, a missing debug digest, ...) does not raise before the c
 sends a fault code, and after the collective EVERY rank raises ``DivergenceError`` at the same
 step (that rank's message names what was wrong). In debug mode ``dig`` is a hash of the
 controller's digest; only when the hashes differ is the digest gathered (an agreed decision)
-to name the first difference. Without a process group (or with world size 1) no collective is
+to name the first difference. ``act`` is a hash of what this rank did since the last step (the
+events ``note`` was given: admitted request ids with their tokens' digests, allocation sizes,
+finishes): ranks that admitted other tokens or ids, or allocated other lengths, differ there,
+and every rank gathers the step's events (an agreed decision) and raises ``DivergenceError``
+naming the first that differs. Without a process group (or with world size 1) no collective is
 issued and wrong arguments raise at once.
 """
 
@@ -33,6 +37,7 @@ import pickle
 from typing import Any, Collection, NamedTuple, Sequence
 
 import torch.distributed as dist
+import xxhash
 
 from hicache.errors import DivergenceError
 from hicache import distributed as hd
@@ -49,7 +54,8 @@ FAULTS = {minvec.BAD_VALUE: "an extra that is not an int64",
           NO_DIGEST: "no debug digest",
           BAD_DIGEST: "a debug digest that cannot be pickled",
           BAD_ARGS: "arguments of the wrong kind"}
-HEADER_LEN = 10
+HEADER_LEN = 12
+_ACT_MASK = (1 << 60) - 1
 assert HEADER_LEN <= minvec.HEADER_SLOTS  # every kind sends the same fixed header
 
 
@@ -116,6 +122,12 @@ def _flags(op_ids: list[int], done) -> list[int]:
     return _flags(op_ids, ids)
 
 
+def _event(e) -> str:
+    if e is None:
+        return "nothing"
+    return f"{e[0]}({', '.join(str(x) for x in e[1:])})"
+
+
 class StepAgreement:
     """Per-step MIN agreement over ``group`` (default: the world group if initialised)."""
 
@@ -131,6 +143,18 @@ class StepAgreement:
         # than the rest of a step's Python)
         self._ctl = None if self.local else hd.control_group(group)
         self.steps = 0
+        self._act = 0      # hash of this step's events (``note``)
+        self._events: list = []
+
+    def note(self, *event) -> None:
+        """Record what this rank did this step (e.g. ``("admit", rid, n, token_digest)``):
+        every rank must note the same events in the same order, or the next ``step`` raises
+        ``DivergenceError`` on every rank naming the first that differs. Values are ints and
+        strs (request ids as their ``repr``). Nothing is recorded without a collective."""
+        if self.local:
+            return
+        self._events.append(event)
+        self._act = xxhash.xxh3_64_intdigest(repr(event).encode(), seed=self._act)
 
     def step(self, op_ids: Sequence[int], done: "Collection[int] | Sequence[bool]",
              extras: Sequence[int] = (), digest: Any = None) -> AgreedStep:
@@ -177,7 +201,9 @@ class StepAgreement:
             code, why = BAD_ARGS, f"bad step() arguments: {e!r}"
         n, m, sig = len(ops), len(ext), _signature(ops)
         dbg = int(self.debug)
-        header = [n, -n, sig, -sig, m, -m, dbg, -dbg, dig, -dig]
+        act, events = self._act & _ACT_MASK, self._events
+        self._act, self._events = 0, []
+        header = [n, -n, sig, -sig, m, -m, dbg, -dbg, dig, -dig, act, -act]
         try:
             res = hd.agree_min_on(self._ctl, self.rank, header, flags + ext, code=code,
                                   kind=minvec.STEP)
@@ -200,6 +226,8 @@ class StepAgreement:
         if h[6] != -h[7]:
             raise DivergenceError(f"step {step}: some ranks agree in debug mode and some do not "
                                   f"(this rank: debug={self.debug})")
+        if h[10] != -h[11]:  # agreed: every rank gathers this step's events
+            self._compare_events(step, events)
         if self.debug and h[8] != -h[9]:  # agreed: every rank gathers
             self._compare(step, digest)
         v = res.payload  # not None: equal op and extras counts make equal payload lengths
@@ -220,6 +248,22 @@ class StepAgreement:
         raise DivergenceError(f"step {step}: rank {rank} passed bad arguments "
                               f"({FAULTS.get(first, f'fault {first}')}); every rank stops at "
                               "this step")
+
+    def _compare_events(self, step: int, events: list) -> None:
+        """The ranks did different things this step: name the first event that differs."""
+        allg = hd.all_gather_object(events, self.world_size, group=self.group)
+        ref = allg[0]
+        for r, other in enumerate(allg[1:], start=1):
+            for i in range(max(len(ref), len(other))):
+                a = ref[i] if i < len(ref) else None
+                b = other[i] if i < len(other) else None
+                if a != b:
+                    raise DivergenceError(
+                        f"step {step}: the ranks did different things since the last step: "
+                        f"event {i} on rank 0 is {_event(a)}, on rank {r} {_event(b)}; "
+                        "every rank must admit, alloc and finish alike")
+        raise DivergenceError(f"step {step}: the ranks' step digests differ but their events "
+                              "match (a hash collision or an event that is not repr-stable)")
 
     def _compare(self, step: int, digest: Any) -> None:
         allg = hd.all_gather_object(digest, self.world_size, group=self.group)

@@ -16,6 +16,9 @@ tests check token for token:
   a group scores the sum of its best two; weights renormalised when ``norm_topk_prob``, then
   times ``routed_scaling_factor``; ``rope_interleave`` as configured.
 - Layers ``>= first_k_dense_replace`` are MoE (``moe_layer_freq`` 1), the others dense SwiGLU.
+- RoPE fields are read where transformers 5 reads them (``original_max_position_embeddings`` at
+  the top level first, then in the RoPE dict; ``rope_theta`` and ``partial_rotary_factor`` in
+  the dict first, then at the top level).
 - YaRN: interpolated inverse frequencies, the RoPE part of q and k scaled by
   ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` (or ``attention_factor``) and the
   softmax scale by ``mscale(factor, mscale_all_dim) ** 2``.
@@ -28,7 +31,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from hicache.checks import check_int
+from hicache.checks import check_int, regular_file
 from hicache.errors import CheckpointError
 
 ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
@@ -62,6 +65,7 @@ _ROUTING = {  # architecture -> (scoring_func, allowed topk_method values)
 
 
 def load_json(path: Path, what: str) -> dict:
+    regular_file(path, what, CheckpointError)  # stat before open: a FIFO would hang the read
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -96,16 +100,21 @@ def _rope(raw: dict, arch: str, src: str) -> tuple[float, dict | None]:
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0:
         raise CheckpointError(f"{src}: rope_theta must be a positive number, got {theta!r}")
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise CheckpointError(f"{src}: {key}.partial_rotary_factor "
-                              f"{params['partial_rotary_factor']!r} is not supported (only 1.0)")
+    # where transformers reads each field: rope_theta and partial_rotary_factor from the RoPE
+    # dict first, then the top level; original_max_position_embeddings from the TOP LEVEL first
+    # (``standardize_rope_params``), then the dict, then max_position_embeddings
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial is not None and partial != 1.0:
+        raise CheckpointError(f"{src}: partial_rotary_factor {partial!r} is not supported "
+                              "(only 1.0)")
     if kind == "default":
         return float(theta), None
     if kind != "yarn":
         raise CheckpointError(f"{src}: {key} type {kind!r} is not supported; expected "
                               "'default' or 'yarn'")
     max_pos = raw.get("max_position_embeddings", _DEFAULTS[arch]["max_position_embeddings"])
-    orig = params.get("original_max_position_embeddings") or max_pos
+    orig = (raw.get("original_max_position_embeddings")
+            or params.get("original_max_position_embeddings") or max_pos)
     factor = params.get("factor")
     if factor is None:
         factor = max_pos / orig
@@ -251,7 +260,7 @@ def weight_files(directory: str | Path) -> tuple[list[Path], dict[str, Path] | N
     """The checkpoint's safetensors files and, when sharded, its tensor -> file map."""
     d = Path(directory)
     index = d / "model.safetensors.index.json"
-    if index.is_file():
+    if regular_file(index, "the safetensors index", CheckpointError):
         data = load_json(index, "safetensors index")
         wmap = data.get("weight_map")
         if not isinstance(wmap, dict) or not wmap:
@@ -259,11 +268,11 @@ def weight_files(directory: str | Path) -> tuple[list[Path], dict[str, Path] | N
         owners = {k: d / str(v) for k, v in wmap.items()}
         files = sorted(set(owners.values()))
         for f in files:
-            if not f.is_file():
+            if not regular_file(f, "a weight file", CheckpointError):
                 raise CheckpointError(f"{index}: lists {f.name}, which is missing")
         return files, owners
     single = d / "model.safetensors"
-    if single.is_file():
+    if regular_file(single, "the weight file", CheckpointError):
         return [single], None
     others = sorted(p.name for p in d.glob("*.bin")) if d.is_dir() else []
     hint = f" (found {', '.join(others)}: only safetensors weights are read)" if others else ""

@@ -47,7 +47,7 @@ from hicache.engine.attention import attend_latent
 from hicache.engine.dcp import DCPComm
 from hicache.engine.model import MLAModel
 from hicache.errors import UsageError
-from hicache.kvport import KVPort, RowWrite, frozen_ids
+from hicache.kvport import KVPort, RowWrite, frozen_ids, span_slots
 from hicache.layout import DCPLayout, slot_of
 
 
@@ -125,7 +125,8 @@ class DeviceIndex:
         m = len(pos)
         dev = _upload(np.concatenate([rows, pos, pos - (start - base)]), self.device)
         self.append(dev[:m], dev[m:2 * m], end)
-        return RowWrite(end - start, dev[2 * m:], dev[:m], frozen_ids(pages))
+        return RowWrite(end - start, dev[2 * m:], dev[:m], frozen_ids(pages),
+                        span_slots(pages, start, end, self.layout.page_tokens))
 
 
 def _upload(host: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -240,7 +241,7 @@ class DCPRunner:
         the device. Computed on the host (``DeviceIndex.plan``) and uploaded in one copy; on
         the device, two appends per request."""
         lay, dev = self.layout, self.kv.device
-        idxs, rows, pos, pages, q_pos, src = [], [], [], [], [], []
+        idxs, rows, pos, pages, q_pos, src, slots = [], [], [], [], [], [], []
         base = 0
         for st, k in zip(states, sizes):
             idx = st.device_index(lay, dev)
@@ -249,6 +250,7 @@ class DCPRunner:
             rows.append(r)
             pos.append(p)
             pages.append(touched)
+            slots.append(span_slots(touched, st.length, st.length + k, lay.page_tokens))
             q_pos.append(np.arange(st.length, st.length + k, dtype=np.int64))
             if lay.dcp_size > 1:  # the input rows this rank keeps (with c = 1: all, in order)
                 src.append(p - (st.length - base))
@@ -262,7 +264,7 @@ class DCPRunner:
             local.append((idx.rows.view(), idx.kv_pos.view()))
             o += n
         write = RowWrite(base, buf[2 * m + base:] if src else None, dst,
-                         frozen_ids(np.concatenate(pages)))
+                         frozen_ids(np.concatenate(pages)), frozen_ids(np.concatenate(slots)))
         return write, q_dev, local
 
     @torch.no_grad()

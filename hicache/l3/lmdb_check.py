@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 
+from hicache.checks import regular_file
 from hicache.errors import L3CorruptError, L3ForeignError
 
 HICACHE_DBS = frozenset({b"data", b"head", b"atime", b"lru", b"meta"})
@@ -63,6 +64,8 @@ def precheck(path: str) -> dict | None:
     """Check ``path/data.mdb`` without mapping it; None when there is no store yet. Returns the
     meta LMDB would use; raises ``L3CorruptError`` naming what is wrong."""
     data = os.path.join(path, "data.mdb")
+    for name in ("data.mdb", "lock.mdb"):  # stat before open: a FIFO would block the open
+        regular_file(os.path.join(path, name), f"the L3 store's {name}", L3CorruptError)
     if not os.path.lexists(data):
         return None
     where = data
