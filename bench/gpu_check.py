@@ -123,11 +123,14 @@ def run_check(c: Check, limit_s: float, dev) -> None:
     th.join(limit_s)
     took = time.perf_counter() - t0
     if th.is_alive():
-        print(f"--- {c.name}: no result after {limit_s:.0f} s; every thread's stack:",
+        print(f"--- {c.name}: no result after {limit_s:g} s; every thread's stack:",
               flush=True)
-        faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
+        try:
+            faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
+        except (AttributeError, OSError, ValueError):  # stdout without a file descriptor
+            faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
         sys.stdout.flush()
-        status, detail = "FAIL", f"timed out after {limit_s:.0f} s (stacks dumped above)"
+        status, detail = "FAIL", f"timed out after {limit_s:g} s (stacks dumped above)"
     else:
         status, detail = box["status"], box["detail"]
     RESULTS.append({"check": c.name, "status": status, "detail": detail, "s": round(took, 2),

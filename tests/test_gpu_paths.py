@@ -84,11 +84,15 @@ def test_force_method_is_honoured_for_pinned_hosts_and_checked():
     eng = _engine("direct")
     eng.host_side = dataclasses.replace(eng.host_side, pinned=True)
     cb = eng.backend
+    cb._device_kernel = page_copy_reference  # as on CUDA with Triton usable
     n = len(SCATTERED[0])
     cb.force_method = "pages"  # gpu_check's copy-engine row: one copy_ per page per layer
     assert cb.plan(_job("h2d", *SCATTERED)) == DeviceCopyPlan("pages", n * L)
     cb.force_method = "kernel"
     assert cb.plan(_job("d2h", *SCATTERED)) == DeviceCopyPlan("kernel", 1)
+    cb._device_kernel = None  # no Triton here: forcing the kernel names that
+    with pytest.raises(TransferError, match="not usable"):
+        cb.plan(_job("d2h", *SCATTERED))
     cb.force_method = "bogus"
     with pytest.raises(TransferError, match="force_method"):
         cb.plan(_job("h2d", *SCATTERED))
@@ -126,10 +130,11 @@ ALLOCS = textwrap.dedent(r"""
             self.shapes = []
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            name = func.overloadpacket.__name__
-            if name in ("empty", "zeros", "full", "empty_like", "zeros_like", "full_like",
-                        "new_empty", "new_zeros", "new_full", "empty_strided"):
-                self.shapes.append(list(out.shape))
+            seen = {a.untyped_storage().data_ptr() for a in
+                    torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
+            for o in torch.utils._pytree.tree_leaves(out):  # tensors in new memory
+                if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in seen:
+                    self.shapes.append(list(o.shape))
             return out
 
     t, h, r, dr, n = 3, 4, 16, 8, 40
@@ -162,7 +167,7 @@ def test_decode_kernel_makes_only_the_outputs_it_returns():
     big = [s for s in out["1"] if s and s[-1] == r]  # [.., T, H, R] tensors
     assert big == [[1, t, h, r]], out["1"]     # the one split's output, returned as is
     big = [s for s in out["2"] if s and s[-1] == r]
-    assert big[0] == [2, t, h, r], out["2"]  # the partials first: no output made unused
+    assert big == [[2, t, h, r], [t, h, r]], out["2"]  # the partials, then the merged output
     assert out["empty"] and out["empty_ok"]                     # zeros made only when empty
 
 
@@ -203,3 +208,44 @@ def test_make_gpu_check_without_a_gpu_prints_the_checks_and_exits_0():
                  "page copy", "nccl", "serving loop"):
         assert any(want in n for n in names), (want, names)
     assert "no GPU here" in proc.stdout
+
+
+def _gpu_check_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test",
+                                                  os.path.join(ROOT, "bench", "gpu_check.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_check_past_its_limit_fails_with_stacks_and_the_next_check_runs(tmp_path, capfd):
+    import threading
+    gc_mod = _gpu_check_module()
+    gc_mod._JSON_PATHS.append(str(tmp_path / "gpu_check.json"))
+    release = threading.Event()
+
+    def stuck_in_a_copy(sz, dev):
+        release.wait(30)  # a hung CUDA call, as far as the runner can tell
+
+    def measured(sz, dev):
+        gc_mod.figure("copy", 12.5, "GB/s", 25.0, "pinned copy")
+        return "fine"
+
+    dev = torch.device("cpu")
+    try:
+        gc_mod.run_check(gc_mod.Check("hangs", stuck_in_a_copy, (None, dev), 1, 60), 0.5, dev)
+        first = json.loads((tmp_path / "gpu_check.json").read_text())  # written right away
+        gc_mod.run_check(gc_mod.Check("measures", measured, (None, dev), 1, 60), 5, dev)
+    finally:
+        release.set()
+    out = capfd.readouterr().out
+    assert "stuck_in_a_copy" in out  # every thread's stack, the hung one included
+    hung = [ln for ln in out.splitlines() if ln.startswith("FAIL")]
+    assert len(hung) == 1 and "hangs" in hung[0] and "timed out after" in hung[0], hung
+    assert "figure  copy: 12.500 GB/s" in out and "0.50x" in out  # printed when measured
+    assert [c["status"] for c in first["checks"]] == ["FAIL"]
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [c["status"] for c in doc["checks"]] == ["FAIL", "PASS"]
+    assert doc["figures"][0]["check"] == "measures" and doc["figures"][0]["ratio"] == 0.5

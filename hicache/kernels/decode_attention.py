@@ -3,7 +3,8 @@
 One program per (query token, block of heads, split of the keys): the single latent KV "head" is
 loaded once per key block and shared by every head of the block (``tl.dot`` of [BLOCK_H, R] by
 [R, BLOCK_N]). Keys are cut into splits (flash-decoding) so a one-token decode over a long shard
-still fills the GPU; the splits' partial states are merged exactly by ``merge_attn_states``.
+still fills the GPU; the splits' partial states are merged exactly with ``merge_attn_states``'
+weights, in place into the one output (no partial-sized temporaries).
 Causality uses global positions (``kv_pos <= q_pos``), so the kernel works on a DCP shard.
 
 The torch reference is ``hicache.engine.attention.attend_latent_torch``; the kernel is tested
@@ -175,8 +176,6 @@ def decode_attention_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.T
     ``rows`` int64 [N]: the keys are ``kv[rows]``, read in place (no gathered copy)."""
     if triton is None:
         raise RuntimeError("triton is not installed; use the torch attention path")
-    from hicache.engine.merge import merge_attn_states
-
     t, h, r = q_lat.shape
     dr = q_pe.shape[2]
     n = kv.shape[0] if rows is None else rows.shape[0]
@@ -220,4 +219,19 @@ def decode_attention_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.T
     _LAST[dot_fp32] = compiled
     if splits == 1:
         return o_part[0], lse_part[0]
-    return merge_attn_states(o_part, lse_part)
+    return _merge_splits(o_part, lse_part)
+
+
+def _merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The splits' partial states merged exactly (``merge_attn_states``' weights) into one new
+    output, accumulated in place: no temporary the size of the partials (the general merge
+    makes two, 17 GB each for a 32K-token extend). The kernel writes o = 0 and lse = -inf for
+    a split without keys, so its weight is 0 and nothing needs masking."""
+    from hicache.engine.merge import merge_weights
+
+    w, lse = merge_weights(lse_part)  # [splits, T, H], [T, H]
+    out = torch.mul(o_part[0], w[0, ..., None])
+    for i in range(1, o_part.shape[0]):
+        out.addcmul_(o_part[i], w[i, ..., None])
+    return out, lse

@@ -198,6 +198,9 @@ class CudaBackend(CopyBackend):
             if self.force_method not in DEVICE_COPY_METHODS:
                 raise TransferError(f"force_method must be one of {DEVICE_COPY_METHODS}, got "
                                     f"{self.force_method!r}")
+            if self.force_method == "kernel" and self._kernel is None \
+                    and self._device_kernel is None:
+                raise TransferError("force_method 'kernel': the page-copy kernel is not usable")
             per_job = {"kernel": L if job.direction == "h2d" else 1,
                        "pages": job.plan.num_pages * L}
             return DeviceCopyPlan(self.force_method,
