@@ -406,7 +406,8 @@ def check_decode(sz: Sizes, dev) -> str:
     spills = register_spills(True), register_spills(False)
     line += f"; fp32 N={n32} max err {e32:.2g}"
     if spills[0] is None:
-        return line + "; spills: not compiled here (interpreted)"
+        return line + ("; spills: this triton does not report them" if cuda else
+                       "; spills: not compiled here (interpreted)")
     line += f"; register spills fp32 {spills[0]} B, bf16 {spills[1]} B per thread"
     assert spills[0] == 0, f"the fp32 decode kernel spills {spills[0]} bytes per thread"
     return line
