@@ -85,8 +85,9 @@ $(SSTAMP): Makefile
 	$(SPY) -c "import torch, triton; assert torch.__version__.startswith('2.11.0'), torch.__version__; assert triton.__version__ == '3.6.0'"
 	touch $(SSTAMP)
 
+SMOKE_TIMEOUT ?= 1200
 gpu-smoke: $(SSTAMP)
-	$(MAKE) gpu-check GPU_PY=$(CURDIR)/$(SPY) GPU_ARGS=--smoke
+	$(MAKE) gpu-check GPU_PY=$(CURDIR)/$(SPY) GPU_ARGS=--smoke GPU_TIMEOUT=$(SMOKE_TIMEOUT)
 
 clean:
 	rm -rf .venv .venv-engines .venv-gpu-smoke build *.egg-info
