@@ -192,8 +192,8 @@ class CudaBackend(CopyBackend):
         contiguous = src.stride(1) == W and dst.stride(1) == W
         host = dst_side if job.direction == "d2h" else src_side
         L = self.engine.num_layers
-        if not host.pinned:  # pageable: no kernel or 2D copy reads it, plain copies only
-            return plan_device_copy(job.plan, L, job.direction, contiguous, False, False)
+        if not host.pinned:  # pageable: no kernel or 2D copy reads it, one copy_ per run
+            return DeviceCopyPlan("runs", job.plan.num_runs * L)
         if self.force_method is not None:
             if self.force_method not in DEVICE_COPY_METHODS:
                 raise TransferError(f"force_method must be one of {DEVICE_COPY_METHODS}, got "
