@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.stamp-install
 TORCH   ?= torch==2.13.0
 
-.PHONY: test test-engines bench setup clean gpu-check
+.PHONY: test test-engines bench setup clean gpu-check gpu-smoke
 
 setup: $(STAMP)
 
@@ -59,15 +59,35 @@ test-engines: $(ESTAMP)
 bench: $(STAMP)
 	.venv/bin/hicache-bench --verify --out out/bench.json
 
-# Every CUDA path checked, then GPU figures (not part of `make test`); exits 0 without a GPU. The
-# venv sees the machine's packages, so a CUDA torch and its triton already there are used as they
-# are; the package runs from the tree (PYTHONPATH), so nothing is rebuilt or downloaded for it.
+# Every CUDA path checked, then GPU figures (not part of `make test`). Runs the machine's own
+# interpreter as it is (GPU_PY; no venv, nothing installed or downloaded): the package runs from
+# the tree, appended to any PYTHONPATH the caller set. Each check has its own time limit inside
+# the script; `timeout` bounds the whole run. Without CUDA it prints the check list and exits 0.
+# OUT=dir also rewrites $(OUT)/gpu_check.json after every check. docs/gpu.md says more.
+GPU_PY      ?= python3
+GPU_TIMEOUT ?= 540
+GPU_ARGS    ?=
 gpu-check:
-	test -x $(PY) || python3 -m venv --system-site-packages .venv
-	$(PY) -c "import torch" 2>/dev/null || $(MAKE) setup
-	$(PY) -c "import numpy, msgpack, xxhash, psutil, tqdm" 2>/dev/null \
-	  || $(PY) -m pip install -q numpy msgpack xxhash psutil tqdm
-	PYTHONPATH=$(CURDIR) $(PY) bench/gpu_check.py
+	PYTHONPATH="$${PYTHONPATH:+$$PYTHONPATH:}$(CURDIR)" \
+	  timeout -k 10 $(GPU_TIMEOUT) $(GPU_PY) -X faulthandler bench/gpu_check.py $(GPU_ARGS)
+
+# The GPU image's versions on this CPU machine (not part of `make test`): torch 2.11.0 (on PyPI
+# only as a CUDA build, which runs on CPU; a few GB), triton 3.6.0, numpy >= 2.4, no lmdb and
+# no redis client; then `make gpu-check` in it with --smoke (tiny shapes, kernels interpreted).
+SPY    := .venv-gpu-smoke/bin/python
+SSTAMP := .venv-gpu-smoke/.stamp-install
+SMOKE_PKGS := torch==2.11.0 triton==3.6.0 'numpy>=2.4' msgpack psutil xxhash tqdm \
+  prometheus-client safetensors transformers
+
+$(SSTAMP): Makefile
+	test -x $(SPY) || python3 -m venv .venv-gpu-smoke
+	$(SPY) -m pip install -q $(SMOKE_PKGS)
+	$(SPY) -c "import torch, triton; assert torch.__version__.startswith('2.11.0'), torch.__version__; assert triton.__version__ == '3.6.0'"
+	touch $(SSTAMP)
+
+SMOKE_TIMEOUT ?= 1200
+gpu-smoke: $(SSTAMP)
+	$(MAKE) gpu-check GPU_PY=$(CURDIR)/$(SPY) GPU_ARGS=--smoke GPU_TIMEOUT=$(SMOKE_TIMEOUT)
 
 clean:
-	rm -rf .venv .venv-engines build *.egg-info
+	rm -rf .venv .venv-engines .venv-gpu-smoke build *.egg-info

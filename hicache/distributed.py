@@ -16,7 +16,8 @@
 - ``CollectiveCounter`` counts collectives issued, so tests can assert "exactly one per step".
 - ``control_group(group)``: the group the CPU control plane (per-step agreement, L3 MIN,
   benchmark flags) talks over: ``group`` itself when its backend takes CPU tensors (gloo), else a
-  gloo group over the same ranks, created once beside it (NCCL takes only CUDA tensors).
+  gloo group over the same ranks, created once beside it (NCCL takes only CUDA tensors), named
+  after ``group`` so its members agree on the name whatever other groups each rank made.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import pickle
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -380,10 +382,40 @@ def group_timeout(group=None) -> datetime.timedelta | None:
     return None
 
 
+def group_name(group=None) -> str | None:
+    """The name torch registered ``group`` under (its store prefix): the same on every member,
+    which rendezvoused under it; None where this torch does not say."""
+    pg = group if group is not None else dist.group.WORLD
+    world = getattr(dist.distributed_c10d, "_world", None)
+    names = getattr(world, "pg_names", None)
+    return names.get(pg) if isinstance(names, dict) else None
+
+
+_NAMING = threading.Lock()
+
+
+def _new_group_named(ranks: list[int], name: str | None, **kwargs):
+    """``dist.new_group`` whose name (and so store prefix) is ``name``, not the one torch would
+    derive from how many groups this process made before (which ranks need not agree on: a
+    mismatch hangs the rendezvous). Falls back to torch's naming where it cannot be set."""
+    c10d = dist.distributed_c10d
+    derive = getattr(c10d, "_process_group_name", None)
+    taken = name is None or name in getattr(getattr(c10d, "_world", None), "pg_names", {}).values()
+    if derive is None or taken:
+        return dist.new_group(ranks, **kwargs)
+    with _NAMING:
+        c10d._process_group_name = lambda *a, **k: name
+        try:
+            return dist.new_group(ranks, **kwargs)
+        finally:
+            c10d._process_group_name = derive
+
+
 def control_group(group=None):
     """A group over ``group``'s ranks that takes CPU tensors: ``group`` itself when it does,
     else a gloo group created beside it on the first call (collective: every member of
-    ``group`` calls this, in the same order as its other group creations) and reused after."""
+    ``group`` calls this) and reused after. The twin is named after ``group``, so the members
+    agree on its name however many other groups each of them created before."""
     pg = group if group is not None else dist.group.WORLD
     if "cpu" in device_types(pg):
         return group
@@ -393,6 +425,8 @@ def control_group(group=None):
     kwargs: dict[str, Any] = {"backend": "gloo", "timeout": group_timeout(pg)}
     if "use_local_synchronization" in inspect.signature(dist.new_group).parameters:
         kwargs["use_local_synchronization"] = True  # only the members take part
-    ctl = dist.new_group(dist.get_process_group_ranks(pg), **kwargs)
+    parent = group_name(pg)
+    ctl = _new_group_named(dist.get_process_group_ranks(pg),
+                           None if parent is None else f"hicache-control:{parent}", **kwargs)
     _CONTROL[id(pg)] = (pg, ctl)
     return ctl

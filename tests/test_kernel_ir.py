@@ -5,7 +5,8 @@ argument (the worst case: each stride fits in 32 bits, the product need not), an
 checked by a small taint analysis: values derived from an index (a program id along an index
 axis, a loop induction variable, an integer loaded from memory) and values derived from a stride
 argument must never meet in an i32 ``arith.muli``. A deliberately bad kernel proves the check
-can fail. Runs in a subprocess so TRITON_INTERPRET is off and the cache is private.
+can fail. The fp32 decode kernel's cubin is read with Triton's bundled cuobjdump: no stack
+(register spills) at the launch config the wrapper picks. Runs in a subprocess so TRITON_INTERPRET is off and the cache is private.
 """
 
 import json
@@ -48,9 +49,34 @@ COMPILE = textwrap.dedent(r"""
                      "rows_ptr": "*i64", "q_pos_ptr": "*i64", "kv_pos_ptr": "*i64",
                      "o_ptr": "*fp32", "lse_ptr": "*fp32", "scale": "fp32"},
                     {"R": 512, "DR": 64, "BLOCK_H": 16, "BLOCK_R": 512, "BLOCK_DR": 64,
-                     "BLOCK_N": 32, "DOT_FP32": False, "INDIRECT": indirect})
+                     "BLOCK_N": 32, "DOT_FP32": False, "INDIRECT": indirect, "LOOP_LEN": 0})
 
+    def stack_bytes(block_n, warps):  # fp32 decode kernel: bytes of stack (spills) per thread
+        import os, subprocess, tempfile
+        import triton.backends.nvidia as nv
+        consts = {"R": 512, "DR": 64, "BLOCK_H": 16, "BLOCK_R": 512, "BLOCK_DR": 64,
+                  "BLOCK_N": block_n, "DOT_FP32": True, "INDIRECT": False, "LOOP_LEN": 0}
+        types = {"q_lat_ptr": "*fp32", "q_pe_ptr": "*fp32", "kv_ptr": "*fp32",
+                 "rows_ptr": "*i64", "q_pos_ptr": "*i64", "kv_pos_ptr": "*i64",
+                 "o_ptr": "*fp32", "lse_ptr": "*fp32", "scale": "fp32"}
+        fn = _latent_attn_kernel
+        sig = {a: types.get(a, "i32") for a in fn.arg_names if a not in consts}
+        sig.update({a: "constexpr" for a in consts})
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            res = subprocess.run([os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump"),
+                                  "-res-usage", f.name], capture_output=True, text=True,
+                                 check=True).stdout
+        return int(res.split("STACK:")[1].split()[0])
+
+    from hicache.kernels.decode_attention import launch_config
+    block_n, warps = launch_config(512, True)
     out = {
+        "fp32_stack": stack_bytes(block_n, warps),
+        "fp32_stack_4_warps": stack_bytes(32, 4),
         "decode": decode(False),
         "decode_indirect": decode(True),
         "page_copy": ttir(_page_copy_kernel,
@@ -149,3 +175,11 @@ def test_page_copy_kernel_offsets_are_64_bit(compiled):
                                              {"x", "y", "z"})
     assert bad == [], "32-bit index x stride products:\n" + "\n".join(bad)
     assert wide >= 4  # bb*s_b, si*s_r, bb*d_b, di*d_r
+
+
+def test_fp32_decode_kernel_does_not_spill(compiled):
+    """The fp32 (exact dot) decode kernel at the launch config the wrapper picks keeps its
+    [16, 512] tiles in registers on sm_90: no stack; with 4 warps at 32 keys it spills KBs per
+    thread (the measurement sees spills)."""
+    assert compiled["fp32_stack"] == 0, compiled["fp32_stack"]
+    assert compiled["fp32_stack_4_warps"] > 1024, compiled["fp32_stack_4_warps"]

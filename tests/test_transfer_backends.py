@@ -2,6 +2,7 @@
 branch), and restore jobs (an L3 read's staging buffer -> L1) move the right bytes, layer by
 layer, through every CPU way of copying and through the CUDA issue plan checked on CPU."""
 
+import dataclasses
 import threading
 
 import pytest
@@ -188,4 +189,6 @@ def test_cuda_plan_copies_unpinned_staging_with_copy_engines():
             assert torch.equal(dev_page(d, t), staging[i])
         load = eng.load([0, 3, 5], [2, 6, 0])
         load.wait()
-        assert cb.plan(load).method == "kernel"  # the pinned-or-pool path is unchanged
+        assert cb.plan(load).method == "runs"    # a pageable L2 pool: no kernel either
+        eng.host_side = dataclasses.replace(eng.host_side, pinned=True)
+        assert cb.plan(load).method == "kernel"  # the pinned pool path is unchanged

@@ -1,7 +1,9 @@
 """How the CUDA path issues a job, checked on CPU: the plan picks O(layers) kernel launches for
 strided or scattered jobs (not one copy per page per layer), copy engines for a few contiguous
-runs, and every way of issuing moves exactly the right bytes (the kernel via its torch
+runs (a pageable host side never gets the kernel: tests/test_gpu_paths.py), and every way of issuing moves exactly the right bytes (the kernel via its torch
 reference)."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -21,6 +23,8 @@ def make(kind, pages=12):
     d = DeviceKVPool(lay, L, 8, torch.float32, pages)
     h = HostKVPool(lay, L, 8, torch.float32, pages, layout_kind=kind)
     eng = TransferEngine(d, h)
+    # the host pool as on CUDA (page-locked): the only metadata the plan reads that CPU lacks
+    eng.host_side = dataclasses.replace(eng.host_side, pinned=True)
     return d, h, eng, CudaBackend(eng)  # the CUDA backend's plans and issue, checked on CPU
 
 

@@ -130,8 +130,13 @@ class DeviceIndex:
 
 
 def _upload(host: np.ndarray, device: torch.device) -> torch.Tensor:
-    """int64 host array -> the device (asynchronous; a view of ``host`` on the CPU)."""
-    return torch.from_numpy(host).to(device, non_blocking=True)
+    """int64 host array -> the device (a view of ``host`` on the CPU). On CUDA through pinned
+    staging: an asynchronous copy from pageable memory may wait inside the driver; torch's
+    caching host allocator keeps the staging block until the copy that reads it is done."""
+    t = torch.from_numpy(host)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass

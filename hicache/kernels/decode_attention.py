@@ -3,7 +3,8 @@
 One program per (query token, block of heads, split of the keys): the single latent KV "head" is
 loaded once per key block and shared by every head of the block (``tl.dot`` of [BLOCK_H, R] by
 [R, BLOCK_N]). Keys are cut into splits (flash-decoding) so a one-token decode over a long shard
-still fills the GPU; the splits' partial states are merged exactly by ``merge_attn_states``.
+still fills the GPU; the splits' partial states are merged exactly with ``merge_attn_states``'
+weights, in place into the one output (no partial-sized temporaries).
 Causality uses global positions (``kv_pos <= q_pos``), so the kernel works on a DCP shard.
 
 The torch reference is ``hicache.engine.attention.attend_latent_torch``; the kernel is tested
@@ -47,6 +48,7 @@ if triton is not None:
         R: tl.constexpr, DR: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
         BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, INDIRECT: tl.constexpr,
+        LOOP_LEN: tl.constexpr,
     ):
         # 64-bit token, split and key indices: t * s_qt alone passes 2**31 at 32768 tokens of
         # 128 heads x 512 dims, and a product of int32 values wraps silently.
@@ -75,8 +77,15 @@ if triton is not None:
         acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
         start = sp * split_len
         end = tl.minimum(start + split_len, N)
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)  # int64, as start is: offs_n * s_kn
+        # Triton 3.6's interpreter makes every assigned value a tensor, and turns a tensor loop
+        # bound into a Python int by int() of a 1-element array, which numpy >= 2.4 refuses.
+        # So, interpreted, the loop runs over the split length as a constant (LOOP_LEN, never
+        # assigned; keys past the split's end masked); compiled (LOOP_LEN = 0) over
+        # [start, end) with runtime bounds (the conditions are constexpr: resolved statically).
+        for n0 in range(0 if LOOP_LEN > 0 else start, LOOP_LEN if LOOP_LEN > 0 else end,
+                        BLOCK_N):
+            # int64, as start is: offs_n * s_kn
+            offs_n = (start if LOOP_LEN > 0 else 0) + n0 + tl.arange(0, BLOCK_N)
             nmask = offs_n < end
             kpos = tl.load(kv_pos_ptr + offs_n, mask=nmask, other=0)
             allowed = nmask & (kpos <= qpos)
@@ -119,6 +128,27 @@ if triton is not None:
         tl.store(lse_ptr + sp * s_ls + t * s_lt + offs_h, lse, mask=hmask)
 
 
+_LAST: dict[bool, object] = {}  # DOT_FP32 -> the compiled kernel last launched
+
+
+def register_spills(dot_fp32: bool) -> int | None:
+    """Registers the kernel last launched with ``dot_fp32`` spills (bytes per thread, from
+    Triton's compiled kernel); None when it has not run compiled here (interpreted, or never)."""
+    k = _LAST.get(dot_fp32)
+    n = getattr(k, "n_spills", None)
+    return None if n is None else int(n)
+
+
+def launch_config(block_r: int, dot_fp32: bool) -> tuple[int, int]:
+    """(BLOCK_N, num_warps). Interpreted: 16 keys a block (the interpreter is slow). Compiled
+    fp32 (exact dots) uses 8 warps: with 4, its [16, 512] fp32 tiles spill KBs of registers
+    per thread (7 KB stack at BLOCK_N=32 on sm_90, triton 3.7.1; 0 with 8 warps; checked on
+    CPU by tests/test_kernel_ir.py)."""
+    if interpreted():
+        return 16, 4
+    return (32 if block_r >= 256 else 64), (8 if dot_fp32 else 4)
+
+
 def _next_pow2(x: int, floor: int = 16) -> int:
     return max(floor, 1 << max(0, (x - 1).bit_length()))
 
@@ -146,16 +176,13 @@ def decode_attention_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.T
     ``rows`` int64 [N]: the keys are ``kv[rows]``, read in place (no gathered copy)."""
     if triton is None:
         raise RuntimeError("triton is not installed; use the torch attention path")
-    from hicache.engine.merge import merge_attn_states
-
     t, h, r = q_lat.shape
     dr = q_pe.shape[2]
     n = kv.shape[0] if rows is None else rows.shape[0]
     dev = kv.device
-    o_empty = torch.zeros(t, h, r, dtype=torch.float32, device=dev)
-    lse_empty = torch.full((t, h), -math.inf, dtype=torch.float32, device=dev)
-    if t == 0 or n == 0:
-        return o_empty, lse_empty
+    if t == 0 or n == 0:  # nothing to attend: the empty result, made only here
+        return (torch.zeros(t, h, r, dtype=torch.float32, device=dev),
+                torch.full((t, h), -math.inf, dtype=torch.float32, device=dev))
     dot_fp32 = interpreted() or kv.dtype == torch.float32
     qdt = torch.float32 if dot_fp32 else kv.dtype
     q_lat = q_lat.to(qdt).contiguous()
@@ -168,8 +195,8 @@ def decode_attention_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.T
     block_h = 16
     block_r = _next_pow2(r)
     block_dr = _next_pow2(dr)
-    if block_n is None:
-        block_n = 16 if interpreted() else (32 if block_r >= 256 else 64)
+    auto_n, num_warps = launch_config(block_r, dot_fp32)
+    block_n = block_n or auto_n
     head_blocks = math.ceil(h / block_h)
     splits = num_splits or _num_splits(n, t, head_blocks, block_n, dev)
     split_len = math.ceil(math.ceil(n / splits) / block_n) * block_n
@@ -178,7 +205,7 @@ def decode_attention_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.T
     o_part = torch.empty(splits, t, h, r, dtype=torch.float32, device=dev)
     lse_part = torch.empty(splits, t, h, dtype=torch.float32, device=dev)
     grid = (t, head_blocks, splits)
-    _latent_attn_kernel[grid](
+    compiled = _latent_attn_kernel[grid](
         q_lat, q_pe, kv, rows_arg, q_pos, kv_pos, o_part, lse_part,
         n, h, float(scale),
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0),
@@ -187,7 +214,24 @@ def decode_attention_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.T
         split_len,
         R=r, DR=dr, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_DR=block_dr, BLOCK_N=block_n,
         DOT_FP32=dot_fp32, INDIRECT=rows is not None,
+        LOOP_LEN=split_len if interpreted() else 0, num_warps=num_warps,
     )
+    _LAST[dot_fp32] = compiled
     if splits == 1:
         return o_part[0], lse_part[0]
-    return merge_attn_states(o_part, lse_part)
+    return _merge_splits(o_part, lse_part)
+
+
+def _merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The splits' partial states merged exactly (``merge_attn_states``' weights) into one new
+    output, accumulated in place: no temporary the size of the partials (the general merge
+    makes two, 17 GB each for a 32K-token extend). The kernel writes o = 0 and lse = -inf for
+    a split without keys, so its weight is 0 and nothing needs masking."""
+    from hicache.engine.merge import merge_weights
+
+    w, lse = merge_weights(lse_part)  # [splits, T, H], [T, H]
+    out = torch.mul(o_part[0], w[0, ..., None])
+    for i in range(1, o_part.shape[0]):
+        out.addcmul_(o_part[i], w[i, ..., None])
+    return out, lse

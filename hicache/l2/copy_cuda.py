@@ -6,8 +6,16 @@ picks how: ``direct`` issues ``copy_(non_blocking=True)`` per run when each laye
 runs contiguous on both sides (copy engines), and otherwise launches the Triton page
 gather/scatter (once per layer for a load, once for a whole backup: O(layers) launches, not one
 copy per page per layer on the strided page_first side), falling back to CuPy 2D copies or
-per-page copies without Triton. ``kernel`` always launches the kernel. Host memory a kernel
-cannot read (an unpinned staging buffer) is copied with ``copy_`` runs.
+per-page copies without Triton. ``kernel`` launches the kernel. Host memory a kernel cannot
+read (pageable: an unpinned staging buffer, an L2 pool with ``pin = "off"`` or whose
+``cudaHostRegister`` was refused) is never handed to the kernel or CuPy: plain ``copy_`` runs.
+
+Every stream and wait is the pool's device's (not whichever device is current). A job's
+``seconds`` is the time between CUDA events recorded before its first and after its last copy
+(read once the job is done), so ``stats()["gbps"]`` holds on a GPU too. Index lists go to the
+device through pinned staging (torch's caching host allocator keeps the block until the copy
+that reads it is done), so an upload never waits inside the driver. The backend holds its
+engine weakly: engine and backend form no cycle, and a dropped engine frees its pools at once.
 
 Importing this module needs no GPU (its plans are checked on CPU); the streams are made only
 for an engine whose pool is on CUDA. (Written for the GPU machine; this project's CI has none.)
@@ -15,6 +23,7 @@ for an engine whose pool is on CUDA. (Written for the GPU machine; this project'
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -70,11 +79,30 @@ def plan_device_copy(plan: TransferPlan, num_layers: int, direction: str, contig
 
 
 class CudaJob(TransferJob):
-    """A job whose layers complete on a CUDA stream: one event per layer."""
+    """A job whose layers complete on a CUDA stream: one event per layer, plus timing events
+    around the whole job (``seconds``, once done)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._events = [torch.cuda.Event() for _ in range(self.num_layers)]
+        self.device: torch.device | None = None  # the pool's device, set at submit
+        self._events = [torch.cuda.Event() for _ in range(self.num_layers - 1)]
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._end = torch.cuda.Event(enable_timing=True)
+        self._events.append(self._end)  # the last layer's event times the job's end
+        self._seconds: float | None = None
+
+    @property
+    def seconds(self) -> float:
+        """Device time of the copies (CUDA events), 0.0 until the job is done."""
+        if self._seconds is None:
+            if self._state is not DONE or not self._end.query():
+                return 0.0
+            self._seconds = self._start.elapsed_time(self._end) / 1e3
+        return self._seconds
+
+    @seconds.setter
+    def seconds(self, value: float) -> None:  # TransferJob.__init__ sets 0.0: events decide
+        pass
 
     def status(self) -> str:
         state = self._state
@@ -88,9 +116,9 @@ class CudaJob(TransferJob):
         return state
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
-        """Make the current stream wait for ``layer`` (the host does not block)."""
+        """Make the pool device's current stream wait for ``layer`` (the host does not block)."""
         self._check_layer(layer)
-        torch.cuda.current_stream().wait_event(self._events[layer])
+        torch.cuda.current_stream(self.device).wait_event(self._events[layer])
 
     def done(self) -> bool:
         return self._state is not PENDING and all(e.query() for e in self._events)
@@ -101,8 +129,23 @@ class CudaJob(TransferJob):
             self._events[-1].synchronize()
 
 
+def _synchronize(streams) -> None:  # pragma: no cover - needs a GPU
+    for s in streams:
+        s.synchronize()
+
+
+def upload_index(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host index tensor on ``device`` without a wait: through pinned staging on CUDA."""
+    if device.type != "cuda":
+        return ids.to(device)
+    return ids.pin_memory().to(device, non_blocking=True)
+
+
 class CudaBackend(CopyBackend):
     job_class = CudaJob
+    # Force one of DEVICE_COPY_METHODS for every job whose host side is pinned (None: the
+    # cheapest). gpu_check sets "pages" to measure the copy engines on scattered pages.
+    force_method: str | None = None
 
     def __init__(self, engine) -> None:
         super().__init__(engine)
@@ -125,6 +168,21 @@ class CudaBackend(CopyBackend):
                     self._device_kernel = page_copy.page_copy_triton
             dev = engine.device_pool.device
             self._streams = {"d2h": torch.cuda.Stream(dev), "h2d": torch.cuda.Stream(dev)}
+            # an engine dropped with copies in flight: they finish before its pools are freed
+            # (weakref callbacks run before the engine's attributes are cleared)
+            weakref.finalize(engine, _synchronize, tuple(self._streams.values()))
+
+    @property
+    def engine(self):
+        """The engine, held weakly: engine and backend form no reference cycle."""
+        eng = self._engine_ref()
+        if eng is None:
+            raise TransferError("the transfer engine of this copy backend was freed")
+        return eng
+
+    @engine.setter
+    def engine(self, engine) -> None:
+        self._engine_ref = weakref.ref(engine)
 
     def plan(self, job: TransferJob) -> DeviceCopyPlan:
         """How ``job`` is issued (computable on CPU: tests check launch counts)."""
@@ -134,8 +192,19 @@ class CudaBackend(CopyBackend):
         contiguous = src.stride(1) == W and dst.stride(1) == W
         host = dst_side if job.direction == "d2h" else src_side
         L = self.engine.num_layers
-        if host.medium == "staging" and not host.pinned:  # no kernel reads pageable memory
+        if not host.pinned:  # pageable: no kernel or 2D copy reads it, one copy_ per run
             return DeviceCopyPlan("runs", job.plan.num_runs * L)
+        if self.force_method is not None:
+            if self.force_method not in DEVICE_COPY_METHODS:
+                raise TransferError(f"force_method must be one of {DEVICE_COPY_METHODS}, got "
+                                    f"{self.force_method!r}")
+            if self.force_method == "kernel" and self._kernel is None \
+                    and self._device_kernel is None:
+                raise TransferError("force_method 'kernel': the page-copy kernel is not usable")
+            per_job = {"kernel": L if job.direction == "h2d" else 1,
+                       "pages": job.plan.num_pages * L}
+            return DeviceCopyPlan(self.force_method,
+                                  per_job.get(self.force_method, job.plan.num_runs * L))
         if self._kernel is not None:
             return DeviceCopyPlan("kernel", L if job.direction == "h2d" else 1)
         return plan_device_copy(job.plan, L, job.direction, contiguous,
@@ -144,8 +213,10 @@ class CudaBackend(CopyBackend):
 
     def submit(self, job: TransferJob) -> None:  # pragma: no cover - needs a GPU
         stream = self._streams[job.direction]
+        dev = self.engine.device_pool.device
+        job.device = dev
         if job.direction == "d2h":  # KV written by compute before submit must be visible
-            stream.wait_stream(torch.cuda.current_stream())
+            stream.wait_stream(torch.cuda.current_stream(dev))
         # a load writes pages no running request reads and reads host copies that are
         # complete: it need not wait for the compute queued so far, so it overlaps this step
         try:
@@ -159,6 +230,7 @@ class CudaBackend(CopyBackend):
     def copy(self, job: TransferJob) -> None:  # pragma: no cover - needs a GPU
         stream = self._streams[job.direction]
         with torch.cuda.stream(stream):
+            job._start.record(stream)
             self.issue(job, self.plan(job), stream,
                        lambda layer: job._events[layer].record(stream))
 
@@ -180,8 +252,8 @@ class CudaBackend(CopyBackend):
             kernel = kernel or (self._kernel.page_copy_triton if self._kernel is not None
                                 else self._device_kernel)
             dev = self.engine.device_pool.device
-            si = plan.src_pages.to(dev, non_blocking=True)
-            di = plan.dst_pages.to(dev, non_blocking=True)
+            ids = upload_index(torch.cat([plan.src_pages, plan.dst_pages]), dev)
+            si, di = ids[:plan.num_pages], ids[plan.num_pages:]
             if job.direction == "d2h":  # no per-layer consumer: one launch for every layer
                 kernel(src, si, dst, di)
                 for layer in range(L):
