@@ -113,3 +113,46 @@ def test_mtp_missing_tensors_name_the_first(tmp_path):
                         ("enorm.weight", "hnorm.weight", "eh_proj.weight",
                          "shared_head.norm.weight")]
     assert f"model.layers.{LAYERS}.mlp.experts.7.down_proj.weight" in want
+
+
+@pytest.mark.parametrize("name", ["moe_shared_head", "dense"])
+def test_mtp_draft_kv_is_the_recompute(ckpts, name):
+    """After speculative rounds (drafts chained on the module's own hidden state, most of them
+    rejected), the MTP rows of every committed position are those of a recompute from the
+    target's hidden states: chained rows were rolled back and rewritten, nothing stale stays.
+    The tokens are plain decoding's."""
+    from hicache.engine.spec import MTPDrafter, SpecStats, speculative_generate
+    from hicache.engine.runner import DCPRunner
+    from hicache.l1 import DeviceKVPool
+    from hicache.layout import DCPLayout
+    path = ckpts[name][0]
+    target = load_model(path)
+    mtp = load_mtp(path, target)
+    prompt = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(8)).tolist()
+    new, k, page = 12, 3, 4
+    cfg = target.cfg
+    pool = DeviceKVPool(DCPLayout(1, 0, page), cfg.num_layers, cfg.kv_dim, cfg.torch_dtype, 16)
+    runner = DCPRunner(target, pool, attn_backend="torch")
+    st = RequestState()
+    alloc = PageAllocator(16)
+    reserve(st, alloc, len(prompt) + new, page)
+    last = runner.extend(st, prompt)[-1]
+    drafter = MTPDrafter(replicated_runner(mtp, page, 16, "torch"), st.page_table)
+    stats = SpecStats()
+    toks = speculative_generate(runner, st, prompt, last, drafter, k, new, runner.last_hidden,
+                                stats)
+    assert toks == target.generate(prompt, new)
+    assert stats.proposed > stats.accepted  # rejections happened: rollback was exercised
+    seq = prompt + toks
+    # the target's hidden states over the committed positions, recomputed in one prefill
+    fresh = RequestState()
+    reserve(fresh, alloc, len(seq), page)
+    runner.extend(fresh, seq[:st.length])
+    hidden = runner.last_hidden
+    m = drafter.state.length
+    # the module lags the target by what the last rounds committed (not drafted from since)
+    assert drafter.offset == 0 and len(prompt) < m < st.length
+    x = mtp.inputs(seq[1:m + 1], hidden[:m])
+    want = mtp.layers[0].kv_rows(x, torch.arange(m))
+    _, got = drafter.runner.kv.read(0, drafter.state.slots(0, m, page))
+    assert torch.allclose(got, want, atol=1e-5)
