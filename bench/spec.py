@@ -39,7 +39,7 @@ def tpot(res: dict) -> float:
     steps = res["step_times"]
     sp = res.get("speculative")
     if sp is None:
-        return statistics.median(steps)  # one token per plain step
+        return statistics.mean(steps)  # one token per plain step
     return sum(steps) / (sp["tokens_per_target_step"] * sp["target_steps"])
 
 

@@ -234,6 +234,7 @@ def _prefill_and_decode(runner, model, state, prompt: list[int], spec: DecodeSpe
                                           spec.num_draft_tokens, spec.new_tokens, hidden,
                                           stats, times)
             extra["speculative"] = stats.to_dict()
+            extra["draft_prefill_time_s"] = stats.draft_prefill_s
         for _ in range(spec.new_tokens if runner is not None and drafter is None else 0):
             tokens.append(int(last.argmax()))
             ts = time.perf_counter()

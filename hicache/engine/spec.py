@@ -86,6 +86,7 @@ class SpecStats:
     target_steps: int = 0
     emitted: int = 0  # tokens the rounds emitted (accepted + one target token each)
     draft_recomputed_tokens: int = 0  # draft KV recomputed for cached prefixes (cache tiers)
+    draft_prefill_s: float = 0.0  # the draft's prefill (reported beside, not in to_dict)
 
     def add_round(self, proposed: int, accepted: int) -> None:
         self.proposed += proposed
@@ -134,12 +135,23 @@ class Drafter:
         target's KV)."""
         raise NotImplementedError
 
+    def catch_up(self, seq: Sequence[int]) -> None:
+        """Run the draft over what is committed, but the last position ``propose`` starts
+        from (the draft's prefill, outside the decode rounds)."""
+        raise NotImplementedError
+
 
 class DraftModelDrafter(Drafter):
     """A separate draft model, decoding greedily beside the target."""
 
     def observe(self, hidden, start: int, end: int) -> None:
         self.state.length = min(self.state.length, end)
+
+    @torch.no_grad()
+    def catch_up(self, seq: Sequence[int]) -> None:
+        st = self.state
+        if len(seq) - 1 > st.length:
+            self.runner.extend(st, list(seq[st.length:len(seq) - 1]))
 
     @torch.no_grad()
     def propose(self, seq: Sequence[int], k: int) -> list[int]:
@@ -174,22 +186,35 @@ class MTPDrafter(Drafter):
             start = self.hidden_start
         self.hidden, self.hidden_start = hidden, start
 
-    @torch.no_grad()
-    def propose(self, seq: Sequence[int], k: int) -> list[int]:
+    def _run(self, seq: Sequence[int], keep: int) -> Optional[torch.Tensor]:
+        """Extend the module over the pending positions but the last ``keep``: logits, or
+        None when there is nothing to run."""
         if self.offset is None or self.hidden is None:
-            return []  # nothing to draft from yet (a plain target step gives it)
-        st, run, mtp = self.state, self.runner, self.runner.model
+            return None  # nothing to draft from yet (a plain target step gives it)
+        st, mtp = self.state, self.runner.model
         first = self.offset + st.length  # the first global position to run
         if first < self.hidden_start:
             raise UsageError(f"MTP drafter: no target hidden state for positions "
                              f"{first}..{self.hidden_start - 1}")
-        end = self.hidden_start + self.hidden.shape[0]
+        end = self.hidden_start + self.hidden.shape[0] - keep
         if end <= first:
-            return []
-        h_prev = self.hidden[first - self.hidden_start:]
+            return None
+        h_prev = self.hidden[first - self.hidden_start:end - self.hidden_start]
         toks = [int(t) for t in seq[first + 1:end + 1]]
-        logits = run.extend_batch([st], [toks], inputs=mtp.inputs(toks, h_prev))[0]
-        self.hidden, self.hidden_start = self.hidden[:0], end
+        logits = self.runner.extend_batch([st], [toks], inputs=mtp.inputs(toks, h_prev))[0]
+        self.hidden, self.hidden_start = self.hidden[end - self.hidden_start:], end
+        return logits
+
+    @torch.no_grad()
+    def catch_up(self, seq: Sequence[int]) -> None:
+        self._run(seq, keep=1)
+
+    @torch.no_grad()
+    def propose(self, seq: Sequence[int], k: int) -> list[int]:
+        st, run, mtp = self.state, self.runner, self.runner.model
+        logits = self._run(seq, keep=0)
+        if logits is None:
+            return []
         out = [int(logits[-1].argmax())]
         while len(out) < k:
             h = run.last_hidden[-1:]
@@ -249,6 +274,9 @@ def speculative_generate(runner, state, prompt: Sequence[int], last_logits: torc
     out.append(seq[-1])
     n = 0 if hidden is None else hidden.shape[0]
     drafter.observe(hidden, state.length - n, state.length)
+    t0 = time.perf_counter()
+    drafter.catch_up(seq)  # the draft's prefill: not part of the decode rounds' times
+    stats.draft_prefill_s += time.perf_counter() - t0
     while len(out) < new_tokens:
         t0 = time.perf_counter()
         kk = min(k, new_tokens - len(out) - 1)  # never verify past the last wanted token
