@@ -123,3 +123,19 @@ def test_decode_json_reports_speculation(ck, capsys):
     assert rc == 0, err
     res = json.loads(out)
     assert res["verified"] and res["speculative"]["proposed"] > 0
+
+
+def test_bench_spec_json():
+    """bench/spec.py runs and reports plain and speculative rows of the same run."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "bench" / "spec.py"), "--quick", "--json",
+                        "--dcp", "1", "--k", "2", "--prompt-len", "16", "--new-tokens", "7"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    plain, spec = out["rows"]
+    assert (plain["spec"], spec["spec"], spec["k"]) == ("none", "draft", 2)
+    assert plain["tpot_ratio"] == 1.0 and spec["tpot_ratio"] > 0
+    assert spec["acceptance_rate"] == 1.0 and spec["tokens_per_target_step"] == 3.0
+    assert spec["tokens_match"] and spec["draft_kv_bytes_per_rank"] > 0
