@@ -219,9 +219,27 @@ class IOSection:
                                "copies (1: the copy thread alone)", min=1, max=16)
 
 
+@dataclass(frozen=True)
+class SpecSection:
+    method: str = opt("none", "speculative decoding: none, mtp (the checkpoint's MTP module) or "
+                              "draft (a separate draft model); greedy output is unchanged",
+                      choices=("none", "mtp", "draft"))
+    draft_model: str = opt("", "method draft: the draft checkpoint directory (same vocabulary "
+                               "as the target)")
+    num_draft_tokens: int = opt(3, "draft tokens k verified per target step", min=1, max=8)
+
+    def __post_init__(self) -> None:
+        if self.method == "draft" and not self.draft_model:
+            raise ConfigError("spec.draft_model: method 'draft' needs a draft model directory")
+        if self.method != "draft" and self.draft_model:
+            raise ConfigError(f"spec.draft_model: given, but spec.method is {self.method!r} "
+                              "(only 'draft' uses it)")
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelSection, "parallel": ParallelSection, "cache": CacheSection, "l1": L1Section,
     "l2": L2Section, "l3": L3Section, "policy": PolicySection, "io": IOSection,
+    "spec": SpecSection,
 }
 
 
@@ -235,6 +253,7 @@ class HiCacheConfig:
     l3: L3Section = field(default_factory=L3Section)
     policy: PolicySection = field(default_factory=PolicySection)
     io: IOSection = field(default_factory=IOSection)
+    spec: SpecSection = field(default_factory=SpecSection)
 
     def __post_init__(self) -> None:
         p = self.parallel

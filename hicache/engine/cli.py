@@ -3,6 +3,7 @@
     hicache decode --dcp C --backend a2a|ag_rs [--replicate-q] --prompt-len L --new-tokens K
                    --seed S [--page-size P] [--pcp N] [--pcp-mode ring|full_kv] [--model PATH]
                    [--prompt-ids 1,2,3] [--device cpu|cuda] [--verify] [--json]
+                   [--spec none|mtp|draft] [--draft-model DIR] [--num-draft-tokens K]
 
 ``--model`` is a Hugging Face DeepSeek-V2/V3-family checkpoint directory
 (``hicache.engine.hf``) or a file written by ``MLAModel.save``; without it the built-in seeded
@@ -21,6 +22,13 @@ the mean decode step time; ``--json`` prints one object with ``tokens``, ``kv_ro
 ``kv_bytes_per_rank``, ``collectives_per_layer``, ``step_time_s``, ``pcp``, ``prefill_time_s``,
 ``prompt`` (and a few extras). ``--verify`` also runs the dense single-process reference and
 fails (exit 1) when the tokens differ.
+
+``--spec mtp`` drafts with the checkpoint's DeepSeek-V3 MTP module, ``--spec draft`` with
+``--draft-model`` (same vocabulary); K (1..8) drafts are verified per target step
+(``hicache.engine.spec``: the draft's KV is replicated on every DCP rank, the output is plain
+greedy decoding's). ``--json`` then has a ``speculative`` object (``proposed``, ``accepted``,
+``acceptance_rate``, ``mean_accepted_len``, ``target_steps``, ``tokens_per_target_step``,
+``draft_recomputed_tokens``) and ``tpot_s`` (decode wall time per output token).
 
 ``add_parser(subparsers)`` adds the subcommand; ``run(args) -> int`` runs it and raises
 ``UsageError`` (one clear line, exit 2 in the caller) for bad arguments. ``decode_worker`` is
@@ -68,6 +76,13 @@ class DecodeSpec:
     pcp: int = 1  # prefill context-parallel ranks (1: the engine's own DCP prefill)
     pcp_mode: str = "ring"  # "ring" | "full_kv" (used when pcp > 1)
     prompt_ids: tuple = ()  # explicit prompt token ids (overrides the seeded prompt)
+    spec: str = "none"  # speculative decoding: none | mtp | draft (hicache.engine.spec)
+    draft_model: Optional[str] = None  # --spec draft: the draft checkpoint or model file
+    num_draft_tokens: int = 3  # k draft tokens per target step
+
+    def spec_settings(self):
+        from hicache.engine.spec import SpecSettings
+        return SpecSettings(self.spec, self.draft_model or "", self.num_draft_tokens)
 
     @property
     def world_size(self) -> int:
@@ -127,11 +142,20 @@ def decode_worker(rank: int, world_size: int, spec: DecodeSpec) -> dict:
     _warm_up(runner, alloc, prompt, spec, page_tokens)
     state = RequestState()
     reserve(state, alloc, total, page_tokens)
+    drafter = None
+    if in_dcp and spec.spec != "none":  # the draft's KV: replicated, on every DCP rank
+        from hicache.engine.spec import make_drafter
+        drafter = make_drafter(spec.spec_settings(), model, spec.model_path, page_tokens,
+                               state.page_table, alloc.num_pages, spec.attn_backend)
     _sync(world_size, device)
-    run = _prefill_and_decode(runner, model, state, prompt, spec, layout, pcp_group)
+    run = _prefill_and_decode(runner, model, state, prompt, spec, layout, pcp_group, drafter)
     if not in_dcp:
         return {"role": "pcp", "prompt": prompt, "prefill_time_s": run["prefill_time_s"],
                 "collectives_total": run["collectives_total"], "wall_s": run["wall_s"]}
+    if drafter is not None:  # replicated: this rank holds every draft row
+        dcfg = drafter.runner.model.cfg
+        elem = torch.empty((), dtype=dcfg.torch_dtype).element_size()
+        run["draft_kv_bytes"] = drafter.state.length * dcfg.kv_dim * elem * dcfg.num_layers
     return {"role": "dcp", "prompt": prompt, **_kv_report(runner, state.length), **run}
 
 
@@ -184,13 +208,14 @@ def _warm_up(runner, alloc, prompt: list[int], spec: DecodeSpec, page_tokens: in
 
 
 def _prefill_and_decode(runner, model, state, prompt: list[int], spec: DecodeSpec, layout,
-                        pcp_group) -> dict:
+                        pcp_group, drafter=None) -> dict:
     """Prefill (the engine's own, or PCP over ``spec.pcp`` ranks), then greedy decode on the
     DCP ranks (``runner`` None elsewhere): tokens, step times, prefill and wall time,
     collectives."""
     from hicache.distributed import CollectiveCounter
     tokens: list[int] = []
     times: list[float] = []
+    extra = {}
     t0 = time.perf_counter()
     with CollectiveCounter.measure() as m:
         if spec.pcp > 1:
@@ -201,13 +226,22 @@ def _prefill_and_decode(runner, model, state, prompt: list[int], spec: DecodeSpe
         else:
             last = runner.extend(state, prompt)[-1]  # [V]
         prefill_s = time.perf_counter() - t0
-        for _ in range(spec.new_tokens if runner is not None else 0):  # as DCPRunner.generate
+        if drafter is not None:  # speculative: k drafts verified per target step
+            from hicache.engine.spec import SpecStats, speculative_generate
+            stats = SpecStats()
+            hidden = runner.last_hidden if spec.pcp == 1 else None  # PCP returns no hidden
+            tokens = speculative_generate(runner, state, prompt, last, drafter,
+                                          spec.num_draft_tokens, spec.new_tokens, hidden,
+                                          stats, times)
+            extra["speculative"] = stats.to_dict()
+            extra["draft_prefill_time_s"] = stats.draft_prefill_s
+        for _ in range(spec.new_tokens if runner is not None and drafter is None else 0):
             tokens.append(int(last.argmax()))
             ts = time.perf_counter()
             last = runner.extend(state, [tokens[-1]])[-1]
             times.append(time.perf_counter() - ts)
     return {"tokens": tokens, "step_times": times, "prefill_time_s": prefill_s,
-            "wall_s": time.perf_counter() - t0, "collectives_total": m["n"]}
+            "wall_s": time.perf_counter() - t0, "collectives_total": m["n"], **extra}
 
 
 def decode_worker_many(rank: int, world_size: int, specs: list) -> list[dict]:
@@ -253,6 +287,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="cpu (gloo ranks) or cuda (nccl ranks, one GPU per rank)")
     p.add_argument("--verify", action="store_true",
                    help="compare with the dense single-process reference (exit 1 on mismatch)")
+    p.add_argument("--spec", default="none",
+                   help="speculative decoding: none | mtp (the checkpoint's MTP module) | draft "
+                        "(--draft-model); greedy output is unchanged")
+    p.add_argument("--draft-model", default=None,
+                   help="--spec draft: draft checkpoint directory or MLAModel.save file (same "
+                        "vocabulary as the target)")
+    p.add_argument("--num-draft-tokens", type=int, default=3,
+                   help="draft tokens verified per target step, 1..8")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up")
     p.set_defaults(func=run)
@@ -296,11 +338,22 @@ def spec_from_args(args) -> DecodeSpec:
         validate(tp, args.dcp, 1)
     except TopologyError as exc:
         raise UsageError(f"--dcp {args.dcp} with --tp {tp}: {exc}") from None
+    from hicache.engine.spec import MAX_DRAFT_TOKENS, METHODS, SpecSettings
+    if args.spec not in METHODS:
+        raise UsageError(f"--spec must be one of {', '.join(METHODS)}, got {args.spec!r}")
+    if not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise UsageError(f"--num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}], got "
+                         f"{args.num_draft_tokens}")
+    if (args.spec == "draft") != bool(args.draft_model):
+        raise UsageError("--draft-model DIR is needed with --spec draft, and only there")
+    spec_settings = SpecSettings(args.spec, args.draft_model or "", args.num_draft_tokens)
     spec = DecodeSpec(dcp=args.dcp, backend=args.backend, replicate_q=args.replicate_q,
                       prompt_len=len(prompt_ids) or args.prompt_len,
                       new_tokens=args.new_tokens, seed=args.seed,
                       page_size=args.page_size, model_path=args.model, device=args.device,
-                      pcp=args.pcp, pcp_mode=args.pcp_mode, prompt_ids=prompt_ids)
+                      pcp=args.pcp, pcp_mode=args.pcp_mode, prompt_ids=prompt_ids,
+                      spec=spec_settings.method, draft_model=args.draft_model,
+                      num_draft_tokens=spec_settings.num_draft_tokens)
     try:
         model = build_model(spec)
     except ValueError as exc:  # CheckpointError / ConfigError / CheckpointError
@@ -312,6 +365,9 @@ def spec_from_args(args) -> DecodeSpec:
     if model.cfg.num_heads % args.dcp:
         raise UsageError(
             f"--dcp {args.dcp} does not divide the model's {model.cfg.num_heads} attention heads")
+    if spec_settings.enabled:  # load the draft once here: its errors are one line, exit 2
+        from hicache.engine.spec import make_drafter
+        make_drafter(spec_settings, model, spec.model_path, 1, [], 1)
     return spec
 
 
@@ -345,9 +401,21 @@ def summarize(spec: DecodeSpec, results: list[dict]) -> dict:
         "pcp": spec.pcp,
         "prefill_time_s": prefill_s,
         "tp_collectives_per_layer": results[0]["tp_collectives_per_layer"],
+        "tpot_s": _tpot(steps, results[0].get("speculative")),
+        "speculative": results[0].get("speculative"),
         "spec": {k: v for k, v in asdict(spec).items()
                  if k not in ("model_overrides", "prompt_ids")},
     }
+
+
+def _tpot(steps: list[float], speculative: Optional[dict]) -> Optional[float]:
+    """Decode wall time per output token: a plain step emits one; a speculative round emits
+    its accepted tokens plus one."""
+    if not steps:
+        return None
+    if speculative is None:
+        return statistics.mean(steps)
+    return sum(steps) / (speculative["tokens_per_target_step"] * speculative["target_steps"])
 
 
 def run(args) -> int:
@@ -374,6 +442,12 @@ def run(args) -> int:
     print(f"prefill: pcp {spec.pcp}{mode}, {out['prefill_time_s'] * 1e3:.3f} ms")
     st = out["step_time_s"]
     print(f"step time: {st * 1e3:.3f} ms" if st is not None else "step time: n/a (no new tokens)")
+    sp = out["speculative"]
+    if sp is not None:
+        print(f"speculative ({spec.spec}, k {spec.num_draft_tokens}): accepted {sp['accepted']} "
+              f"of {sp['proposed']} ({sp['acceptance_rate']:.3f}), "
+              f"{sp['tokens_per_target_step']:.2f} tokens per target step, "
+              f"{sp['target_steps']} target steps")
     if args.verify:
         print("verify: " + ("OK, matches the dense reference" if out["verified"]
                             else f"MISMATCH, reference {out['reference_tokens']}"))

@@ -208,6 +208,7 @@ class DCPRunner:
         self.attn_backend = attn_backend
         self.layer_hook = layer_hook
         self.stats = EngineStats()
+        self.last_hidden: Optional[torch.Tensor] = None  # the last extend's final h
 
     @property
     def page_tokens(self) -> int:
@@ -274,18 +275,23 @@ class DCPRunner:
 
     @torch.no_grad()
     def extend_batch(self, states: Sequence[RequestState],
-                     token_lists: Sequence[Sequence[int] | torch.Tensor]) -> list[torch.Tensor]:
-        """``extend`` for several requests at once; one set of collectives per layer."""
+                     token_lists: Sequence[Sequence[int] | torch.Tensor],
+                     inputs: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+        """``extend`` for several requests at once; one set of collectives per layer.
+        ``inputs`` (fp32 [sumK, hidden]) replaces the token embeddings (an MTP module's input);
+        ``self.last_hidden`` keeps the last layer's output [sumK, hidden] (before the norm)."""
         toks = self._check(states, token_lists)
         sizes = [t.numel() for t in toks]
         write, pos_dev, local = self._index(states, sizes)
         model = self.model
-        h = model.embed(torch.cat(toks))  # [sumK, hidden]; ids checked on the host, then uploaded
+        # [sumK, hidden]; ids checked on the host, then uploaded
+        h = model.embed(torch.cat(toks)) if inputs is None else inputs
         for i, layer in enumerate(model.layers):
             if self.layer_hook is not None:
                 self.layer_hook(i)
             self.kv.write(i, write, layer.kv_rows(h, pos_dev))
             h = self._layer(i, layer, h, pos_dev, local, sizes)
+        self.last_hidden = h
         logits = model.logits(h)  # [sumK, vocab]
         for st, k in zip(states, sizes):
             st.length += k

@@ -1,0 +1,298 @@
+"""Speculative decoding beside DCP: propose k tokens with a draft, verify them in one target step.
+
+    settings = SpecSettings("mtp" | "draft", draft_model=..., num_draft_tokens=k)
+    drafter = make_drafter(settings, target, target_path, page_tokens, num_pages)
+    tokens = speculative_generate(runner, state, prompt, last_logits, drafter, k, n,
+                                  hidden=runner.last_hidden, stats=stats)
+
+KV placement. The target's MLA KV stays striped over the DCP group (``runner`` is the rank's
+``DCPRunner``); the draft's KV is replicated: every DCP rank runs the draft on its own
+``DCPLayout(1, 0, P*c)`` pool (``replicated_runner``), so it holds and computes every row
+locally and the draft issues no DCP collective. Its pages have the target's widened page size
+and its request shares the target's page table: draft page i holds the same positions as the
+target's widened page i (the companion page a cache tier can keep under the same page id).
+
+One round (greedy): the target has every committed token but the last (``seq[-1]``) in its KV.
+The drafter proposes ``d_1..d_k``; the target extends ``[seq[-1], d_1..d_k]`` at positions
+``L..L+k`` (the engine's multi-token path: attention over the shard with global causality) and
+greedy-picks ``g_0..g_k``. The longest prefix with ``d_i == g_{i-1}`` is accepted (a tokens);
+``d_1..d_a, g_a`` are emitted. The target's ``length`` is set to ``L + a + 1``: rows written for
+rejected positions stay in pages the request already holds and are overwritten by the next step
+(``DeviceIndex`` forgets them), so only accepted tokens are ever fed back or reported. The output
+is the target's own greedy tokens whatever the draft proposes (lossless).
+
+Drafters:
+- ``DraftModelDrafter``: any model the engine loads (same vocabulary). It feeds the committed
+  tokens it has not seen, then chains k - 1 single-token steps; rejected positions roll back.
+- ``MTPDrafter``: a DeepSeek-V3 MTP module (``hicache.engine.mtp``). MTP position i pairs the
+  target's hidden state at i with token i+1. After each target step the module is extended over
+  the newly committed positions with the target's hidden states (replacing its own chained
+  rows), then chains k - 1 steps on its own output hidden state. Without the prompt's hidden
+  states (a PCP prefill returns only the last logits) the module starts at the first decoded
+  position: RoPE attention is relative, so its positions are counted from there.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from hicache.errors import CheckpointError, ConfigError, UsageError
+
+METHODS = ("none", "mtp", "draft")
+MAX_DRAFT_TOKENS = 8
+
+__all__ = ["METHODS", "MAX_DRAFT_TOKENS", "SpecSettings", "SpecStats", "DraftModelDrafter",
+           "MTPDrafter", "make_drafter", "replicated_runner", "speculative_generate"]
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    """What to draft with: ``method`` none | mtp | draft, the draft checkpoint, k."""
+
+    method: str = "none"
+    draft_model: str = ""
+    num_draft_tokens: int = 3
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise UsageError(f"spec method must be one of {', '.join(METHODS)}, got "
+                             f"{self.method!r}")
+        k = self.num_draft_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT_TOKENS:
+            raise UsageError(f"num_draft_tokens must be an int in [1, {MAX_DRAFT_TOKENS}], got "
+                             f"{k!r}")
+        if self.method == "draft" and not self.draft_model:
+            raise UsageError("spec method 'draft' needs a draft model (--draft-model DIR)")
+        if self.method != "draft" and self.draft_model:
+            raise UsageError(f"a draft model is given but the spec method is {self.method!r} "
+                             "(use method 'draft')")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+@dataclass
+class SpecStats:
+    """Counts of one request's speculative rounds (one target step each)."""
+
+    proposed: int = 0
+    accepted: int = 0
+    target_steps: int = 0
+    emitted: int = 0  # tokens the rounds emitted (accepted + one target token each)
+    draft_recomputed_tokens: int = 0  # draft KV recomputed for cached prefixes (cache tiers)
+    draft_prefill_s: float = 0.0  # the draft's prefill (reported beside, not in to_dict)
+
+    def add_round(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+        self.target_steps += 1
+        self.emitted += accepted + 1
+
+    def to_dict(self) -> dict:
+        steps = self.target_steps
+        return {"proposed": self.proposed, "accepted": self.accepted,
+                "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+                "mean_accepted_len": self.accepted / steps if steps else 0.0,
+                "target_steps": steps,
+                "tokens_per_target_step": self.emitted / steps if steps else 0.0,
+                "draft_recomputed_tokens": self.draft_recomputed_tokens}
+
+
+def replicated_runner(model, page_tokens: int, num_pages: int, attn_backend: str = "auto"):
+    """A draft engine on this rank alone: a ``DCPLayout(1, 0, page_tokens)`` pool (every row
+    here, pages of the target's widened size) and no DCP collective."""
+    from hicache.engine.runner import DCPRunner
+    from hicache.l1 import DeviceKVPool
+    from hicache.layout import DCPLayout
+    cfg = model.cfg
+    pool = DeviceKVPool(DCPLayout(1, 0, page_tokens), cfg.num_layers, cfg.kv_dim,
+                        cfg.torch_dtype, num_pages, device=model.embed_tokens.device)
+    return DCPRunner(model, pool, backend="a2a", replicate_q=True, group=None,
+                     attn_backend=attn_backend)
+
+
+class Drafter:
+    """A draft source over a replicated runner; its request shares the target's page table."""
+
+    def __init__(self, runner, page_table: list) -> None:
+        from hicache.engine.runner import RequestState
+        self.runner = runner
+        self.state = RequestState(page_table=page_table)
+
+    def observe(self, hidden: Optional[torch.Tensor], start: int, end: int) -> None:
+        """The target committed positions [start, end) (``hidden``: its last-layer output
+        there, or None when not known); positions >= end are not committed."""
+        raise NotImplementedError
+
+    def propose(self, seq: Sequence[int], k: int) -> list[int]:
+        """Up to k draft tokens after ``seq`` (the committed tokens; the last not yet in the
+        target's KV)."""
+        raise NotImplementedError
+
+    def catch_up(self, seq: Sequence[int]) -> None:
+        """Run the draft over what is committed, but the last position ``propose`` starts
+        from (the draft's prefill, outside the decode rounds)."""
+        raise NotImplementedError
+
+
+class DraftModelDrafter(Drafter):
+    """A separate draft model, decoding greedily beside the target."""
+
+    def observe(self, hidden, start: int, end: int) -> None:
+        self.state.length = min(self.state.length, end)
+
+    @torch.no_grad()
+    def catch_up(self, seq: Sequence[int]) -> None:
+        st = self.state
+        if len(seq) - 1 > st.length:
+            self.runner.extend(st, list(seq[st.length:len(seq) - 1]))
+
+    @torch.no_grad()
+    def propose(self, seq: Sequence[int], k: int) -> list[int]:
+        st, run = self.state, self.runner
+        logits = run.extend(st, list(seq[st.length:]))
+        out = [int(logits[-1].argmax())]
+        while len(out) < k:
+            out.append(int(run.extend(st, [out[-1]])[-1].argmax()))
+        return out
+
+
+class MTPDrafter(Drafter):
+    """A DeepSeek-V3 MTP module fed with the target's hidden states (see the module doc)."""
+
+    def __init__(self, runner, page_table: list) -> None:
+        super().__init__(runner, page_table)
+        self.offset: Optional[int] = None  # the global position of the module's position 0
+        self.hidden: Optional[torch.Tensor] = None  # target hidden rows not yet consumed
+        self.hidden_start = 0  # their first global position
+
+    def observe(self, hidden, start: int, end: int) -> None:
+        if hidden is None or end <= start:
+            return
+        hidden = hidden[: end - start]
+        if self.offset is None:
+            self.offset = start
+        st = self.state
+        st.length = min(st.length, start - self.offset)  # chained rows past start are redone
+        if self.hidden is not None and self.hidden_start <= start <= \
+                self.hidden_start + self.hidden.shape[0]:
+            hidden = torch.cat([self.hidden[: start - self.hidden_start], hidden])
+            start = self.hidden_start
+        self.hidden, self.hidden_start = hidden, start
+
+    def _run(self, seq: Sequence[int], keep: int) -> Optional[torch.Tensor]:
+        """Extend the module over the pending positions but the last ``keep``: logits, or
+        None when there is nothing to run."""
+        if self.offset is None or self.hidden is None:
+            return None  # nothing to draft from yet (a plain target step gives it)
+        st, mtp = self.state, self.runner.model
+        first = self.offset + st.length  # the first global position to run
+        if first < self.hidden_start:
+            raise UsageError(f"MTP drafter: no target hidden state for positions "
+                             f"{first}..{self.hidden_start - 1}")
+        end = self.hidden_start + self.hidden.shape[0] - keep
+        if end <= first:
+            return None
+        h_prev = self.hidden[first - self.hidden_start:end - self.hidden_start]
+        toks = [int(t) for t in seq[first + 1:end + 1]]
+        logits = self.runner.extend_batch([st], [toks], inputs=mtp.inputs(toks, h_prev))[0]
+        self.hidden, self.hidden_start = self.hidden[end - self.hidden_start:], end
+        return logits
+
+    @torch.no_grad()
+    def catch_up(self, seq: Sequence[int]) -> None:
+        self._run(seq, keep=1)
+
+    @torch.no_grad()
+    def propose(self, seq: Sequence[int], k: int) -> list[int]:
+        st, run, mtp = self.state, self.runner, self.runner.model
+        logits = self._run(seq, keep=0)
+        if logits is None:
+            return []
+        out = [int(logits[-1].argmax())]
+        while len(out) < k:
+            h = run.last_hidden[-1:]
+            logits = run.extend_batch([st], [[out[-1]]], inputs=mtp.inputs([out[-1]], h))[0]
+            out.append(int(logits[-1].argmax()))
+        return out
+
+
+def make_drafter(settings: SpecSettings, target, target_path: Optional[str], page_tokens: int,
+                 page_table: list, num_pages: int, attn_backend: str = "auto"
+                 ) -> Optional[Drafter]:
+    """The drafter ``settings`` asks for, on the target's device (None for method none).
+    Bad input (no MTP tensors, another vocabulary) is a ``UsageError`` naming it."""
+    if not settings.enabled:
+        return None
+    if settings.method == "mtp":
+        from hicache.engine.mtp import load_mtp
+        if not target_path or not Path(target_path).is_dir():
+            raise UsageError("spec method 'mtp' needs the target to be a checkpoint directory "
+                             "with MTP tensors (--model DIR)")
+        try:
+            mtp = load_mtp(target_path, target)
+        except (CheckpointError, ConfigError) as e:
+            raise UsageError(f"--spec mtp: {e}") from None
+        return MTPDrafter(replicated_runner(mtp, page_tokens, num_pages, attn_backend),
+                          page_table)
+    from hicache.engine.hf import load_model
+    try:
+        draft = load_model(settings.draft_model)
+    except (CheckpointError, ConfigError) as e:
+        raise UsageError(f"--draft-model: {e}") from None
+    if draft.cfg.vocab_size != target.cfg.vocab_size:
+        raise UsageError(f"--draft-model {settings.draft_model}: vocabulary size "
+                         f"{draft.cfg.vocab_size} differs from the target's "
+                         f"{target.cfg.vocab_size}")
+    draft = draft.to(target.embed_tokens.device)
+    return DraftModelDrafter(replicated_runner(draft, page_tokens, num_pages, attn_backend),
+                             page_table)
+
+
+@torch.no_grad()
+def speculative_generate(runner, state, prompt: Sequence[int], last_logits: torch.Tensor,
+                         drafter: Drafter, k: int, new_tokens: int,
+                         hidden: Optional[torch.Tensor] = None,
+                         stats: Optional[SpecStats] = None,
+                         times: Optional[list] = None) -> list[int]:
+    """Greedy-decode ``new_tokens`` after a prefilled ``prompt`` (``state.length ==
+    len(prompt)``; ``last_logits`` [V] of its last token; ``hidden`` the target's last-layer
+    output over the prompt positions, or None) with k draft tokens per target step. Returns the
+    tokens (plain greedy decoding's). ``times`` gets each round's wall time."""
+    stats = stats if stats is not None else SpecStats()
+    out: list[int] = []
+    if new_tokens <= 0:
+        return out
+    seq = [int(t) for t in prompt]
+    seq.append(int(last_logits.argmax()))
+    out.append(seq[-1])
+    n = 0 if hidden is None else hidden.shape[0]
+    drafter.observe(hidden, state.length - n, state.length)
+    t0 = time.perf_counter()
+    drafter.catch_up(seq)  # the draft's prefill: not part of the decode rounds' times
+    stats.draft_prefill_s += time.perf_counter() - t0
+    while len(out) < new_tokens:
+        t0 = time.perf_counter()
+        kk = min(k, new_tokens - len(out) - 1)  # never verify past the last wanted token
+        drafts = drafter.propose(seq, kk) if kk > 0 else []
+        start = state.length
+        logits = runner.extend(state, [seq[-1]] + drafts)  # positions start .. start + kk
+        picks = logits.argmax(-1).tolist()
+        a = 0
+        while a < len(drafts) and drafts[a] == picks[a]:
+            a += 1
+        new = drafts[:a] + [picks[a]]
+        state.length = start + a + 1  # rejected rows: overwritten by the next step
+        seq += new
+        out += new
+        drafter.observe(runner.last_hidden[:a + 1], start, state.length)
+        stats.add_round(len(drafts), a)
+        if times is not None:
+            times.append(time.perf_counter() - t0)
+    return out
