@@ -130,11 +130,20 @@ def _ignored(name: str, num_layers: int) -> bool:
             and parts[2].isdigit() and int(parts[2]) >= num_layers)
 
 
+def _is_kimi_dir(d: Path) -> bool:
+    from hicache.engine.hf_config import load_json
+    from hicache.engine.kimi_config import is_kimi
+    return (d / "config.json").is_file() and is_kimi(load_json(d / "config.json", "config.json"))
+
+
 def load_checkpoint(directory: str | os.PathLike, device: Optional[str | torch.device] = None,
                     ) -> MLAModel:
     """Build an ``MLAModel`` from a Hugging Face DeepSeek-V2/V3 checkpoint directory."""
     from safetensors import safe_open
     d = Path(directory)
+    if _is_kimi_dir(d):  # hybrid MLA + KDA (hicache.engine.kimi_hf)
+        from hicache.engine.kimi_hf import load_kimi
+        return load_kimi(d, device)
     try:
         cfg = ModelConfig(**read_hf_config(d))
         files, _ = weight_files(d)
