@@ -13,7 +13,8 @@ For each token t (after the convolution and SiLU; q and k L2-normalised per head
     S = S + k_t ⊗ (beta_t * (v_t - k_t^T S))   # delta rule: write the error of S's recall
     o_t = q_t^T S                              # read
 
-``kda_recurrent`` runs that token loop (the reference; any chunked form must equal it).
+``kda_recurrent`` runs that token loop (the reference); ``kda_chunked`` computes the same a
+chunk of tokens at a time with matrix products and one triangular solve per chunk (prefill).
 ``short_conv`` runs the convolution from a state, returning the next state. ``forget_gate``
 turns the gate projection into ``g``: ``-exp(A_log) * softplus(raw + dt_bias)``.
 """
@@ -62,6 +63,46 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         delta = (v[t] - recall) * beta[t][:, None]
         s = s + k[t][:, :, None] * delta[:, None, :]
         out[t] = torch.einsum("hk,hkv->hv", q[t], s)
+    return out, s
+
+
+def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, state: torch.Tensor, chunk: int = 32
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kda_recurrent`` a chunk of tokens at a time (same arguments and results).
+
+    Within a chunk, with G_t the cumulative log-decay up to token t (per key channel) and
+    S0 the state at the chunk start, the written values u_t = beta_t (v_t - k_t^T S_{t-1}')
+    solve the unit lower-triangular system
+
+        u_t + sum_{s<t} beta_t (k_t . e^(G_t - G_s) k_s) u_s = beta_t (v_t - (e^(G_t) k_t)^T S0)
+
+    then o_t = (e^(G_t) q_t)^T S0 + sum_{s<=t} (q_t . e^(G_t - G_s) k_s) u_s and the state
+    after the chunk is e^(G_n) S0 + sum_s (e^(G_n - G_s) k_s) u_s^T. Only differences
+    G_t - G_s with s <= t appear (all <= 0): no overflow however strong the decay."""
+    n_tok, heads = q.shape[0], q.shape[1]
+    s = state.float().clone()
+    out = torch.empty(n_tok, heads, v.shape[-1], dtype=torch.float32, device=q.device)
+    for c0 in range(0, n_tok, chunk):
+        c1 = min(n_tok, c0 + chunk)
+        n = c1 - c0
+        qc, kc, vc, gc = (x[c0:c1].float().transpose(0, 1) for x in (q, k, v, g))  # [H, n, D]
+        bc = beta[c0:c1].float().T  # [H, n]
+        big = gc.cumsum(1)  # G [H, n, Dk]
+        low = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        diff = (big[:, :, None, :] - big[:, None, :, :]).masked_fill(~low[None, :, :, None],
+                                                                     float("-inf"))
+        kd = kc[:, None, :, :] * diff.exp()  # e^(G_t - G_s) k_s at [h, t, s]
+        kk = torch.einsum("htd,htsd->hts", kc, kd)
+        qk = torch.einsum("htd,htsd->hts", qc, kd)
+        eye = torch.eye(n, device=q.device)
+        a = eye + (bc[:, :, None] * kk) * (~eye.bool())  # unit lower triangular
+        eg = big.exp()
+        rhs = bc[:, :, None] * (vc - torch.einsum("htd,hdv->htv", kc * eg, s))
+        u = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
+        out[c0:c1] = (torch.einsum("htd,hdv->htv", qc * eg, s) + qk @ u).transpose(0, 1)
+        tail = (big[:, -1:, :] - big).exp() * kc  # e^(G_n - G_s) k_s [H, n, Dk]
+        s = eg[:, -1, :, None] * s + torch.einsum("hsd,hsv->hdv", tail, u)
     return out, s
 
 

@@ -146,7 +146,8 @@ class KDALayer(nn.Module):
         raw = ((x @ self.wf_a.float().T) @ self.wf_b.float().T).view(t, h, dk)
         g = kda.forget_gate(raw, self.a_log, self.dt_bias)
         beta = torch.sigmoid(x @ self.wb.float().T)  # [T, H]
-        o, rec_next = kda.kda_recurrent(q, k, v, g, beta, rec)
+        run = kda.kda_recurrent if t == 1 else kda.kda_chunked  # decode | prefill
+        o, rec_next = run(q, k, v, g, beta, rec)
         gate = ((x @ self.wg_a.float().T) @ self.wg_b.float().T).view(t, h, dk)
         o = kda.gated_rms_norm(o, self.o_norm, gate, self.cfg.rms_eps).reshape(t, h * dk)
         return o @ self.wo.float().T, conv_next, rec_next

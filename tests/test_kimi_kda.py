@@ -1,0 +1,56 @@
+"""KDA math: the chunked form equals the token loop; the short convolution carries its window."""
+
+import pytest
+import torch
+
+from hicache.engine import kda
+
+
+def inputs(t, heads=3, dk=5, dv=4, seed=0, strong=False):
+    g = torch.Generator().manual_seed(seed)
+    q = kda.l2norm(torch.randn(t, heads, dk, generator=g)) * dk ** -0.5
+    k = kda.l2norm(torch.randn(t, heads, dk, generator=g))
+    v = torch.randn(t, heads, dv, generator=g)
+    # log-decays: mild, or strong enough that e^(-sum g) over a chunk would overflow fp32
+    raw = torch.randn(t, heads, dk, generator=g) * (3.0 if strong else 1.0)
+    a_log = torch.rand(heads, generator=g) * (3.0 if strong else 1.0)
+    gate = kda.forget_gate(raw, a_log, torch.zeros(heads * dk))
+    beta = torch.sigmoid(torch.randn(t, heads, generator=g))
+    s0 = torch.randn(heads, dk, dv, generator=g)
+    return q, k, v, gate, beta, s0
+
+
+@pytest.mark.parametrize("t, chunk, strong", [(1, 32, False), (37, 8, False), (64, 32, True),
+                                              (70, 16, True)])
+def test_chunked_equals_the_token_loop(t, chunk, strong):
+    q, k, v, g, beta, s0 = inputs(t, strong=strong, seed=t)
+    if strong:
+        assert float(-g.sum(0).max()) > 100  # e^(that) overflows fp32: differences only
+    o1, s1 = kda.kda_recurrent(q, k, v, g, beta, s0)
+    o2, s2 = kda.kda_chunked(q, k, v, g, beta, s0, chunk=chunk)
+    assert torch.isfinite(o2).all() and torch.isfinite(s2).all()
+    assert torch.allclose(o1, o2, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(s1, s2, atol=1e-5, rtol=1e-4)
+    # splitting the tokens anywhere and carrying the state gives the same result
+    cut = t // 3
+    oa, sa = kda.kda_chunked(q[:cut], k[:cut], v[:cut], g[:cut], beta[:cut], s0, chunk=chunk)
+    ob, sb = kda.kda_recurrent(q[cut:], k[cut:], v[cut:], g[cut:], beta[cut:], sa)
+    assert torch.allclose(torch.cat([oa, ob]), o1, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(sb, s1, atol=1e-5, rtol=1e-4)
+
+
+def test_short_conv_carries_its_window():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 6, generator=g)
+    w = torch.randn(6, 4, generator=g)
+    zero = torch.zeros(6, 3)
+    y, st = kda.short_conv(x, w, zero)
+    # the definition: y[t] = silu(sum_j w[:, j] * x[t - 3 + j]) with zeros before the start
+    pad = torch.cat([zero.T, x])
+    want = torch.stack([torch.nn.functional.silu((w.T * pad[t:t + 4]).sum(0))
+                        for t in range(9)])
+    assert torch.allclose(y, want, atol=1e-6)
+    assert torch.equal(st, x[-3:].T)
+    ya, sa = kda.short_conv(x[:2], w, zero)  # fewer tokens than the window
+    yb, sb = kda.short_conv(x[2:], w, sa)
+    assert torch.allclose(torch.cat([ya, yb]), y, atol=1e-6) and torch.equal(sb, st)
