@@ -54,3 +54,38 @@ def test_short_conv_carries_its_window():
     ya, sa = kda.short_conv(x[:2], w, zero)  # fewer tokens than the window
     yb, sb = kda.short_conv(x[2:], w, sa)
     assert torch.allclose(torch.cat([ya, yb]), y, atol=1e-6) and torch.equal(sb, st)
+
+
+def test_state_pool_grows_reuses_and_snapshots():
+    import gc
+    from hicache.engine.kimi import HybridConfig
+    from hicache.engine.runner import RequestState
+    from hicache.engine.state_pool import KDAStatePool
+    from hicache.errors import UsageError
+    hyb = HybridConfig(("linear_attention", "full_attention", "linear_attention"),
+                       ("dense",) * 3, kda_heads=2, kda_head_dim=3, conv_kernel=4)
+    pool = KDAStatePool(hyb, torch.float32, "cpu", slots=1)
+    a, b = RequestState(), RequestState()
+    sa, sb = pool.slot_for(a), pool.slot_for(b)  # the second one doubles the pool
+    assert sa != sb and pool.slots == 2 and pool.used == 2
+    upd = [(torch.full((18, 3), float(j)), torch.full((2, 3, 3), j + 0.5)) for j in range(2)]
+    pool.commit(sa, upd, 5)
+    a.length = 5
+    snap = pool.snapshot(a)
+    assert snap.length == 5 and snap.nbytes == hyb.snapshot_bytes(4)
+    assert torch.equal(snap.rec[1], upd[1][1])
+    with pytest.raises(UsageError, match="KDA state holds 5 tokens"):
+        a.length = 4
+        pool.slot_for(a)
+    c = RequestState(length=5)
+    with pytest.raises(UsageError, match="no KDA state"):
+        pool.slot_for(c)
+    pool.restore(c, snap)  # a copy: later writes to a do not reach c
+    pool.commit(sa, [(x * 0, y * 0) for x, y in upd], 5)
+    sc = pool.slot_for(c)
+    assert torch.equal(pool.rec[:, sc], snap.rec) and not torch.equal(pool.rec[:, sa], snap.rec)
+    del a, b
+    gc.collect()
+    assert pool.used == 1  # only c still holds a slot
+    d = RequestState()
+    assert pool.slot_for(d) in (sa, sb) and float(pool.rec[:, pool.slot_for(d)].abs().sum()) == 0
