@@ -249,6 +249,47 @@ def test_batch_equals_single_and_failed_step_keeps_state(ckpts):
     assert runner.states.used == 1
 
 
+def test_snapshots_inside_a_step_restore_a_prefix_hit(ckpts):
+    """The KDA state kept at positions inside a prefill step, restored into a new request over
+    the same cached MLA KV pages, continues exactly (the engine half of a hybrid prefix hit)."""
+    from hicache.engine.runner import RequestState, reserve
+    from hicache.pages import PageAllocator
+    path, prompt, ref_tokens, ref_logits = ckpts["kda_first_dense0_moe"]
+    model = hf.load_model(path)
+    runner = make_runner(model)
+    alloc = PageAllocator(32)
+    a = RequestState()
+    reserve(a, alloc, len(prompt), runner.page_tokens)
+    logits, snaps = runner.extend_snapshots(a, prompt, at=[4, 8, len(prompt)])
+    assert close(logits.numpy(), ref_logits[:len(prompt)])
+    assert [s.length for s in snaps] == [4, 8, len(prompt)]
+    assert torch.equal(snaps[-1].rec, runner.states.snapshot(a).rec)
+    other = prompt_of(9, 3)
+    for snap in snaps[:2]:
+        p = snap.length
+        # a request over a's first p positions of KV (shared pages) and the snapshot
+        b = RequestState(page_table=a.page_table[:p // runner.page_tokens], length=p)
+        reserve(b, alloc, len(prompt), runner.page_tokens)
+        runner.states.restore(b, snap)
+        got = runner.extend(b, prompt[p:])
+        assert close(got.numpy(), ref_logits[p:len(prompt)]), p
+        # the same state as extending exactly p tokens from scratch
+        c = RequestState()
+        reserve(c, alloc, p + len(other), runner.page_tokens)
+        runner.extend(c, prompt[:p])
+        assert torch.allclose(runner.states.snapshot(c).rec, snap.rec, atol=1e-5)
+        # and a continuation that differs right after the snapshot position
+        d = RequestState(page_table=a.page_table[:p // runner.page_tokens], length=p)
+        reserve(d, alloc, p + len(other), runner.page_tokens)
+        runner.states.restore(d, snap)
+        assert close(runner.extend(d, other).numpy(),
+                     model.forward(prompt[:p] + other).numpy()[p:]), p
+        for st in (b, c, d):
+            runner.release(st)
+    with pytest.raises(UsageError, match="outside this step"):
+        runner.extend_snapshots(a, [3], at=[0])
+
+
 def test_decode_cli_runs_kimi_at_dcp2_and_rejects_bad_configs(ckpts, tmp_path, capsys):
     from hicache.engine import cli
     path, prompt, ref_tokens, _ = ckpts["kda_first_dense0_moe"]

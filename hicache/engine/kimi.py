@@ -16,7 +16,7 @@ recomputed; KDA from zero state), as ``MLAModel``'s.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -132,25 +132,37 @@ class KDALayer(nn.Module):
         w = torch.cat([self.wq, self.wk, self.wv]).float()
         return x, x @ w.T
 
-    def mix(self, x: torch.Tensor, qkv: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def mix(self, x: torch.Tensor, qkv: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor,
+            cuts: Sequence[int] = ()) -> tuple:
         """One request's tokens: x [T, hidden] (normalised), qkv [T, 3D], conv state [3D, K-1],
         recurrent state [H, Dk, Dv] -> (attention output [T, hidden] fp32, next conv state fp32,
-        next recurrent state fp32)."""
+        next recurrent state fp32, marks): ``marks[i]`` is the (conv, rec) state after the
+        first ``cuts[i]`` tokens of the step (0 <= cut <= T; a state snapshot)."""
         hyb = self.hybrid
         t, h, dk = x.shape[0], hyb.kda_heads, hyb.kda_head_dim
-        y, conv_next = kda.short_conv(qkv, self.conv, conv)
-        q, k, v = y.view(t, 3, h, dk).unbind(1)
+        bounds = sorted({c for c in cuts if 0 < c < t}) + [t]
+        ys, convs, start, cst = [], {0: conv.float()}, 0, conv
+        for b in bounds:  # the convolution window at every cut
+            y, cst = kda.short_conv(qkv[start:b], self.conv, cst)
+            ys.append(y)
+            convs[b], start = cst, b
+        q, k, v = torch.cat(ys).view(t, 3, h, dk).unbind(1)
         q = kda.l2norm(q) * dk ** -0.5
         k = kda.l2norm(k)
         raw = ((x @ self.wf_a.float().T) @ self.wf_b.float().T).view(t, h, dk)
         g = kda.forget_gate(raw, self.a_log, self.dt_bias)
         beta = torch.sigmoid(x @ self.wb.float().T)  # [T, H]
-        run = kda.kda_recurrent if t == 1 else kda.kda_chunked  # decode | prefill
-        o, rec_next = run(q, k, v, g, beta, rec)
+        outs, recs, start, rst = [], {0: rec.float()}, 0, rec
+        for b in bounds:  # the recurrent state at every cut
+            part = slice(start, b)
+            run = kda.kda_recurrent if b - start == 1 else kda.kda_chunked  # decode | prefill
+            o, rst = run(q[part], k[part], v[part], g[part], beta[part], rst)
+            outs.append(o)
+            recs[b], start = rst, b
         gate = ((x @ self.wg_a.float().T) @ self.wg_b.float().T).view(t, h, dk)
-        o = kda.gated_rms_norm(o, self.o_norm, gate, self.cfg.rms_eps).reshape(t, h * dk)
-        return o @ self.wo.float().T, conv_next, rec_next
+        o = kda.gated_rms_norm(torch.cat(outs), self.o_norm, gate, self.cfg.rms_eps)
+        marks = [(convs[c], recs[c]) for c in cuts]
+        return o.reshape(t, h * dk) @ self.wo.float().T, cst, rst, marks
 
 
 class KimiLinearModel(MLAModel):
