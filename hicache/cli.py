@@ -76,9 +76,37 @@ def _check_config(args) -> int:
     return 0
 
 
+# Hybrid presets (MLA + KDA): the KV shape of the MLA layers only (the striped part) and the
+# per-request linear-attention state every rank holds whole. Kimi-Linear-48B-A3B's published
+# config.json: 27 layers, full_attn_layers [4, 8, ..., 24, 27] (1-indexed), the other 20 KDA
+# (32 heads of 128, short conv 4), MLA kv_lora_rank 512 + rope 64, bf16.
+HYBRID_MODELS = {
+    "kimi-linear-48b-a3b": dict(
+        shape=KVShape("kimi-linear-48b-a3b", 7, "mla", 1, kv_lora_rank=512, rope_dim=64),
+        layers=27, mla_layers=(4, 8, 12, 16, 20, 24, 27), kda_heads=32, kda_head_dim=128,
+        conv_kernel=4),
+}
+
+
+def _hybrid_info(name: str) -> dict:
+    """Which layers are striped, which hold state, and the state's bytes (one request)."""
+    h = HYBRID_MODELS[name]
+    shape = h["shape"]
+    kda = [i for i in range(1, h["layers"] + 1) if i not in h["mla_layers"]]
+    d = h["kda_heads"] * h["kda_head_dim"]
+    conv = 3 * d * (h["conv_kernel"] - 1) * shape.dtype_bytes  # model dtype
+    rec = h["kda_heads"] * h["kda_head_dim"] ** 2 * 4  # fp32
+    return {"layers": h["layers"], "striped_mla_layers": list(h["mla_layers"]),
+            "state_kda_layers": kda, "kda_state_bytes_per_layer": conv + rec,
+            "kda_conv_state_bytes_per_layer": conv, "kda_recurrent_state_bytes_per_layer": rec,
+            "snapshot_bytes": len(kda) * (conv + rec)}
+
+
 def _shape_from_args(args) -> KVShape:
     if args.model and args.shape:
         raise UsageError("give --model or --shape, not both")
+    if args.model and args.model.lower() in HYBRID_MODELS:
+        return HYBRID_MODELS[args.model.lower()]["shape"]
     if args.model:
         return topology.get_model(args.model)
     if not args.shape:
@@ -120,11 +148,23 @@ def _plan(args) -> int:
                   "kv_bytes_per_token_per_rank": r.kv_bytes_per_token_per_rank,
                   "tokens_in_budget": r.tokens_per_rank_budget} for r in rows],
     }
+    hybrid = _hybrid_info(shape.name) if shape.name in HYBRID_MODELS else None
+    if hybrid:
+        out["hybrid"] = hybrid
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
     print(f"model {shape.name}: tp {args.tp}, attn_dp {args.attn_dp}, "
           f"valid dcp in [{lo}, {hi}] (sizes dividing attn_tp)")
+    if hybrid:
+        print(f"striped (MLA KV, v mod dcp): layers {hybrid['striped_mla_layers']} of "
+              f"{hybrid['layers']} (1-indexed)")
+        print(f"state (KDA, replicated on every rank, request-indexed): "
+              f"{len(hybrid['state_kda_layers'])} layers, "
+              f"{hybrid['kda_state_bytes_per_layer']} bytes per layer per request "
+              f"(conv {hybrid['kda_conv_state_bytes_per_layer']} + fp32 recurrent "
+              f"{hybrid['kda_recurrent_state_bytes_per_layer']}); snapshot "
+              f"{hybrid['snapshot_bytes']} bytes")
     headers = ["dcp", "duplication", "KV bytes/token/rank"]
     if memory:
         headers.append(f"tokens in {args.memory:g} GiB/rank")
@@ -174,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "hicache-bench spawns)")
     c.set_defaults(func=_check_config)
     p = sub.add_parser("plan", help="KV duplication, valid DCP sizes and capacity for a model")
-    p.add_argument("--model", help=f"one of {', '.join(sorted(topology.MODELS))}")
+    p.add_argument("--model", help=f"one of {', '.join(sorted([*topology.MODELS, *HYBRID_MODELS]))}")
     p.add_argument("--shape", help="mla:LAYERS:RANK:ROPE[:BYTES] or gqa:LAYERS:HEADS:DIM[:BYTES]")
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--attn-dp", type=int, default=1)

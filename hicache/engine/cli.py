@@ -358,6 +358,9 @@ def spec_from_args(args) -> DecodeSpec:
         model = build_model(spec)
     except ValueError as exc:  # CheckpointError / ConfigError / CheckpointError
         raise UsageError(f"--model: {exc}") from None
+    if getattr(model, "hybrid", None) is not None and args.pcp > 1:
+        raise UsageError("--pcp: PCP prefill does not run hybrid (MLA + KDA) models; "
+                         "use --pcp 1")
     bad = [t for t in prompt_ids if t >= model.cfg.vocab_size]
     if bad:
         raise UsageError(f"--prompt-ids: {bad[0]} is not a token id of the model "

@@ -171,6 +171,12 @@ def _bound(cfg: ModelConfig, where: dict, d: Path) -> None:
                                   f"model.embed_tokens.weight has {rows} rows")
 
 
+def _is_kimi_dir(d: Path) -> bool:
+    from hicache.engine.hf_config import load_json
+    from hicache.engine.kimi_config import is_kimi
+    return (d / "config.json").is_file() and is_kimi(load_json(d / "config.json", "config.json"))
+
+
 def load_checkpoint(directory: str | os.PathLike, device: Optional[str | torch.device] = None,
                     *, check_finite: bool = True) -> MLAModel:
     """Build an ``MLAModel`` from a Hugging Face DeepSeek-V2/V3 checkpoint directory. Every
@@ -178,6 +184,9 @@ def load_checkpoint(directory: str | os.PathLike, device: Optional[str | torch.d
     every weight once: ``check_finite=False`` skips it, see docs/trust.md for its cost)."""
     from safetensors import safe_open
     d = Path(directory)
+    if _is_kimi_dir(d):  # hybrid MLA + KDA (hicache.engine.kimi_hf)
+        from hicache.engine.kimi_hf import load_kimi
+        return load_kimi(d, device)
     try:
         cfg = ModelConfig(**read_hf_config(d))
         files, _ = weight_files(d)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache.checks import check_int, regular_file
+from hicache.engine.kimi_config import is_kimi, parse_kimi_config
 from hicache.errors import CheckpointError
 
 ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
@@ -82,8 +83,9 @@ def architecture(raw: dict, src: str) -> str:
     """``deepseek_v2`` or ``deepseek_v3`` from ``architectures`` (an unknown one is an error)."""
     archs = raw.get("architectures")
     if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        known = [*ARCHITECTURES, "KimiLinearForCausalLM"]
         raise CheckpointError(f"{src}: architectures {archs!r} is not supported; expected "
-                              f"[{' or '.join(repr(a) for a in ARCHITECTURES)}]")
+                              f"[{' or '.join(repr(a) for a in known)}]")
     return ARCHITECTURES[archs[0]]
 
 
@@ -298,8 +300,11 @@ def read_hf_config(directory: str | Path) -> dict:
     src = str(d / "config.json")
     stored = None
     if not (raw.get("dtype") or raw.get("torch_dtype")):
-        architecture(raw, src)  # the architecture error comes first
+        if not is_kimi(raw):
+            architecture(raw, src)  # the architecture error comes first
         stored = _stored_dtype(weight_files(d)[0])
+    if is_kimi(raw):  # hybrid MLA + KDA: the MLA part (num_layers = its MLA layers)
+        return parse_kimi_config(raw, src, stored)[0]
     return parse_config(raw, src, stored)
 
 

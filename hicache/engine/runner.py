@@ -184,7 +184,14 @@ class EngineStats:
 
 
 class DCPRunner:
-    """One rank's engine: a model, the KV port of its rank and its DCP group."""
+    """One rank's engine: a model, the KV port of its rank and its DCP group. A hybrid model
+    (one with a ``hybrid`` part: Kimi Linear) gets a ``HybridRunner`` (engine.hybrid_runner)."""
+
+    def __new__(cls, model=None, *args, **kwargs):
+        if cls is DCPRunner and getattr(model, "hybrid", None) is not None:
+            from hicache.engine.hybrid_runner import HybridRunner
+            cls = HybridRunner
+        return super().__new__(cls)
 
     def __init__(self, model: MLAModel, kv: KVPort, *, backend: str = "a2a",
                  replicate_q: bool = True, group=None, attn_backend: str = "auto",
