@@ -206,20 +206,15 @@ def run_variants(cfg: HiCacheConfig, vs: list[Variant], jobs: list, opts: dict,
 
 @contextmanager
 def _cold_l3(cfg: HiCacheConfig, cold: bool):
-    """``--cold-l3``: the run gets an empty L3 store of its own, in a fresh directory beside
-    ``l3.path`` (removed afterwards), so every rep of an L3 mode starts cold."""
+    """``--cold-l3``: the run gets an empty L3 store of its own (the backend's ``scratch``: for
+    LMDB a fresh directory beside its path, removed afterwards), so every rep of an L3 mode
+    starts cold."""
     if not cold:
         yield cfg
         return
-    import shutil
-    import tempfile
-    base = Path(cfg.l3.path)
-    base.parent.mkdir(parents=True, exist_ok=True)
-    d = tempfile.mkdtemp(prefix=base.name + ".cold-", dir=base.parent)
-    try:
-        yield cfg.replace(l3={"path": d})
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+    from .l3 import registry
+    with registry.get(cfg.l3.backend).scratch(cfg.l3.options) as keys:
+        yield cfg.replace(l3={cfg.l3.backend: keys})
 
 
 def summarize(mode: str, ranks: list[dict], opts: dict) -> dict:
@@ -439,17 +434,40 @@ def check_destination(flag: str, path: str, suffixes: tuple[str, ...] = ()) -> P
     return p
 
 
+def _l3_backend(cfg: HiCacheConfig):
+    from .l3 import registry
+    return registry.get(cfg.l3.backend)
+
+
+def _l3_at(cfg: HiCacheConfig, where, flag: str) -> HiCacheConfig:
+    """``--l3-path DIR`` (the default backend's directory) / ``--l3-url URL[,URL...]`` (the
+    registered backend that claims the URL)."""
+    from .l3 import registry
+    if flag == "--l3-path":
+        b = registry.get(registry.DEFAULT)
+    else:
+        b = registry.for_where(where)
+        if not b.claims(where):
+            raise UsageError(f"{flag}: {where!r} is not a URL that a registered L3 backend "
+                             f"({', '.join(registry.names())}) takes")
+    return cfg.replace(l3={"backend": b.name, b.name: b.section_of(where)})
+
+
 def _resolve(args) -> tuple[HiCacheConfig, list[Variant], list[str]]:
     cfg = load_config(args.config)
     if args.model:  # the checkpoint sets the KV shape: the file's model keys give way
         d = cfg.to_dict()
         d["model"] = {"path": args.model}
         cfg = HiCacheConfig.from_dict(d)
+    if args.l3_path is not None and args.l3_url is not None:
+        raise UsageError("--l3-path and --l3-url name two L3 stores; give one")
     if args.l3_path is not None:  # "" is an error (preflight), not "use the policy file's"
-        cfg = cfg.replace(l3={"path": args.l3_path})
-    if args.l3_url is not None:  # "" is an error (l3.url), not "use the policy file's"
+        cfg = _l3_at(cfg, args.l3_path, "--l3-path")
+    if args.l3_url is not None:  # "" is an error (l3.redis.url), not "use the policy file's"
         urls = [u.strip() for u in args.l3_url.split(",") if u.strip()]
-        cfg = cfg.replace(l3={"backend": "redis", "url": urls if len(urls) > 1 else args.l3_url})
+        if not urls:
+            raise UsageError("--l3-url: empty; give redis://host:port/db or cluster node URLs")
+        cfg = _l3_at(cfg, urls if len(urls) > 1 else args.l3_url, "--l3-url")
     if args.dcp is not None:  # the policy file's tp / attn_dp must allow it
         if not 1 <= args.dcp <= 4096:
             raise UsageError(f"--dcp must be in [1, 4096], got {args.dcp}")
@@ -469,9 +487,9 @@ def _resolve(args) -> tuple[HiCacheConfig, list[Variant], list[str]]:
         if heads % cfg.parallel.dcp:
             raise UsageError(f"dcp {cfg.parallel.dcp} does not divide the {heads} attention heads "
                              f"of {cfg.model.path}")
-    if args.cold_l3 and cfg.l3.backend != "lmdb":
-        raise UsageError(f"--cold-l3 needs the lmdb L3 backend (a directory per run); "
-                         f"l3.backend is {cfg.l3.backend!r}")
+    if args.cold_l3 and _l3_backend(cfg).scratch is None:
+        raise UsageError(f"--cold-l3 needs an L3 backend that can make an empty store per run "
+                         f"(lmdb: a directory); l3.backend is {cfg.l3.backend!r}")
     if "l1+l2+l3" in modes and not cfg.l3.enabled:
         cfg = cfg.replace(l3={"enabled": True})
     if args.trace:
