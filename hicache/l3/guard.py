@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .backends import resolve
+from .registry import scrub
 from .base import L3Stats, L3Store, Out, PutResult
 from ..errors import L3Error, L3ForeignError
 
@@ -72,12 +73,22 @@ class GuardedStore:
     def failed(self) -> bool:
         return self.failure is not None
 
+    @property
+    def first_error(self) -> str | None:
+        """The first thing that went wrong with L3 on this rank (what ended it, or the first
+        call the store answered as a miss because it was unavailable); no password."""
+        if self.failure is not None:
+            return self.failure
+        e = getattr(self._store, "first_error", None) if self._store is not None else None
+        return scrub(f"{type(e).__name__}: {e}") if e is not None else None
+
     def _fail(self, e) -> None:
         with self._lock:
             self.failures += 1
             if self.failure is not None:
                 return
-            self.failure = f"{type(e).__name__}: {e}" if isinstance(e, BaseException) else str(e)
+            self.failure = scrub(f"{type(e).__name__}: {e}" if isinstance(e, BaseException)
+                                 else str(e))
             self.failure_kind = (self.backend.classify(e) if isinstance(e, BaseException)
                                  else "corrupt")
             store, self._store = self._store, None

@@ -112,6 +112,8 @@ class RedisStore(L3Store):
         self._check_policy = check_policy
         self._held: OrderedDict[bytes, None] = OrderedDict()  # hint: keys seen held, newest last
         self.last_error: BaseException | None = None
+        self.first_error: BaseException | None = None  # for the run's one warning line
+        self._connected_once = False
         import redis  # the optional dependency: pip install 'hicache[redis]'
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -159,8 +161,13 @@ class RedisStore(L3Store):
                     client.ping()
             except self._errors + (r.exceptions.RedisError,) as e:
                 self._fail(e)
+                if not self._connected_once and self._tls_mismatch(e):
+                    raise L3Error(f"L3 Redis {redact(self.url)}: the TLS handshake failed "
+                                  f"({type(e).__name__}: {e}); is the server plaintext "
+                                  "(redis://)? L3 is off for this run") from None
                 return None
             self._client = client
+            self._connected_once = True
         if self._check_policy:
             self._check_policy = False
             self._warn_policy(client)
@@ -189,8 +196,19 @@ class RedisStore(L3Store):
         self._bump(errors=1)
         self._down_until = time.monotonic() + self.retry_after_s
         self.last_error = err
+        if self.first_error is None:
+            self.first_error = err
         client, self._client = self._client, None
         _close_quietly(client)
+
+    def _tls_mismatch(self, e: BaseException) -> bool:
+        """A first connection over ``rediss://`` that failed in the TLS handshake (or timed out
+        in it, the server waiting for a command that never comes): a plaintext server."""
+        from .redis_backend import classify
+        urls = self.url if isinstance(self.url, list) else [self.url]
+        if not any(u.startswith("rediss://") for u in urls):
+            return False
+        return classify(e) in ("tls", "timeout")
 
     def _pipeline(self, commands: list[tuple]) -> list | None:
         """Run commands in one pipelined round trip (cluster: grouped by node). Per-command

@@ -12,6 +12,7 @@ imported until a policy or a caller names them. Nothing here imports a backend a
 from __future__ import annotations
 
 import importlib
+import re
 import threading
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -82,6 +83,15 @@ class Backend:
 
 _REGISTRY: dict[str, Backend] = {}
 _LOCK = threading.RLock()
+
+
+_CREDENTIALS = re.compile(r"(\w+://[^\s:/@]*:)[^\s@]+@")
+
+
+def scrub(text: str) -> str:
+    """``text`` with any ``scheme://user:password@`` password replaced by ``***``: for lines
+    that quote a backend's error messages."""
+    return _CREDENTIALS.sub(r"\1***@", str(text))
 
 
 def register(backend: Backend, *, replace: bool = False) -> Backend:
