@@ -44,7 +44,9 @@ def forged(key: bytes, payload: torch.Tensor) -> bytes:
 @pytest.fixture(params=["lmdb", "redis", "mem"])
 def authed(request, tmp_path):
     """(fixture, our authenticated store, the raw backend store an attacker reaches)."""
-    import l3_mem_backend  # noqa: F401
+    import l3_mem_backend
+    registry.register(l3_mem_backend.BACKEND, replace=True)
+    request.addfinalizer(lambda: registry.unregister("mem"))
     b = registry.get(request.param)
     secrets = auth.load(None, env={auth.ENV: secret_file(tmp_path)})
     with b.fixture(str(tmp_path)) as fx:

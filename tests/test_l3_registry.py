@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-import l3_mem_backend  # noqa: F401  (registers the "mem" backend: the one module it takes)
+import l3_mem_backend  # registers the "mem" backend: the one module it takes
 from hicache.config import HiCacheConfig, describe, loads
 from hicache.errors import ConfigError, L3Error
 from hicache.l3 import Namespace, open_store, page_keys, registry
@@ -20,6 +20,17 @@ from hicache.l3.guard import GuardedStore
 
 NS = Namespace("m", num_layers=2, kv_dim=8, dtype="bfloat16", page_size=4, dcp_size=2)
 PT = NS.page_tokens
+BACKENDS = registry.names()  # the built-ins and "mem", registered by importing its module
+registry.unregister("mem")  # registered only while this module's tests run (below)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def mem_registered():
+    """The dummy backend is registered for this module's tests only: other tests in the same
+    process see the built-in registry."""
+    registry.register(l3_mem_backend.BACKEND, replace=True)
+    yield
+    registry.unregister("mem")
 
 
 def shard(seed: int) -> torch.Tensor:
@@ -35,7 +46,7 @@ def keys_of(n_pages: int, start: int = 0, rank: int = 0) -> list:
     return page_keys(list(range(start, start + n_pages * PT)), PT, NS, rank)
 
 
-@pytest.fixture(params=registry.names())
+@pytest.fixture(params=BACKENDS)
 def made(request, tmp_path):
     """(backend, fixture, open) for every registered backend."""
     b = registry.get(request.param)
