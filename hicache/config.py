@@ -22,7 +22,6 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from . import topology
-from .l3 import registry as l3_registry  # names only: imports no backend
 from .errors import CheckpointError, ConfigError, TopologyError
 
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -134,10 +133,10 @@ class L3Section:
     no backend and imports none: a backend's module is imported when a policy names it)."""
 
     enabled: bool = opt(False, "persist pages in the L3 page store")
-    backend: str = opt(l3_registry.DEFAULT, "page store backend, a name in the L3 registry: "
-                                            "lmdb (embedded, one per node) or redis (a Redis "
-                                            "7+ / Valkey 8+ server or cluster shared by the "
-                                            "fleet); its keys go in [l3.<backend>]")
+    backend: str = opt("lmdb", "page store backend, a name in the L3 registry: "
+                               "lmdb (embedded, one per node) or redis (a Redis 7+ / Valkey 8+ "
+                               "server or cluster shared by the fleet); its keys go in "
+                               "[l3.<backend>] (the default is hicache.l3.registry.DEFAULT)")
     secret_file: str = opt("", "fleet secret (a file readable by its owner only) that keys L3 "
                                "key derivation and the value MAC; $HICACHE_L3_SECRET_FILE if empty")
     previous_secret_file: str = opt("", "the secret before a rotation: values it signed are "
@@ -150,7 +149,9 @@ class L3Section:
     stores: tuple = field(default=(), repr=False, metadata={"table": True})
 
     def __post_init__(self) -> None:
-        registry = l3_registry
+        from .l3 import registry
+        if registry.DEFAULT != L3Section.backend:
+            raise AssertionError("[l3] backend's default must be the registry's DEFAULT")
         if not isinstance(self.backend, str) or not registry.known(self.backend):
             raise ConfigError(f"l3.backend: {self.backend!r} is not one of "
                               f"{', '.join(repr(n) for n in registry.names())}")
