@@ -225,6 +225,85 @@ def _shapes(url: str, pages: int, page_bytes: int, batch: int, repeats: int) -> 
     return rows
 
 
+def _auth_bench(url: str, pages: int, batch: int, repeats: int, root: str) -> dict:
+    """Authenticated store (fleet secret: keyed store keys, BLAKE3 MAC checked on every read)
+    against the raw client moving the same 1 MB values (pipelined SET / GET, same client
+    set-up, same batches), paired per repeat, order alternating; and the MAC's and XXH3's
+    GB/s on the same buffers."""
+    import redis
+    import xxhash
+
+    from hicache.l3 import auth, open_store
+    ns = Namespace("bench-auth", 4, 1024, "bfloat16", 128, 1)  # 4 * 128 * 1024 * 2 B = 1 MiB
+    secret = os.path.join(root, "fleet.secret")
+    with open(secret, "w") as f:
+        f.write(os.urandom(32).hex())
+    os.chmod(secret, 0o600)
+    secrets = auth.load(None, env={auth.ENV: secret})
+    g = torch.Generator().manual_seed(0)
+    shards = [torch.randn(ns.shard_shape, generator=g).to(ns.torch_dtype) for _ in range(pages)]
+    payloads = [s.view(torch.uint8).reshape(-1).numpy() for s in shards]
+    outs = [torch.zeros(ns.shard_shape, dtype=ns.torch_dtype) for _ in range(pages)]
+    keys = page_keys(list(range(pages * ns.page_tokens)), ns.page_tokens, ns, 0)
+    client = redis.Redis.from_url(url, **_client_kw())
+    t = {"raw_put": [], "auth_put": [], "raw_get": [], "auth_get": []}
+    for rep in range(repeats):
+        rkeys = [b"rawauth%d:" % rep + k for k in keys]
+        store = open_store(url, ns, 0, secrets=secrets, batch_bytes=batch * ns.shard_bytes,
+                           key_prefix=b"auth%d:" % rep, timeout_s=30.0, check_policy=False)
+
+        def raw_put():
+            for i in range(0, pages, batch):
+                pipe = client.pipeline(transaction=False)
+                for k, p in zip(rkeys[i:i + batch], payloads[i:i + batch]):
+                    pipe.set(k, memoryview(p))
+                pipe.execute()
+
+        def raw_get():
+            for i in range(0, pages, batch):
+                pipe = client.pipeline(transaction=False)
+                for k in rkeys[i:i + batch]:
+                    pipe.get(k)
+                for o, v in zip(outs[i:i + batch], pipe.execute()):
+                    np.copyto(o.view(torch.uint8).reshape(-1).numpy(), np.frombuffer(v, np.uint8))
+
+        got = {}
+        fns = {"raw_put": raw_put, "auth_put": lambda: got.update(put=store.put(keys, shards)),
+               "raw_get": raw_get, "auth_get": lambda: got.update(get=store.get(keys, outs))}
+        for pair in (("raw_put", "auth_put"), ("raw_get", "auth_get")):
+            for name in (pair if rep % 2 == 0 else pair[::-1]):
+                t0 = time.perf_counter()
+                fns[name]()
+                t[name].append(time.perf_counter() - t0)
+        assert got["put"].written == pages and got["get"] == pages
+        assert torch.equal(outs[-1], shards[-1]) and store.stats.auth_failures == 0
+        store.delete(keys)
+        store.close()
+        client.delete(*rkeys)
+    client.close()
+    nbytes = pages * ns.shard_bytes
+    mac, xxh = [], []
+    head = b"h" * 80
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for k, p in zip(keys, payloads):
+            secrets.current.tag(k, head, p)
+        mac.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for p in payloads:
+            xxhash.xxh3_64_digest(p)
+        xxh.append(time.perf_counter() - t0)
+    return {"value_bytes": ns.shard_bytes, "pages": pages,
+            "auth_put_gbs": nbytes / statistics.median(t["auth_put"]) / GB,
+            "raw_put_gbs": nbytes / statistics.median(t["raw_put"]) / GB,
+            "auth_get_gbs": nbytes / statistics.median(t["auth_get"]) / GB,
+            "raw_get_gbs": nbytes / statistics.median(t["raw_get"]) / GB,
+            "put_ratio": statistics.median(r / a for r, a in zip(t["raw_put"], t["auth_put"])),
+            "get_ratio": statistics.median(r / a for r, a in zip(t["raw_get"], t["auth_get"])),
+            "mac_gbs": nbytes / statistics.median(mac) / GB,
+            "xxh3_gbs": nbytes / statistics.median(xxh) / GB}
+
+
 def _recompute_seconds(args, n_tokens: int) -> tuple[float, int]:
     """Prefill seconds for n_tokens with the engine's model, measured on at most ``cap``
     tokens and scaled linearly (attention is superlinear: a lower bound for recompute).
@@ -249,6 +328,34 @@ def _recompute_seconds(args, n_tokens: int) -> tuple[float, int]:
     return min(times) * n_tokens / m, m
 
 
+def _auth_main(args) -> int:
+    root = tempfile.mkdtemp(prefix="hicache-l3-auth-bench-", dir=args.dir)
+    server = None
+    try:
+        if not args.url:
+            from hicache.l3.localserver import start_server
+            server = start_server(os.path.join(root, "valkey"), maxmemory=0)
+            args.url = server.url
+        pages = args.pages or (16 if args.quick else 64)
+        res = _auth_bench(args.url, pages, min(args.batch_pages, 16),
+                          args.repeats or (3 if args.quick else 7), root)
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        print(json.dumps({"bench": "l3-auth", **res}))
+        return 0
+    print(f"authenticated L3 (Redis, {res['pages']} values of {res['value_bytes'] / 2**20:.0f} "
+          f"MiB) against the raw client, same run, paired medians:")
+    print(f"  put {res['auth_put_gbs']:.2f} GB/s vs raw {res['raw_put_gbs']:.2f} GB/s: "
+          f"{res['put_ratio']:.2f}x")
+    print(f"  get {res['auth_get_gbs']:.2f} GB/s vs raw {res['raw_get_gbs']:.2f} GB/s: "
+          f"{res['get_ratio']:.2f}x")
+    print(f"  MAC (BLAKE3 keyed) {res['mac_gbs']:.2f} GB/s; XXH3-64 {res['xxh3_gbs']:.2f} GB/s")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -265,7 +372,12 @@ def main(argv=None) -> int:
                     "valkey-server on a private port)")
     ap.add_argument("--shapes", action="store_true",
                     help="also time raw SET/GET per command packer and reply parser")
+    ap.add_argument("--auth", action="store_true",
+                    help="only the authenticated Redis store (fleet secret, MAC) against the "
+                         "raw client on 1 MB values, and the MAC's GB/s")
     args = ap.parse_args(argv)
+    if args.auth:
+        return _auth_main(args)
     if args.ranks < 1 or (args.pages is not None and args.pages < 1):
         ap.error("--ranks and --pages must be >= 1")
     args.pages = args.pages or (24 if args.quick else 96)

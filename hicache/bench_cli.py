@@ -214,20 +214,15 @@ def run_variants(cfg: HiCacheConfig, vs: list[Variant], jobs: list, opts: dict,
 
 @contextmanager
 def _cold_l3(cfg: HiCacheConfig, cold: bool):
-    """``--cold-l3``: the run gets an empty L3 store of its own, in a fresh directory beside
-    ``l3.path`` (removed afterwards), so every rep of an L3 mode starts cold."""
+    """``--cold-l3``: the run gets an empty L3 store of its own (the backend's ``scratch``: for
+    LMDB a fresh directory beside its path, removed afterwards), so every rep of an L3 mode
+    starts cold."""
     if not cold:
         yield cfg
         return
-    import shutil
-    import tempfile
-    base = Path(cfg.l3.path)
-    base.parent.mkdir(parents=True, exist_ok=True)
-    d = tempfile.mkdtemp(prefix=base.name + ".cold-", dir=base.parent)
-    try:
-        yield cfg.replace(l3={"path": d})
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+    from .l3 import registry
+    with registry.get(cfg.l3.backend).scratch(cfg.l3.options) as keys:
+        yield cfg.replace(l3={cfg.l3.backend: keys})
 
 
 def summarize(mode: str, ranks: list[dict], opts: dict) -> dict:
@@ -260,6 +255,7 @@ def summarize(mode: str, ranks: list[dict], opts: dict) -> dict:
         "copies": {"backups": st["copy_ops"]["d2h"], "loads": st["copy_ops"]["h2d"],
                    "d2h_s": st["transfer_s"]["d2h"], "h2d_s": st["transfer_s"]["h2d"]},
         "corrupt_l3_values": sum(r["stats"]["corrupt"] for r in ranks),
+        **l3_health(ranks),
         "wall_s": r0["wall_s"],
         "passes": r0["passes"],
         "prefill_tokens": r0["prefill_tokens"],
@@ -273,6 +269,37 @@ def summarize(mode: str, ranks: list[dict], opts: dict) -> dict:
     if opts["duration"]:
         row["soak"] = _soak_verdict([r["soak"] for r in ranks])
     return row
+
+
+def l3_health(ranks: list[dict]) -> dict:
+    """What went wrong with L3 in one mode's run, over its ranks: ``l3_errors`` (calls answered
+    as misses because the store was unavailable, plus store errors that ended L3 on a rank),
+    ``l3_auth_failures``, and ``l3_problem`` (the store, no password; the ranks; the first
+    error) when there was any error. Modes without L3 have none of these."""
+    stats = [r["stats"] for r in ranks]
+    if not any("l3_errors" in s for s in stats):
+        return {}
+    errors = [s.get("l3_errors", 0) + s.get("l3_failures", 0) for s in stats]
+    out = {"l3_errors": sum(errors),
+           "l3_auth_failures": sum(s.get("l3_auth_failures", 0) for s in stats)}
+    bad = [r["rank"] for r, n in zip(ranks, errors) if n]
+    if bad:
+        first = next((s.get("l3_error") for s in stats if s.get("l3_error")), None)
+        out["l3_problem"] = {"where": stats[0].get("l3_where", "?"), "ranks": bad,
+                             "first_error": first or "?"}
+    return out
+
+
+def l3_warnings(rows: list[dict]) -> list[str]:
+    """One line per rank group (a mode's run) whose configured L3 failed."""
+    out = []
+    for r in rows:
+        p = r.get("l3_problem")
+        if p:
+            out.append(f"warning: L3 {p['where']} failed in {r['name']} on rank(s) "
+                       f"{','.join(map(str, p['ranks']))} ({r['l3_errors']} errors; L3 "
+                       f"answered misses): first error: {p['first_error']}")
+    return out
 
 
 def stall_summary(stats: dict) -> dict:
@@ -381,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every row this many times, interleaved, and report the median "
                         "timings (use on a busy machine; l1+l2+l3 reps after the first start "
                         "warm unless --cold-l3)")
+    p.add_argument("--require-l3", action="store_true",
+                   help="exit 3 when L3 was configured but failed in a mode (unavailable, "
+                        "refused, TLS mismatch: the run's warning line says which)")
     p.add_argument("--cold-l3", action="store_true",
                    help="every run of an L3 mode starts on an empty store of its own (a fresh "
                         "directory beside the LMDB l3.path, removed after the run): cold reps")
@@ -464,17 +494,40 @@ def check_destination(flag: str, path: str, suffixes: tuple[str, ...] = ()) -> P
     return p
 
 
+def _l3_backend(cfg: HiCacheConfig):
+    from .l3 import registry
+    return registry.get(cfg.l3.backend)
+
+
+def _l3_at(cfg: HiCacheConfig, where, flag: str) -> HiCacheConfig:
+    """``--l3-path DIR`` (the default backend's directory) / ``--l3-url URL[,URL...]`` (the
+    registered backend that claims the URL)."""
+    from .l3 import registry
+    if flag == "--l3-path":
+        b = registry.get(registry.DEFAULT)
+    else:
+        b = registry.for_where(where)
+        if not b.claims(where):
+            raise UsageError(f"{flag}: {where!r} is not a URL that a registered L3 backend "
+                             f"({', '.join(registry.names())}) takes")
+    return cfg.replace(l3={"backend": b.name, b.name: b.section_of(where)})
+
+
 def _resolve(args) -> tuple[HiCacheConfig, list[Variant], list[str]]:
     cfg = load_config(args.config)
     if args.model:  # the checkpoint sets the KV shape: the file's model keys give way
         d = cfg.to_dict()
         d["model"] = {"path": args.model}
         cfg = HiCacheConfig.from_dict(d)
+    if args.l3_path is not None and args.l3_url is not None:
+        raise UsageError("--l3-path and --l3-url name two L3 stores; give one")
     if args.l3_path is not None:  # "" is an error (preflight), not "use the policy file's"
-        cfg = cfg.replace(l3={"path": args.l3_path})
-    if args.l3_url is not None:  # "" is an error (l3.url), not "use the policy file's"
+        cfg = _l3_at(cfg, args.l3_path, "--l3-path")
+    if args.l3_url is not None:  # "" is an error (l3.redis.url), not "use the policy file's"
         urls = [u.strip() for u in args.l3_url.split(",") if u.strip()]
-        cfg = cfg.replace(l3={"backend": "redis", "url": urls if len(urls) > 1 else args.l3_url})
+        if not urls:
+            raise UsageError("--l3-url: empty; give redis://host:port/db or cluster node URLs")
+        cfg = _l3_at(cfg, urls if len(urls) > 1 else args.l3_url, "--l3-url")
     if args.dcp is not None:  # the policy file's tp / attn_dp must allow it
         if not 1 <= args.dcp <= 4096:
             raise UsageError(f"--dcp must be in [1, 4096], got {args.dcp}")
@@ -494,9 +547,9 @@ def _resolve(args) -> tuple[HiCacheConfig, list[Variant], list[str]]:
         if heads % cfg.parallel.dcp:
             raise UsageError(f"dcp {cfg.parallel.dcp} does not divide the {heads} attention heads "
                              f"of {cfg.model.path}")
-    if args.cold_l3 and cfg.l3.backend != "lmdb":
-        raise UsageError(f"--cold-l3 needs the lmdb L3 backend (a directory per run); "
-                         f"l3.backend is {cfg.l3.backend!r}")
+    if args.cold_l3 and _l3_backend(cfg).scratch is None:
+        raise UsageError(f"--cold-l3 needs an L3 backend that can make an empty store per run "
+                         f"(lmdb: a directory); l3.backend is {cfg.l3.backend!r}")
     if "l1+l2+l3" in modes and not cfg.l3.enabled:
         cfg = cfg.replace(l3={"enabled": True})
     if args.trace:
@@ -584,7 +637,8 @@ def _main(args) -> int:
     cfg, vs, workloads = _resolve(args)
     if args.faults is not None:
         return _faults_main(args, cfg, workloads[0])
-    report = {"config": cfg.to_dict(), "machine": machine(), "workloads": []}
+    report = {"config": cfg.public_dict(), "machine": machine(), "workloads": []}
+    l3_failed = False
     failed = []
     all_jobs = {w: _jobs(args, w, cfg) for w in workloads}  # every trace checked before a run
     for w in workloads:
@@ -617,6 +671,9 @@ def _main(args) -> int:
         report["workloads"].append(entry)
         if not args.json:
             _print(w, entry, cfg)
+        for line in l3_warnings(rows):  # loud, even with --json (stderr)
+            l3_failed = True
+            print(line, file=sys.stderr)
     if len(workloads) == 1:  # the documented top-level shape for one workload
         report["modes"] = report["workloads"][0]["modes"]
     text = json.dumps(report, indent=1, default=str)
@@ -629,7 +686,13 @@ def _main(args) -> int:
         plot_report(report, args.plot)
     for f in failed:
         print(f"FAIL {f}", file=sys.stderr)
-    return 1 if failed else 0
+    if failed:
+        return 1
+    if l3_failed and args.require_l3:
+        print("FAIL --require-l3: L3 was configured but failed (see the warning above)",
+              file=sys.stderr)
+        return 3
+    return 0
 
 
 def _faults_main(args, cfg: HiCacheConfig, workload: str) -> int:
@@ -641,7 +704,7 @@ def _faults_main(args, cfg: HiCacheConfig, workload: str) -> int:
             "fault_every": args.fault_every, "fault_kinds": args.fault_kinds,
             "metrics_port": args.metrics_port}
     f = run_soak(cfg, jobs, opts)
-    report = {"config": cfg.to_dict(), "machine": machine(), "workload": workload,
+    report = {"config": cfg.public_dict(), "machine": machine(), "workload": workload,
               "trace": trace_summary(jobs), "faults": f}
     text = json.dumps(report, indent=1, default=str)
     if args.out:
@@ -680,10 +743,12 @@ def _print(workload: str, entry: dict, cfg: HiCacheConfig) -> None:
                      sum(r["evictions"].values()), stall.get("preemptions", 0),
                      stall.get("overtakes", 0), r.get("copies", {}).get("backups", 0),
                      1e3 * (r.get("copies", {}).get("d2h_s", 0.0)
-                            + r.get("copies", {}).get("h2d_s", 0.0))])
+                            + r.get("copies", {}).get("h2d_s", 0.0)),
+                     r.get("l3_errors", "-")])
     print(table(rows, ["mode", "hit", "l1", "l2", "l3", "ttft p50 ms", "p90 ms", "p99 ms",
                        "tok/s", "d2h MB", "h2d MB", "l3 rd MB", "l3 wr MB", "h2d GB/s",
-                       "ctrl us/req", "evict", "preempt", "overtake", "backups", "copy ms"]))
+                       "ctrl us/req", "evict", "preempt", "overtake", "backups", "copy ms",
+                       "l3 err"]))
     reps = entry["modes"][0].get("reps") if entry["modes"] else None
     if reps:
         print(f"  timings are medians of {len(reps)} interleaved runs per row")

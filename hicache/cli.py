@@ -58,14 +58,12 @@ def _check_config(args) -> int:
         "host_memory": f"{need.host_total / GiB:.3f} GiB for {ranks} rank(s) on this node "
                        f"({machine.host_available / GiB:.1f} GiB available)",
         "warnings": warnings,
-        "policy": cfg.to_dict(),
+        "policy": cfg.public_dict(),
     }
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    resolved = cfg.to_dict()
-    rows = [(key, resolved[key.split(".")[0]][key.split(".")[1]], help_)
-            for key, _default, help_ in describe()]
+    rows = [(key, cfg.value(key), help_) for key, _default, help_ in describe()]
     print(table(rows, ["key", "value", "meaning"]))
     print()
     for key in ("topology", "effective_page_size", "l1_tokens_per_rank", "l1_tokens_total",
@@ -184,15 +182,28 @@ def _l3_check(args) -> int:
         raise UsageError(f"l3 check: {path!r} is not a directory")
     if not os.path.exists(os.path.join(path, "data.mdb")):
         raise UsageError(f"l3 check: {path!r} holds no LMDB store (no data.mdb)")
-    report = lmdb_check.check_in_child(path, timeout_s=args.timeout)
+    files = None
+    if args.secret_file or args.previous_secret_file:  # checked here: one line, exit 2
+        from .l3 import auth
+        auth.load(None, env={auth.ENV: args.secret_file or "",
+                             auth.ENV_PREVIOUS: args.previous_secret_file or ""})
+        files = (args.secret_file or "", args.previous_secret_file or "")
+    report = lmdb_check.check_in_child(path, timeout_s=args.timeout, secret_files=files)
+    if report.get("usage"):
+        raise UsageError(report["error"])
     if report.get("foreign"):
         raise UsageError(report["error"])
     if report.get("ok"):
         line = (f"{path}: ok: {report.get('values', 0)} values, records per sub-database "
                 f"{report.get('entries', {})}")
+        if report.get("unverified"):
+            line += (f"; {report['unverified']} authenticated values not verified (give "
+                     "--secret-file)")
+        elif report.get("mac_verified"):
+            line += "; MACs verified"
     else:
         what = report.get("error") or (f"{report.get('bad_values')} of {report.get('values')} "
-                                       "values fail their checksum")
+                                       "values fail their checksum or MAC")
         line = f"{path}: DAMAGED: {what}"
         if args.quarantine:
             report["quarantined_to"] = lmdb_check.quarantine(path)
@@ -229,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--quarantine", action="store_true",
                    help="move a damaged store aside (PATH.damaged-<time>)")
     k.add_argument("--timeout", type=float, default=600.0, help="seconds the walk may take")
+    k.add_argument("--secret-file", default=None,
+                   help="fleet secret: verify the MAC of authenticated values (default "
+                        "$HICACHE_L3_SECRET_FILE; without one they are counted as unverified)")
+    k.add_argument("--previous-secret-file", default=None,
+                   help="the secret before a rotation (its MACs are accepted too)")
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=_l3_check)
     from .engine import cli as engine_cli

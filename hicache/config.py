@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import os
 import stat
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -21,7 +22,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from . import topology
-from .errors import CheckpointError, ConfigError, L3Error, TopologyError
+from .errors import CheckpointError, ConfigError, TopologyError
 
 KV_DTYPES = ("float32", "float16", "bfloat16")  # sizes: hicache.page_format (torch)
 # the L3 prefetch policies (hicache.l3.prefetch.PrefetchPolicy takes these and the defaults of
@@ -146,37 +147,114 @@ class L2Section:
 
 @dataclass(frozen=True)
 class L3Section:
+    """``[l3]``: the keys every backend shares, and one sub-table ``[l3.<backend>]`` per backend
+    (its keys are declared by the backend's module in ``hicache.l3.registry``; this module names
+    no backend and imports none: a backend's module is imported when a policy names it)."""
+
     enabled: bool = opt(False, "persist pages in the L3 page store")
-    backend: str = opt("lmdb", "page store: lmdb (embedded, one per node) or redis (a Redis 7+ / "
-                               "Valkey 8+ server or cluster shared by the fleet)",
-                       choices=("lmdb", "redis"))
-    path: str = opt("hicache-l3", "lmdb: environment directory (one per node)")
-    size_bytes: int = opt(1 << 30, "lmdb: store capacity in bytes (LRU eviction beyond); redis: "
-                                   "the server's maxmemory", min=1 << 20, max=1 << 50)
-    url: Any = opt("", "redis: redis://host:port/db, unix:///path.sock, or a list of "
-                       "redis://host:port cluster nodes", type=(str, list, tuple))
-    timeout_s: float = opt(2.0, "redis: bound on every call (connect, read, write) in seconds",
-                           min=0.001, max=600.0, type=(int, float))
-    check_on_open: bool = opt(False, "lmdb: walk the whole store in a child process before "
-                                     "opening it (a damaged store then disables L3, never the "
-                                     "server)")
+    backend: str = opt("lmdb", "page store backend, a name in the L3 registry: "
+                               "lmdb (embedded, one per node) or redis (a Redis 7+ / Valkey 8+ "
+                               "server or cluster shared by the fleet); its keys go in "
+                               "[l3.<backend>] (the default is hicache.l3.registry.DEFAULT)")
+    secret_file: str = opt("", "fleet secret (a file readable by its owner only) that keys L3 "
+                               "key derivation and the value MAC; $HICACHE_L3_SECRET_FILE if empty")
+    previous_secret_file: str = opt("", "the secret before a rotation: values it signed are "
+                                        "still read (writes use secret_file); "
+                                        "$HICACHE_L3_PREVIOUS_SECRET_FILE if empty")
+    authenticate: bool = opt(True, "a shared backend (redis) refuses to start without a secret; "
+                                   "false runs it unauthenticated (anyone who can write to the "
+                                   "server can then poison the cache)")
+    # the [l3.<backend>] tables given: ((name, section), ...) sorted by name (hashable)
+    stores: tuple = field(default=(), repr=False, metadata={"table": True})
 
     def __post_init__(self) -> None:
-        if isinstance(self.url, list):
-            object.__setattr__(self, "url", tuple(self.url))
-        if self.backend != "redis":
-            if self.url:
-                raise ConfigError(f"l3.url: only used with l3.backend = \"redis\" (backend is "
-                                  f"{self.backend!r})")
-            return
-        if not self.url:
-            raise ConfigError("l3.url: l3.backend = \"redis\" needs a url (redis://host:port/db, "
-                              "unix:///path.sock, or a list of cluster node URLs)")
-        from .l3.redis_store import parse_url
-        try:
-            parse_url(list(self.url) if isinstance(self.url, tuple) else self.url)
-        except L3Error as e:
-            raise ConfigError(f"l3.url: {e}") from None
+        from .l3 import registry
+        if registry.DEFAULT != L3Section.backend:
+            raise AssertionError("[l3] backend's default must be the registry's DEFAULT")
+        if not isinstance(self.backend, str) or not registry.known(self.backend):
+            raise ConfigError(f"l3.backend: {self.backend!r} is not one of "
+                              f"{', '.join(repr(n) for n in registry.names())}")
+
+    @property
+    def options(self):
+        """The selected backend's ``[l3.<backend>]`` section (its defaults when not given)."""
+        from .l3 import registry
+        given = dict(self.stores).get(self.backend)
+        return given if given is not None else registry.get(self.backend).section()
+
+    def __getattr__(self, name: str):
+        # cfg.l3.path and friends: a key of the selected backend's section
+        if name.startswith("_") or name in ("stores", "backend"):
+            raise AttributeError(name)
+        opts = self.options
+        if any(f.name == name for f in dataclasses.fields(opts)):
+            return getattr(opts, name)
+        raise AttributeError(f"'L3Section' has no attribute {name!r} (nor has [l3.{self.backend}])")
+
+
+class ConfigDeprecation(FutureWarning):
+    """An old policy key that is still read; printed as one line (``warning: ...``)."""
+
+
+def _one_line(message, category, filename, lineno, line=None, _next=warnings.formatwarning):
+    if isinstance(category, type) and issubclass(category, ConfigDeprecation):
+        return f"warning: {message}\n"
+    return _next(message, category, filename, lineno, line)
+
+
+warnings.formatwarning = _one_line
+
+
+def _build_l3(values: Mapping[str, Any], *, legacy_warning: bool = True) -> L3Section:
+    """``[l3]`` with its ``[l3.<backend>]`` tables; a flat key of a backend (the old layout) is
+    moved into its table with one deprecation line naming the new keys."""
+    from .l3 import registry
+    own = {f.name for f in dataclasses.fields(L3Section) if not f.metadata.get("table")}
+    flat = {k: v for k, v in values.items() if k in own}
+    backend = flat.get("backend", L3Section.backend)
+    if not isinstance(backend, str) or not registry.known(backend):
+        _build_section("l3", L3Section, {"backend": backend})  # the one-line error
+    tables: dict = {}
+    moved: list[tuple[str, str]] = []
+    for key, value in values.items():
+        if key in own:
+            continue
+        if isinstance(value, Mapping):
+            if not registry.known(key):
+                raise ConfigError(f"l3.{key}: unknown backend table{_suggest(key, registry.names())}")
+            tables[key] = dict(value)
+            continue
+        owner = _legacy_owner(key, backend, registry)
+        if owner is None:
+            raise ConfigError(f"l3.{key}: unknown key{_suggest(key, [*own, *registry.names()])}")
+        if owner == backend:
+            tables.setdefault(owner, {})
+            if key in tables[owner]:
+                raise ConfigError(f"l3.{key}: given twice (also as l3.{owner}.{key})")
+        moved.append((key, owner))
+        tables.setdefault(owner, {})[key] = value
+    if moved and legacy_warning:
+        warnings.warn(f"{', '.join(f'l3.{k}' for k, _ in moved)}: flat [l3] backend keys are "
+                      f"deprecated; write {', '.join(f'l3.{o}.{k}' for k, o in moved)} "
+                      f"(in a [l3.<backend>] table)", ConfigDeprecation, stacklevel=4)
+    stores = {}
+    for name, table in tables.items():
+        stores[name] = _build_section(f"l3.{name}", registry.get(name).section, table)
+    enabled = flat.get("enabled", False)
+    if backend in stores or enabled or "backend" in flat:
+        b = registry.get(backend)
+        b.complete(stores.get(backend) or b.section())
+    built = _build_section("l3", L3Section, flat)
+    return dataclasses.replace(built, stores=tuple(sorted(stores.items()))) if stores else built
+
+
+def _legacy_owner(key: str, backend: str, registry) -> str | None:
+    """The backend whose table an old flat ``[l3]`` key belongs to (the selected one first)."""
+    first = (backend,) if registry.known(backend) else ()
+    for name in (*first, *[n for n in registry.names() if n != backend]):
+        if any(f.name == key for f in dataclasses.fields(registry.get(name).section)):
+            return name
+    return None
 
 
 @dataclass(frozen=True)
@@ -310,12 +388,37 @@ class HiCacheConfig:
         return DCPLayout(self.parallel.dcp, rank, self.cache.page_size, self.parallel.interleave)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["l3"].update(dict(d["l3"].pop("stores")))  # [l3.<backend>] tables
+        return d
+
+    def public_dict(self) -> dict:
+        """:meth:`to_dict` with secrets taken out (a Redis URL's password): for reports, logs
+        and ``--out`` files. Not loadable back where a password was needed."""
+        from .l3 import registry
+        d = self.to_dict()
+        for name in list(d["l3"]):
+            if isinstance(d["l3"][name], dict) and registry.known(name):
+                d["l3"][name] = registry.get(name).public(d["l3"][name])
+        return d
+
+    def value(self, key: str) -> Any:
+        """The resolved value of a documented key (``describe()``): ``l2.ratio``,
+        ``l3.lmdb.path`` (a backend table not given: its default), with no password."""
+        from .l3 import registry
+        parts = key.split(".")
+        if len(parts) == 3 and parts[0] == "l3":
+            b = registry.get(parts[1])
+            table = dict(self.l3.stores).get(parts[1]) or b.section()
+            return b.public(dataclasses.asdict(table))[parts[2]]
+        return getattr(getattr(self, parts[0]), parts[1])
 
     def replace(self, **sections: Mapping[str, Any]) -> "HiCacheConfig":
         """A copy with some keys changed: ``cfg.replace(l3={"path": "/tmp/x"})`` (validated)."""
         d = self.to_dict()
         for name, values in sections.items():
+            if name == "l3":
+                values = _route_l3(d.get("l3", {}), values)
             d.setdefault(name, {}).update(values)
         return HiCacheConfig.from_dict(d)
 
@@ -329,8 +432,38 @@ class HiCacheConfig:
                 raise ConfigError(f"{name}: unknown section{_suggest(name, SECTIONS)}")
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{name}: must be a table ([{name}]), got {type(value).__name__}")
-            sections[name] = _build_section(name, SECTIONS[name], value)
+            sections[name] = (_build_l3(value) if name == "l3" else
+                              _build_section(name, SECTIONS[name], value))
         return cls(**sections)
+
+
+def _route_l3(old: Mapping[str, Any], values: Mapping[str, Any]) -> dict:
+    """``replace(l3={...})``: a backend key given flat goes into its backend's table (no
+    deprecation: this is the API, not the file)."""
+    backend = values.get("backend", old.get("backend", L3Section.backend))
+    out = route_l3_keys(values, backend)
+    for key, table in out.items():
+        if isinstance(table, Mapping):
+            out[key] = {**old.get(key, {}), **table}
+    return out
+
+
+def route_l3_keys(values: Mapping[str, Any], backend: str | None = None) -> dict:
+    """``[l3]`` keys in the layout of tables: a flat backend key (``path``, ``url``, ...)
+    moves into ``[l3.<its backend>]`` (the selected ``backend`` first, then any that has it);
+    unknown keys stay where they are, for the validation to name them."""
+    from .l3 import registry
+    own = {f.name for f in dataclasses.fields(L3Section) if not f.metadata.get("table")}
+    backend = backend or values.get("backend", L3Section.backend)
+    out: dict = {}
+    for key, value in values.items():
+        owner = None if key in own or isinstance(value, Mapping) else \
+            _legacy_owner(key, backend, registry)
+        if owner is None:
+            out[key] = {**out.get(key, {}), **value} if isinstance(value, Mapping) else value
+        else:
+            out.setdefault(owner, {})[key] = value
+    return out
 
 
 def _suggest(name: str, options) -> str:
@@ -420,9 +553,14 @@ def load_config(path: str | Path) -> HiCacheConfig:
 
 def describe() -> list[tuple[str, Any, str]]:
     """(full key, default, help) for every key: the documentation of the file format."""
+    from .l3 import registry
     out = []
     for name, kind in SECTIONS.items():
         for f in dataclasses.fields(kind):
-            out.append((f"{name}.{f.name}", f.default, f.metadata.get("help", "")))
+            if not f.metadata.get("table"):
+                out.append((f"{name}.{f.name}", f.default, f.metadata.get("help", "")))
+    for backend in registry.names():  # the [l3.<backend>] tables the registry declares
+        for f in dataclasses.fields(registry.get(backend).section):
+            out.append((f"l3.{backend}.{f.name}", f.default, f.metadata.get("help", "")))
     return out
 

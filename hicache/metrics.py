@@ -45,6 +45,10 @@ SERIES: dict[str, tuple] = {
     "hicache_evictions_total": ("counter", "Pages evicted, by tier.", "tier", ("evictions",)),
     "hicache_l3_corrupt_values_total": ("counter", "L3 values rejected by header or checksum "
                                         "(each a counted miss, deleted).", None, ("corrupt",)),
+    "hicache_l3_auth_failures_total": ("counter", "Authenticated L3 values whose MAC (or header) "
+                                       "failed: forged, stale or damaged; each a counted miss, "
+                                       "replaced by the next writer.", None,
+                                       ("l3_auth_failures",)),
     "hicache_l3_errors_total": ("counter", "L3 calls that found the store unavailable "
                                 "(connection loss, timeout): answered as misses / not stored.",
                                 None, ("l3_errors",)),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .checks import check_int
 from .config import HiCacheConfig
-from .errors import ConfigError, HostMemoryError, L3CorruptError, L3ForeignError
+from .errors import ConfigError, HostMemoryError
 
 MEMORY_FRACTION = 0.9  # of available memory a node's pools may take
 
@@ -108,56 +108,15 @@ def check_memory(need: MemoryNeed, machine: Machine, fraction: float = MEMORY_FR
             f"{machine.device_free / gib:.2f} GiB are free (limit {fraction:.0%})")
 
 
-def check_l3_path(path: str) -> None:
-    """The L3 directory must be a directory, or creatable, outside /proc, /sys and /dev."""
-    if not path or not path.strip():
-        raise ConfigError("l3.path: is empty; give the LMDB directory")
-    if "\0" in path:
-        raise ConfigError(f"l3.path: {path!r} contains a NUL character")
-    real = os.path.realpath(path)
-    for d in SYSTEM_DIRS:
-        if real == d or real.startswith(d + "/"):
-            raise ConfigError(f"l3.path: {path!r} is under {d}, not a place for a store")
-    p = Path(real)
-    if p.exists():
-        if not p.is_dir():
-            raise ConfigError(f"l3.path: {path!r} exists and is not a directory")
-        if not os.access(p, os.W_OK | os.X_OK):
-            raise ConfigError(f"l3.path: directory {path!r} is not writable")
-        return
-    parent = p.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ConfigError(f"l3.path: {path!r} cannot be created: {str(parent)!r} is not a "
-                          "directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"l3.path: {path!r} cannot be created: {str(parent)!r} is not "
-                          "writable")
-
-
-def check_l3_store(path: str) -> list[str]:
-    """An existing store: refuse another application's environment (ConfigError); a damaged
-    one is a warning (the run continues without L3). Nothing is mapped before the file checks."""
-    from .l3 import lmdb_check
-    try:
-        if lmdb_check.precheck(path) is None:
-            return []
-    except L3CorruptError as e:
-        return [f"l3.path: the store is damaged ({e}); the run continues without L3; "
-                f"`hicache l3 check {path} --quarantine` moves it aside"]
-    import lmdb
-    try:
-        env = lmdb.open(path, readonly=True, max_dbs=8, subdir=True)
-    except lmdb.Error as e:
-        return [f"l3.path: the store cannot be opened ({e}); the run continues without L3"]
-    try:
-        lmdb_check.check_owner(env, path)
-    except L3ForeignError as e:
-        raise ConfigError(f"l3.path: {e}") from None
-    finally:
-        env.close()
-    return []
+def check_l3(cfg: HiCacheConfig) -> list[str]:
+    """The selected L3 backend's own preflight (``hicache.l3.registry``) and the fleet secret
+    (``hicache.l3.auth``): ConfigError naming the key that cannot run; warnings for what runs
+    without L3."""
+    from .l3 import auth, registry
+    backend = registry.get(cfg.l3.backend)
+    warnings = list(backend.preflight(cfg.l3.options, cfg.page_bytes_per_rank))
+    auth.required(cfg.l3, backend.shared, backend.name)  # the secret files, or the refusal
+    return warnings
 
 
 def check_engine(cfg: HiCacheConfig) -> None:
@@ -185,13 +144,8 @@ def validate(cfg: HiCacheConfig, *, tiers: tuple[str, ...] = ("l1", "l2", "l3"),
                           f"({cfg.page_bytes_per_rank} bytes per rank); 0 = use l2.ratio")
     use_l2 = "l2" in tiers
     use_l3 = "l3" in tiers and cfg.l3.enabled
-    if use_l3 and cfg.l3.backend == "lmdb":
-        check_l3_path(cfg.l3.path)
-        warnings += check_l3_store(cfg.l3.path)
     if use_l3:
-        if cfg.l3.size_bytes < cfg.page_bytes_per_rank:  # lmdb: capacity; redis: maxmemory
-            raise ConfigError(f"l3.size_bytes: {cfg.l3.size_bytes} is smaller than one page "
-                              f"shard ({cfg.page_bytes_per_rank} bytes per rank)")
+        warnings += check_l3(cfg)
         if cfg.l2_num_pages == 0:
             warnings.append("l3.enabled with 0 L2 pages (l2.ratio / l2.size_bytes): pages reach "
                             "L3 through L2, so L3 will store nothing")

@@ -574,6 +574,9 @@ class HiCache:
             l3 = self.l3.stats
             out["evictions"]["l3"] = l3.evictions
             out["corrupt"] = l3.corrupt
+            out["l3_auth_failures"] = l3.auth_failures  # forged or stale values (misses)
+            out["l3_where"] = self.l3.where  # the store, no password
+            out["l3_error"] = self.l3.first_error  # the first failure or unavailable call
             out["l3_errors"] = l3.errors  # calls that found the store unavailable (misses)
             out["bytes"]["l3_read"] = l3.bytes_read
             out["bytes"]["l3_write"] = l3.bytes_written

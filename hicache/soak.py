@@ -222,21 +222,28 @@ class SharedServer:
 
 
 # ---- the parent ------------------------------------------------------------------------------
+def _l3_backend(cfg: HiCacheConfig):
+    from .l3 import registry
+    return registry.get(cfg.l3.backend)
+
+
 def run_soak(cfg: HiCacheConfig, jobs: list, opts: dict) -> dict:
     """Spawn the ranks, run the soak, return the ``"faults"`` report (see ``verdict``)."""
     from .distributed import launch
     l3 = tempfile.mkdtemp(prefix="hicache-soak-l3-")
     server = None
     try:
-        if cfg.l3.backend == "redis":
+        backend = _l3_backend(cfg)
+        if backend.shared:  # a server the ranks share: started (and killed) here
             from .l3.localserver import free_port
             server = SharedServer(l3, free_port(), 256 << 20)
             server.start()
             opts = dict(opts, server={"dir": l3, "port": server.port,
                                       "maxmemory": server.maxmemory})
-            cfg = cfg.replace(l3={"enabled": True, "url": server.url, "timeout_s": 0.5})
+            cfg = cfg.replace(l3={"enabled": True, backend.name: {
+                **backend.section_of(server.url), "timeout_s": 0.5}})
         else:
-            cfg = cfg.replace(l3={"enabled": True, "path": l3})
+            cfg = cfg.replace(l3={"enabled": True, backend.name: backend.section_of(l3)})
         t0 = time.monotonic()
         try:
             ranks = launch(cfg.parallel.dcp, run_soak_rank, cfg.to_dict(), jobs, opts,

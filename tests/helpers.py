@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from unittest.mock import patch
 
-from hicache.config import HiCacheConfig
+from hicache.config import HiCacheConfig, route_l3_keys
 
 TINY_MODEL = {"num_layers": 2, "kv_lora_rank": 32, "rope_dim": 8, "hidden_size": 64,
               "num_heads": 4, "vocab_size": 128}
@@ -27,8 +27,8 @@ def tiny_sections(l3_path=None, *, dcp: int | None = None, page_size: int = 4, l
     d["l1"] = {"num_pages": l1_pages}
     if l2_ratio is not None:
         d["l2"] = {"ratio": l2_ratio}
-    if l3_path is not None:
-        d["l3"] = {"enabled": True, "path": str(l3_path), **(l3 or {})}
+    if l3_path is not None:  # flat backend keys go into their [l3.<backend>] table
+        d["l3"] = route_l3_keys({"enabled": True, "path": str(l3_path), **(l3 or {})})
     if policy:
         d["policy"] = dict(policy)
     return d
@@ -58,7 +58,11 @@ def policy_toml(l3_path=None, **kw) -> str:
     lines = []
     for section, values in tiny_sections(l3_path, **kw).items():
         lines.append(f"[{section}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items() if not isinstance(v, dict)]
+        for sub, table in values.items():  # [l3.lmdb] and the like
+            if isinstance(table, dict):
+                lines.append(f"[{section}.{sub}]")
+                lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -106,3 +110,14 @@ def l3_writes_land_at_once():
 
     with patch.object(AsyncWriter, "submit", submit):
         yield
+
+
+def secret_file(directory, name: str = "fleet") -> str:
+    """A fleet secret file (mode 600) for an authenticated L3: the same ``name`` gives the same
+    secret."""
+    import hashlib
+    import os
+    path = Path(directory) / f"{name}.secret"
+    path.write_text(hashlib.sha256(name.encode()).hexdigest())
+    os.chmod(path, 0o600)
+    return str(path)

@@ -6,7 +6,7 @@ import pytest
 
 from hicache import bench_cli
 
-from helpers import l3_writes_land_at_once, policy_toml
+from helpers import l3_writes_land_at_once, policy_toml, secret_file
 
 MODE_KEYS = {"name", "hit_ratio", "hit_tokens", "prompt_tokens", "ttft_s", "throughput_tok_s",
              "bytes", "controller_us_per_request", "evictions"}
@@ -66,9 +66,11 @@ def test_json_shape_table_verify_and_warm_restart(cfg_file, tmp_path, capsys):
     assert warm["outputs"] == modes["recompute"]["outputs"]
 
 
-def test_shared_l3_url_second_group_starts_warm(cfg_file, tmp_path, redis_url):
+def test_shared_l3_url_second_group_starts_warm(cfg_file, tmp_path, redis_url, monkeypatch):
     """Two runs are two independent groups of processes: the second restores the first's
-    pages from the shared Redis store, with the same tokens."""
+    pages from the shared Redis store, with the same tokens (authenticated: the fleet secret
+    comes from the environment)."""
+    monkeypatch.setenv("HICACHE_L3_SECRET_FILE", secret_file(tmp_path))
     rc, a = bench(cfg_file, tmp_path, "--modes", "recompute,l1+l2+l3", "--l3-url", redis_url,
                   name="a")
     assert rc == 0 and a["config"]["l3"]["backend"] == "redis"
@@ -164,12 +166,15 @@ def test_trace_replay_soak_and_plot(cfg_file, tmp_path):
     (["--scale", "0"], "--scale"),
     (["--max-running", "0"], "--max-running"),
     (["--chunk", "0"], "--chunk"),
-    (["--l3-url", "http://localhost:1"], "l3.url"),
+    (["--l3-url", "http://localhost:1"], "--l3-url: 'http://localhost:1' is not a URL"),
+    (["--l3-url", "redis://h:1/x"], "l3.redis.url: 'redis://h:1/x': the database must be"),
+    (["--l3-url", " , "], "--l3-url: empty"),
+    (["--l3-path", "/tmp/x", "--l3-url", "redis://127.0.0.1:1/0"], "--l3-path and --l3-url"),
     (["--write", "write_around"], "unknown write 'write_around'"),
     (["--max-overtakes", "x"], "--max-overtakes: 'x' is not an integer"),
     (["--max-overtakes", "-1"], "--max-overtakes must be in [0,"),
     (["--reps", "0"], "--reps must be in [1, 1000]"),
-    (["--cold-l3", "--l3-url", "redis://127.0.0.1:1/0"], "--cold-l3 needs the lmdb"),
+    (["--cold-l3", "--l3-url", "redis://127.0.0.1:1/0"], "--cold-l3 needs an L3 backend"),
 ])
 def test_bad_input_is_one_line_and_exit_2(cfg_file, args, words, capsys):
     argv = ["--config", str(cfg_file), "--no-progress", *args]

@@ -31,19 +31,19 @@ def files(tmp_path):
         ("ropeodd.toml", "[model]\nrope_dim = 7\n"),
         ("heads.toml", "[model]\nnum_heads = 3\n[parallel]\ntp = 2\ndcp = 2\n"),
         ("pin.toml", '[l2]\npin = "on"\n'),
-        ("l3file.toml", f'[l3]\nenabled = true\npath = "{tmp_path}/a_file"\n'),
-        ("l3proc.toml", '[l3]\nenabled = true\npath = "/proc/self/l3"\n'),
-        ("l3empty.toml", '[l3]\nenabled = true\npath = ""\n'),
-        ("l3nul.toml", '[l3]\nenabled = true\npath = "x\\u0000y"\n'),
+        ("l3file.toml", f'[l3]\nenabled = true\n[l3.lmdb]\npath = "{tmp_path}/a_file"\n'),
+        ("l3proc.toml", '[l3]\nenabled = true\n[l3.lmdb]\npath = "/proc/self/l3"\n'),
+        ("l3empty.toml", '[l3]\nenabled = true\n[l3.lmdb]\npath = ""\n'),
+        ("l3nul.toml", '[l3]\nenabled = true\n[l3.lmdb]\npath = "x\\u0000y"\n'),
         ("rationan.toml", "[l2]\nratio = nan\n"),
         ("timeoutnan.toml", "[policy]\nprefetch_timeout_s = nan\n"),
         ("huge.toml", "[model]\nnum_layers = 1024\nkv_lora_rank = 65536\n[l1]\nnum_pages = 1000000\n"),
-        ("l3small.toml", "[model]\nnum_layers = 64\nkv_lora_rank = 4096\n[l3]\nenabled = true\n"
+        ("l3small.toml", "[model]\nnum_layers = 64\nkv_lora_rank = 4096\n[l3]\nenabled = true\n[l3.lmdb]\n"
                          f'size_bytes = 1048576\npath = "{tmp_path}/l3s"\n'),
         ("preset.toml", '[model]\npreset = "deepseek-r1"\n[l1]\nnum_pages = 10000000\n'),
     ]:
         put(name, extra)
-    put("latin1.toml", "[l3]\npath = 'caf\u00e9'\n".encode("latin-1"), text=False)
+    put("latin1.toml", "[l3.lmdb]\npath = 'caf\u00e9'\n".encode("latin-1"), text=False)
     put("nol2.toml", policy_toml(tmp_path / "l3", page_size=8, l2_ratio=0.0))
     put("latin1.jsonl", '{"tokens": [1]}\n{"session": "caf\u00e9"}\n'.encode("latin-1"),
         text=False)
@@ -74,12 +74,12 @@ CASES = [
     (hc("check-config", "{pin_toml}"), 2, 'l2.pin: "on" needs CUDA'),
     (hc("check-config", "{l3file_toml}"), 2, "exists and is not a directory"),
     (hc("check-config", "{l3proc_toml}"), 2, "is under /proc"),
-    (hc("check-config", "{l3empty_toml}"), 2, "l3.path: is empty"),
-    (hc("check-config", "{l3nul_toml}"), 2, "l3.path: 'x\\x00y' contains a NUL"),
+    (hc("check-config", "{l3empty_toml}"), 2, "l3.lmdb.path: is empty"),
+    (hc("check-config", "{l3nul_toml}"), 2, "l3.lmdb.path: 'x\\x00y' contains a NUL"),
     (hc("check-config", "{rationan_toml}"), 2, "l2.ratio: nan is out of range"),
     (hc("check-config", "{timeoutnan_toml}"), 2, "policy.prefetch_timeout_s: nan is out of range"),
     (hc("check-config", "{huge_toml}"), 2, "memory: 1 rank(s) on this node need"),
-    (hc("check-config", "{l3small_toml}"), 2, "l3.size_bytes: 1048576 is smaller than one page"),
+    (hc("check-config", "{l3small_toml}"), 2, "l3.lmdb.size_bytes: 1048576 is smaller than one page"),
     (hc("check-config", "{preset_toml}"), 2, "memory: 1 rank(s) on this node need"),
     (hc("check-config", "{latin1_toml}"), 2, "the policy file is not UTF-8 text"),
     (hc("check-config", "{fifo}"), 2, "must be a regular file, but this is a FIFO"),
@@ -100,7 +100,7 @@ CASES = [
     (bench("--seed", "-1"), 2, "--seed must be in [0, 9223372036854775807], got -1"),
     (bench("--seed", str(10 ** 26)), 2, "--seed must be in [0, 9223372036854775807]"),
     (bench("--duration", "nan"), 2, "--duration (seconds) must be in [0, 2592000], got nan"),
-    (bench("--l3-path", ""), 2, "l3.path: is empty"),
+    (bench("--l3-path", ""), 2, "l3.lmdb.path: is empty"),
     (bench("--scale", "5"), 2, "--scale must be in (0, 4], got 5.0"),
     (bench("--max-output", "-1"), 2, "--max-output must be in [0,"),
     (bench("--plot", "{tmp}"), 2, "is a directory; give a file name"),

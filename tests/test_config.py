@@ -16,7 +16,7 @@ def test_example_loads_and_documents_every_key():
     assert cfg.parallel.dcp == 2 and cfg.page_tokens == 32
     text = EXAMPLE.read_text()
     for key, _default, _help in describe():
-        section, name = key.split(".")
+        section, name = key.rsplit(".", 1)
         assert f"[{section}]" in text and name in text, key
 
 

@@ -218,7 +218,7 @@ def test_another_applications_environment_is_refused(tmp_path, capsys):
     cfg = damage_cfg(path)
     with pytest.raises(L3ForeignError, match="not a hicache store .*users"):
         PageStore(path, Namespace.from_config(cfg), 0, 64 << 20)
-    with pytest.raises(ConfigError, match="l3.path: .* is not a hicache store"):
+    with pytest.raises(ConfigError, match="l3.lmdb.path: .* is not a hicache store"):
         validate(cfg, engine=False, memory=False)
     with pytest.raises(ConfigError, match="not a hicache store"):  # HiCache runs the same check
         HiCache(cfg, mode="l1+l2+l3")

@@ -213,8 +213,8 @@ def test_finishing_a_request_whose_read_is_stuck_does_not_hang(tmp_path):
     from helpers import make_cfg
     from hicache.service import HiCache
     from test_faults import leaks
-    cfg = make_cfg(tmp_path / "l3", l3={"timeout_s": 7.0}, prefetch="wait_complete",
-                   prefetch_wait_s=0.0)
+    from hicache.l3.prefetch import _STORE_CALL_S
+    cfg = make_cfg(tmp_path / "l3", prefetch="wait_complete", prefetch_wait_s=0.0)
     prompt = torch.arange(33).numpy() % 128
     with HiCache(cfg, mode="l1+l2+l3") as cache:  # write the prompt's pages to L3
         p = cache.admit("a", prompt)
@@ -228,9 +228,9 @@ def test_finishing_a_request_whose_read_is_stuck_does_not_hang(tmp_path):
     try:
         real_get = cache.l3.get
         cache.l3.get = lambda k, o: (gate.wait(30), real_get(k, o))[1]
-        # the bound follows the configured store call timeout ([l3] timeout_s)
+        # the bound follows the store's call timeout (LMDB has none: the default bound)
         assert cache.io.prefetcher.stop_timeout_s == pytest.approx(
-            cfg.l3.timeout_s + cfg.policy.prefetch_timeout_s
+            _STORE_CALL_S + cfg.policy.prefetch_timeout_s
             + cfg.policy.prefetch_timeout_per_1k_s * 8 * cache.page_tokens / 1000)
         cache.io.prefetcher.stop_timeout_s = 0.05
         p = cache.admit("b", prompt)

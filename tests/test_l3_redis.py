@@ -20,7 +20,7 @@ from hicache.distributed import launch
 from hicache.l3 import Namespace, RedisStore, open_store, page_keys
 from hicache.l3.localserver import LocalServer
 from test_l3_store import NS, PT, empty, shard, tokens
-from helpers import make_cfg
+from helpers import make_cfg, secret_file
 from test_service import revisit_trace, serve
 
 
@@ -215,7 +215,8 @@ def _group(rank, world, cfg_dicts, jobs, with_recompute):
 
 def _redis_cfg(tmp_path, url):
     cfg = make_cfg(tmp_path / "l3", dcp=2, l1_pages=16, l2_ratio=1.0, prefetch="wait_complete")
-    return cfg.replace(l3={"backend": "redis", "url": url, "path": "unused"}).to_dict()
+    return cfg.replace(l3={"backend": "redis", "url": url, "path": "unused",
+                           "secret_file": secret_file(tmp_path)}).to_dict()
 
 
 def test_two_groups_share_one_store(tmp_path, redis_url, redis_cluster):
@@ -300,7 +301,8 @@ def _survive_kill(rank, world, cfg_dict, srv_args, pid_file):
 def test_server_killed_mid_run_keeps_serving_and_ranks_agree(tmp_path, redis_factory):
     srv = redis_factory(maxmemory=64 << 20)
     cfg = make_cfg(tmp_path / "l3", dcp=2, l1_pages=16, l2_ratio=1.0).replace(
-        l3={"backend": "redis", "url": srv.url, "timeout_s": 0.5})
+        l3={"backend": "redis", "url": srv.url, "timeout_s": 0.5,
+            "secret_file": secret_file(tmp_path)})
     pid_file = tmp_path / "restarted.pid"
     args = {"pid": srv.pid, "dir": srv.dir, "port": srv.port, "maxmemory": srv.maxmemory}
     try:

@@ -155,9 +155,11 @@ def test_open_store_picks_the_backend(tmp_path, redis_url):
     from hicache.config import HiCacheConfig
     lm = open_store(str(tmp_path / "a"), NS, 0, capacity_bytes=100 * SLOT)
     rd = open_store(redis_url, NS, 0, timeout_s=1.0)
-    cfg = HiCacheConfig.from_dict({"l3": {"backend": "redis", "url": redis_url, "timeout_s": 3}})
+    cfg = HiCacheConfig.from_dict({"l3": {"backend": "redis", "authenticate": False,
+                                          "redis": {"url": redis_url, "timeout_s": 3}}})
     rc = open_store(cfg.l3, NS, 1)
-    lc = open_store(HiCacheConfig.from_dict({"l3": {"path": str(tmp_path / "b")}}).l3, NS, 1)
+    lc = open_store(HiCacheConfig.from_dict({"l3": {"lmdb": {"path": str(tmp_path / "b")}}}).l3,
+                    NS, 1)
     assert (type(lm), type(rd), type(rc), type(lc)) == (PageStore, RedisStore, RedisStore,
                                                         PageStore)
     assert rd.timeout_s == 1.0 and rc.timeout_s == 3 and lc.capacity_bytes == 1 << 30

@@ -5,7 +5,10 @@ modules it pulled in are compared with what it may depend on.
 - the controller imports no tier (page ids come from the neutral ``hicache.pages``);
 - the service never imports the engine (the engine reaches the cache through ``hicache.kvport``);
 - the neutral modules (errors, checks, ids, pages, layout, kvport, page_format) import no tier, no
-  controller, no service.
+  controller, no service;
+- the policy file (``hicache.config``), the L3 guard, the L3 package and the service import no
+  L3 backend (neither a backend's module nor ``lmdb`` / ``redis``): a backend is imported when
+  it is used (``hicache.l3.registry``).
 """
 
 import json
@@ -15,11 +18,13 @@ import sys
 import pytest
 
 PROBE = ("import importlib, json, sys; importlib.import_module(sys.argv[1]); "
-         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'hicache')))")
+         "print(json.dumps(sorted(m for m in sys.modules "
+         "if m.split('.')[0] in ('hicache', 'lmdb', 'redis'))))")
 
 ROOTS = ("hicache.errors", "hicache.checks", "hicache.ids", "hicache.pages",
-         "hicache.layout", "hicache.kvport", "hicache.page_format", "hicache.l1", "hicache.l2", "hicache.l3",
-         "hicache.controller", "hicache.service")
+         "hicache.layout", "hicache.kvport", "hicache.page_format", "hicache.l1", "hicache.l2",
+         "hicache.l3", "hicache.controller", "hicache.service", "hicache.config",
+         "hicache.l3.guard")
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +81,16 @@ def test_page_format_imports_only_errors_and_checks(loaded):
     # every tier reads its sizes from it: it must stay a leaf (pure, nothing heavier than torch)
     assert loaded["hicache.page_format"] <= {"hicache", "hicache.page_format", "hicache.errors",
                                              "hicache.checks"}
+
+
+def l3_backends() -> tuple:
+    """The modules of the L3 backends (registrations and stores) and their clients."""
+    from hicache.l3 import registry
+    return (*registry.BUILTIN.values(), "hicache.l3.store", "hicache.l3.redis_store",
+            "hicache.l3.lmdb_check", "lmdb", "redis")
+
+
+@pytest.mark.parametrize("root", ["hicache.config", "hicache.l3.guard", "hicache.l3",
+                                  "hicache.service"])
+def test_no_l3_backend_is_imported_before_it_is_used(loaded, root):
+    assert under(loaded[root], *l3_backends()) == []

@@ -42,13 +42,13 @@ def test_machine_dependent_errors(tmp_path):
     cases = [
         (base + "[model]\nnum_heads = 3", "model.num_heads: 3 is not divisible by parallel.dcp 2"),
         ('[l2]\npin = "on"', 'l2.pin: "on" needs CUDA'),
-        (f'[l3]\nenabled = true\npath = "{a_file}"', "exists and is not a directory"),
-        ('[l3]\nenabled = true\npath = "/proc/hicache"', "is under /proc"),
-        ('[l3]\nenabled = true\npath = ""', "l3.path: is empty"),
-        ('[l3]\nenabled = true\npath = "a\\u0000b"', "contains a NUL"),
-        (f'[l3]\nenabled = true\npath = "{a_file}/sub"', "is not a directory"),
-        ("[model]\nnum_layers = 64\nkv_lora_rank = 4096\n[l3]\nenabled = true\n"
-         f'size_bytes = 1048576\npath = "{tmp_path}/l3"', "l3.size_bytes: 1048576 is smaller"),
+        (f'[l3]\nenabled = true\n[l3.lmdb]\npath = "{a_file}"', "exists and is not a directory"),
+        ('[l3]\nenabled = true\n[l3.lmdb]\npath = "/proc/hicache"', "is under /proc"),
+        ('[l3]\nenabled = true\n[l3.lmdb]\npath = ""', "l3.lmdb.path: is empty"),
+        ('[l3]\nenabled = true\n[l3.lmdb]\npath = "a\\u0000b"', "contains a NUL"),
+        (f'[l3]\nenabled = true\n[l3.lmdb]\npath = "{a_file}/sub"', "is not a directory"),
+        ("[model]\nnum_layers = 64\nkv_lora_rank = 4096\n[l3]\nenabled = true\n[l3.lmdb]\n"
+         f'size_bytes = 1048576\npath = "{tmp_path}/l3"', "l3.lmdb.size_bytes: 1048576 is smaller"),
         ("[l2]\nsize_bytes = 100", "l2.size_bytes: 100 is smaller than one page"),
     ]
     for text, words in cases:
@@ -56,12 +56,12 @@ def test_machine_dependent_errors(tmp_path):
             validate(cfg_of(text), machine=NO_CUDA)
         assert "\n" not in str(e.value)
     # the same config without the L3 tier does not look at the path
-    validate(cfg_of(f'[l3]\nenabled = true\npath = "{a_file}"'), tiers=("l1", "l2"),
+    validate(cfg_of(f'[l3]\nenabled = true\n[l3.lmdb]\npath = "{a_file}"'), tiers=("l1", "l2"),
              machine=NO_CUDA)
 
 
 def test_l3_without_l2_is_a_warning_naming_the_keys(tmp_path):
-    cfg = cfg_of(f'[l2]\nratio = 0.0\n[l3]\nenabled = true\npath = "{tmp_path}/s"')
+    cfg = cfg_of(f'[l2]\nratio = 0.0\n[l3]\nenabled = true\n[l3.lmdb]\npath = "{tmp_path}/s"')
     (w,) = validate(cfg, machine=NO_CUDA)
     assert "l3.enabled" in w and "l2.ratio" in w and "store nothing" in w
     assert validate(cfg.replace(l2={"ratio": 1.0}), machine=NO_CUDA) == []
@@ -111,7 +111,7 @@ def test_a_preset_runs_in_the_service(tmp_path):
     from hicache import HiCache
     cfg = cfg_of('[model]\npreset = "deepseek-r1"\ndtype = "bfloat16"\nsignature = "r1-test"\n'
                  '[cache]\npage_size = 4\n'
-                 f'[l1]\nnum_pages = 8\n[l3]\nenabled = true\npath = "{tmp_path}/l3"')
+                 f'[l1]\nnum_pages = 8\n[l3]\nenabled = true\n[l3.lmdb]\npath = "{tmp_path}/l3"')
     tokens = np.arange(30)
     with HiCache(cfg.replace()) as cache:
         admit_ready(cache, 0, tokens)  # alloc only once the (empty) L3 lookup is agreed
@@ -181,7 +181,7 @@ def test_a_preset_passes_hicache_bench_resolution(tmp_path):
     from hicache import bench_cli
     policy = tmp_path / "p.toml"
     policy.write_text('[model]\npreset = "deepseek-r1"\n[parallel]\ntp = 2\ndcp = 2\n'
-                      f'[l1]\nnum_pages = 8\n[l3]\npath = "{tmp_path}/l3"\n')
+                      f'[l1]\nnum_pages = 8\n[l3.lmdb]\npath = "{tmp_path}/l3"\n')
     args = bench_cli.build_parser().parse_args(["--config", str(policy), "--dcp", "2",
                                                 "--l3-path", str(tmp_path / "other")])
     cfg, modes, workloads = bench_cli._resolve(args)

@@ -14,7 +14,7 @@ from hicache.l3 import chain_hashes
 from hicache.faults import FaultConfig, FaultInjector, InjectedFault, corrupt_values
 from hicache.service import HiCache
 
-from helpers import write_kv_rows, admit_ready, make_cfg
+from helpers import write_kv_rows, admit_ready, make_cfg, secret_file
 from test_metrics import bench_config
 
 # L1 and L2 smaller than the trace: every pass evicts, backs up (D2H), loads back (H2D) and
@@ -189,10 +189,11 @@ def test_fault_soak_arguments(tmp_path, capsys):
 
 
 def test_short_fault_soak_on_redis_kills_and_restarts_its_own_server(tmp_path, capsys,
-                                                                     redis_factory):
+                                                                     redis_factory, monkeypatch):
     # the configured server is only a switch to the Redis backend: the soak starts (and kills)
     # its own, so the user's server keeps its data and keeps running
     user = redis_factory()
+    monkeypatch.setenv("HICACHE_L3_SECRET_FILE", secret_file(tmp_path))  # authenticated L3
     cfg = tmp_path / "policy.toml"
     cfg.write_text(bench_config(tmp_path / "unused", SOAK_L1_PAGES))
     out = tmp_path / "soak.json"

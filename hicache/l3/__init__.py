@@ -1,18 +1,39 @@
-"""L3: a page store of rank shards behind one interface (:class:`L3Store`; LMDB embedded or
-Redis / Valkey shared, opened with :func:`open_store`), async writer, prefetcher, cost model."""
+"""L3: a page store of rank shards behind one interface (:class:`L3Store`), opened with
+:func:`open_store` on any backend in :mod:`hicache.l3.registry` (LMDB embedded, Redis / Valkey
+shared, or one a module registers); async writer, prefetcher, cost model.
 
-from .backends import BACKENDS, open_store
-from .base import L3Stats, L3Store, Out, PutResult
-from .agree import min_across_ranks, restore_length, restore_lengths
-from .cost import CostModel
-from .keys import FORMAT_VERSION, Namespace, chain_hashes, keys_for_rank, make_key, page_keys
-from .prefetch import (PREFETCH_POLICIES, AsyncWriter, PrefetchHandle, PrefetchPolicy, Prefetcher,
-                       agree_prefetch, prefetch_signals)
-from .redis_store import RedisStore
-from .store import PageStore, replica_of, should_write, store_replica
+Names are imported on first use, so ``import hicache.l3`` (or any of its light modules) loads no
+backend: neither ``lmdb`` nor ``redis`` is imported until a store of that backend is used."""
 
-__all__ = ["open_store", "L3Store", "PutResult", "Out", "BACKENDS", "PageStore", "RedisStore",
-           "FORMAT_VERSION", "Namespace", "chain_hashes", "keys_for_rank", "make_key", "page_keys",
-           "L3Stats", "should_write", "replica_of", "store_replica", "CostModel", "AsyncWriter",
-           "Prefetcher", "PrefetchHandle", "PrefetchPolicy", "PREFETCH_POLICIES", "agree_prefetch",
-           "prefetch_signals", "min_across_ranks", "restore_length", "restore_lengths"]
+from __future__ import annotations
+
+import importlib
+
+_WHERE = {
+    "open_store": "backends", "resolve": "backends",
+    "L3Stats": "base", "L3Store": "base", "Out": "base", "PutResult": "base",
+    "min_across_ranks": "agree", "restore_length": "agree", "restore_lengths": "agree",
+    "CostModel": "cost",
+    "FORMAT_VERSION": "keys", "Namespace": "keys", "chain_hashes": "keys",
+    "keys_for_rank": "keys", "make_key": "keys", "page_keys": "keys",
+    "PREFETCH_POLICIES": "prefetch", "AsyncWriter": "prefetch", "PrefetchHandle": "prefetch",
+    "PrefetchPolicy": "prefetch", "Prefetcher": "prefetch", "agree_prefetch": "prefetch",
+    "prefetch_signals": "prefetch",
+    "RedisStore": "redis_store",
+    "PageStore": "store", "replica_of": "placement", "should_write": "placement",
+    "store_replica": "placement",
+}
+
+__all__ = ["BACKENDS", *_WHERE]
+
+
+def __getattr__(name: str):
+    if name == "BACKENDS":
+        from .registry import names
+        return names()
+    mod = _WHERE.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'hicache.l3' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value

@@ -1,57 +1,67 @@
-"""``open_store``: one entry point to every L3 backend (LMDB embedded, Redis / Valkey remote)."""
+"""``open_store``: one entry point to every registered L3 backend (:mod:`hicache.l3.registry`)."""
 
 from __future__ import annotations
 
-import os
-from typing import Any, Sequence
+from typing import Any
 
+from . import registry
 from .base import L3Store
 from .keys import Namespace
-from ..errors import L3Error
+from ..errors import ConfigError, L3Error
 
-BACKENDS = ("lmdb", "redis")
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-DEFAULT_CAPACITY = 1 << 30
+
+def resolve(where: Any) -> tuple[registry.Backend, Any]:
+    """``(backend, its section)`` of an ``open_store`` argument: an ``[l3]`` policy section,
+    a Redis URL or a list of cluster node URLs, or an LMDB directory."""
+    name = getattr(where, "backend", None)
+    if name is not None and hasattr(where, "options"):  # a policy [l3] section
+        return registry.get(name), where.options
+    if isinstance(where, (str, bytes)) and not where:
+        raise L3Error("cannot open an L3 store on an empty path or URL")
+    b = registry.for_where(where)
+    if b.section_of is None or not (b.claims(where) or b.name == registry.DEFAULT) or \
+            not isinstance(where, (str, list, tuple)) and not hasattr(where, "__fspath__"):
+        raise L3Error(f"cannot open an L3 store on {where!r}: give a policy [l3] section, a Redis "
+                      "URL, a list of cluster node URLs or an LMDB directory")
+    try:
+        return b, b.section(**b.section_of(where))
+    except ConfigError as e:
+        raise L3Error(str(e)) from None
+
+
+_POLICY = object()
+
+
+def secrets_for(where: Any, backend: registry.Backend):
+    """The fleet secrets a store on ``where`` uses: a policy ``[l3]`` section's (a shared
+    backend without one is refused, unless ``authenticate = false``), else the environment's
+    (``$HICACHE_L3_SECRET_FILE``); None: unauthenticated."""
+    from . import auth
+    if getattr(where, "backend", None) is not None and hasattr(where, "options"):
+        return auth.required(where, backend.shared, backend.name)
+    return auth.load(None)
 
 
 def open_store(where: Any, namespace: Namespace, rank: int, *, writer: bool = True,
                capacity_bytes: int | None = None, timeout_s: float | None = None,
-               **options) -> L3Store:
-    """Open this rank's L3 page store.
-
-    ``where`` is one of:
-      - an ``[l3]`` policy section (``HiCacheConfig.l3``): its ``backend`` picks LMDB (``path``,
-        ``size_bytes``) or Redis (``url``, ``timeout_s``);
-      - a Redis URL, ``redis://host:port/db``, ``rediss://...`` or ``unix:///path.sock``;
-      - a list of ``redis://host:port`` URLs: Redis Cluster startup nodes;
-      - a directory path: an LMDB environment (shared by every rank of the node).
-    ``options`` go to the backend (:class:`PageStore` or :class:`RedisStore`).
-    """
-    backend = getattr(where, "backend", None)
-    if backend is not None:  # a policy section
-        if backend == "redis":
-            return _redis(where.url, namespace, rank, writer,
-                          timeout_s if timeout_s is not None else where.timeout_s, options)
-        if backend == "lmdb":
-            return _lmdb(where.path, namespace, rank, writer,
-                         capacity_bytes or where.size_bytes, options)
-        raise L3Error(f"unknown L3 backend {backend!r}; expected one of {', '.join(BACKENDS)}")
-    if isinstance(where, (list, tuple)) or (isinstance(where, str)
-                                            and where.startswith(REDIS_SCHEMES)):
-        return _redis(where, namespace, rank, writer, timeout_s, options)
-    if isinstance(where, (str, os.PathLike)):
-        return _lmdb(where, namespace, rank, writer, capacity_bytes or DEFAULT_CAPACITY, options)
-    raise L3Error(f"cannot open an L3 store on {where!r}: give a policy [l3] section, a Redis "
-                  "URL, a list of cluster node URLs or an LMDB directory")
+               secrets: Any = _POLICY, **options) -> L3Store:
+    """Open this rank's L3 page store on ``where`` (see :func:`resolve`). ``capacity_bytes``
+    and ``timeout_s`` override the section's (where the backend has them); ``secrets``
+    (:class:`hicache.l3.auth.Secrets`, or None: unauthenticated) overrides
+    :func:`secrets_for`; ``options`` go to the backend's store class. An authenticated store
+    comes wrapped in :class:`hicache.l3.keyed.KeyedStore`."""
+    backend, section = resolve(where)
+    if secrets is _POLICY:
+        secrets = secrets_for(where, backend)
+    store = backend.open(section, namespace, rank, writer=writer, capacity_bytes=capacity_bytes,
+                         timeout_s=timeout_s, secrets=secrets, **options)
+    if secrets is None:
+        return store
+    from .keyed import KeyedStore
+    return KeyedStore(store, secrets)
 
 
-def _redis(url: str | Sequence[str], namespace, rank, writer, timeout_s, options) -> L3Store:
-    from .redis_store import RedisStore
-    if timeout_s is not None:
-        options["timeout_s"] = timeout_s
-    return RedisStore(url, namespace, rank, writer=writer, **options)
-
-
-def _lmdb(path, namespace, rank, writer, capacity_bytes, options) -> L3Store:
-    from .store import PageStore
-    return PageStore(path, namespace, rank, capacity_bytes, writer=writer, **options)
+def __getattr__(name: str):
+    if name == "BACKENDS":  # the registry's names (kept for callers of the old constant)
+        return registry.names()
+    raise AttributeError(name)

@@ -28,9 +28,10 @@ Rules every backend keeps:
 from __future__ import annotations
 
 import abc
+import hmac
 import threading
 from dataclasses import dataclass, fields
-from typing import Callable, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Sequence, Union
 
 import msgpack
 import numpy as np
@@ -40,9 +41,13 @@ import xxhash
 from .keys import FORMAT_VERSION, KEY_BYTES, Namespace
 from ..errors import L3Error
 
+if TYPE_CHECKING:
+    from .auth import Secrets
+
 Out = Union[Sequence[torch.Tensor], Callable[[int], torch.Tensor]]
 
 SUM_BYTES = 8  # checksum bytes: XXH3-64 digest
+TAG_BYTES = 16  # MAC bytes of an authenticated value (hicache.l3.auth.TAG_BYTES)
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class L3Stats:
     hits: int = 0  # pages served
     misses: int = 0  # get calls that stopped short at a missing, corrupt or unreadable page
     corrupt: int = 0  # values rejected by header/shape/checksum (also counted in misses)
+    auth_failures: int = 0  # of those, in an authenticated store: the MAC (or header) failed
     bytes_read: int = 0
     bytes_written: int = 0
     pages_written: int = 0
@@ -83,14 +89,16 @@ def checksum(key: bytes, buf) -> bytes:
     return xxhash.xxh3_64_digest(buf, seed=xxhash.xxh3_64_intdigest(key))
 
 
-def header_prefix(namespace: Namespace, rank: int) -> bytes:
-    """Header bytes of every value a store of (namespace, rank) writes, up to the checksum."""
+def header_prefix(namespace: Namespace, rank: int, authenticated: bool = False) -> bytes:
+    """Header bytes of every value a store of (namespace, rank) writes, up to the checksum
+    (``xxh``: XXH3-64, 8 bytes) or, in an authenticated store, the MAC (``mac``: 16 bytes)."""
+    name, n = ("mac", TAG_BYTES) if authenticated else ("xxh", SUM_BYTES)
     packed = msgpack.packb({"v": FORMAT_VERSION, "ns": namespace.digest, "rank": rank,
                             "shape": list(namespace.shard_shape), "dtype": namespace.dtype,
-                            "n": namespace.shard_bytes, "xxh": bytes(SUM_BYTES)})
-    if packed[-SUM_BYTES - 2:-SUM_BYTES] != b"\xc4" + bytes([SUM_BYTES]):  # bin 8 of 8 bytes
+                            "n": namespace.shard_bytes, name: bytes(n)})
+    if packed[-n - 2:-n] != b"\xc4" + bytes([n]):  # bin 8 of n bytes
         raise AssertionError("unexpected msgpack encoding of the L3 header")
-    return packed[:-SUM_BYTES]
+    return packed[:-n]
 
 
 def payload_of(t: torch.Tensor) -> np.ndarray:
@@ -117,7 +125,8 @@ class L3Store(abc.ABC):
     page_bytes: int
     writer: bool
 
-    def _init_common(self, namespace: Namespace, rank: int, writer: bool) -> None:
+    def _init_common(self, namespace: Namespace, rank: int, writer: bool,
+                     secrets: "Secrets | None" = None) -> None:
         if not isinstance(namespace, Namespace):
             raise L3Error(f"namespace must be a Namespace, got {type(namespace).__name__}")
         if not isinstance(rank, int) or not 0 <= rank < namespace.dcp_size:
@@ -127,8 +136,10 @@ class L3Store(abc.ABC):
         self.writer = bool(writer)
         self.page_bytes = namespace.shard_bytes
         self._prefix = namespace.digest + rank.to_bytes(2, "big")
-        self._head_prefix = header_prefix(namespace, rank)
-        self._head_len = len(self._head_prefix) + SUM_BYTES
+        self.secrets = secrets  # authenticated values (hicache.l3.auth): MAC instead of XXH3
+        self._sum_len = TAG_BYTES if secrets is not None else SUM_BYTES
+        self._head_prefix = header_prefix(namespace, rank, secrets is not None)
+        self._head_len = len(self._head_prefix) + self._sum_len
         self._lock = threading.Lock()
         self._stats = {f.name: 0 for f in fields(L3Stats)}
         self._stats["read_s"] = 0.0
@@ -158,6 +169,10 @@ class L3Store(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release the store (idempotent). Later calls raise L3Error."""
+
+    def abandon(self) -> None:
+        """Release a store that failed without flushing anything more into it."""
+        self.close()
 
     @property
     def stats(self) -> L3Stats:
@@ -208,15 +223,38 @@ class L3Store(abc.ABC):
             out.append(payload_of(t))
         return out
 
+    def _seal(self, key: bytes, payload) -> bytes:
+        """The checksum of a value (XXH3-64), or its MAC under the current secret."""
+        if self.secrets is None:
+            return checksum(key, payload)
+        return self.secrets.current.tag(key, self._head_prefix, payload)
+
+    def _value_parts(self, key: bytes, payload) -> tuple:
+        """The buffers of the value stored under ``key``: header, checksum or MAC, payload."""
+        return (self._head_prefix, self._seal(key, payload), payload)
+
+    def _head_ok(self, head) -> bool:
+        """A held header is the one this store writes (its tag is checked when it is read)."""
+        return len(head) == self._head_len and bytes(head[:-self._sum_len]) == self._head_prefix
+
     def _valid(self, key: bytes, head, data) -> bool:
-        """The header is exactly the one this store writes and the data hashes to its checksum
-        (format version, namespace, rank, shape, dtype and size all live in the header)."""
+        """The header is exactly the one this store writes and the data hashes to its checksum,
+        or its MAC verifies under the current or the previous secret (format version,
+        namespace, rank, shape, dtype and size all live in the header)."""
         if data is None or len(data) != self.page_bytes or len(head) != self._head_len:
             return False
         head = bytes(head)
-        return head[:-SUM_BYTES] == self._head_prefix and head[-SUM_BYTES:] == checksum(key, data)
+        n = self._sum_len
+        if head[:-n] != self._head_prefix:
+            return False
+        if self.secrets is None:
+            return head[-n:] == checksum(key, data)
+        return any(hmac.compare_digest(head[-n:], s.tag(key, self._head_prefix, data))
+                   for s in self.secrets.all)
 
     def _bump(self, **kv) -> None:
+        if self.secrets is not None and kv.get("corrupt"):  # an authenticated value failed
+            kv["auth_failures"] = kv["corrupt"]
         with self._lock:
             for k, v in kv.items():
                 self._stats[k] += v

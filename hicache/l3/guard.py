@@ -17,10 +17,10 @@ import logging
 import threading
 from typing import Any, Callable, Sequence
 
-import lmdb
 import torch
 
-from . import lmdb_check
+from .backends import resolve
+from .registry import scrub
 from .base import L3Stats, L3Store, Out, PutResult
 from ..errors import L3Error, L3ForeignError
 
@@ -28,35 +28,44 @@ log = logging.getLogger("hicache")
 
 
 class GuardedStore:
-    """Wraps the store ``open_store()`` returns; ``where`` is the policy's ``[l3]`` section
-    (its ``check_on_open`` runs the LMDB walk in a child process first)."""
+    """Wraps the store ``open_store()`` returns; ``where`` is what it was opened on (the
+    policy's ``[l3]`` section, a URL or a path): its backend (``hicache.l3.registry``) says which
+    exceptions mean the store failed, what they mean, and what runs before opening (LMDB's
+    ``check_on_open`` walk in a child process)."""
 
     def __init__(self, open_store: Callable[[], L3Store], where: Any, rank: int,
                  namespace) -> None:
         self.rank, self.namespace = rank, namespace
-        lmdb_backend = getattr(where, "backend", "lmdb") == "lmdb"
-        self.where = getattr(where, "path", where) if lmdb_backend else getattr(where, "url", "")
+        self.backend, section = resolve(where)
+        self.where = self.backend.describe(section)  # one line, no password
         self.page_bytes = namespace.shard_bytes
-        # the bound on one store call (``[l3] timeout_s``): how long a cancelled read may take
-        self.timeout_s: float | None = getattr(where, "timeout_s", None)
+        # the bound on one store call (``[l3.<backend>] timeout_s``): how long a cancelled read
+        # may take
+        self.timeout_s: float | None = getattr(section, "timeout_s", None)
         self.failure: str | None = None   # why L3 is off on this rank
+        self.failure_kind: str | None = None  # what it means (registry.KINDS)
         self.failures = 0                 # store errors seen (the first one disables L3)
         self._lock = threading.Lock()
         self._store: L3Store | None = None
         self._dead: L3Store | None = None  # the store that failed, closed at close()
         self._last = L3Stats()
-        if lmdb_backend and getattr(where, "check_on_open", False):
-            report = lmdb_check.check_in_child(str(self.where))
-            if report.get("foreign"):
-                raise L3ForeignError(report["error"])
-            if not report.get("ok"):
-                self._fail(report.get("error") or f"{report.get('bad_values')} damaged values")
-                return
+        self._errors: tuple = (L3Error, OSError)
+        try:
+            self._errors = tuple(self.backend.errors())
+            reason = self.backend.before_open(section) if self.backend.before_open else None
+        except L3ForeignError:
+            raise
+        except (ImportError, L3Error, OSError) as e:  # the backend's package is missing
+            self._fail(e)
+            return
+        if reason is not None:
+            self._fail(reason)
+            return
         try:
             self._store = open_store()
         except L3ForeignError:
             raise
-        except (L3Error, lmdb.Error, OSError) as e:
+        except self._errors as e:
             self._fail(e)
 
     # ---- failure ---------------------------------------------------------------------------
@@ -64,15 +73,27 @@ class GuardedStore:
     def failed(self) -> bool:
         return self.failure is not None
 
+    @property
+    def first_error(self) -> str | None:
+        """The first thing that went wrong with L3 on this rank (what ended it, or the first
+        call the store answered as a miss because it was unavailable); no password."""
+        if self.failure is not None:
+            return self.failure
+        e = getattr(self._store, "first_error", None) if self._store is not None else None
+        return scrub(f"{type(e).__name__}: {e}") if e is not None else None
+
     def _fail(self, e) -> None:
         with self._lock:
             self.failures += 1
             if self.failure is not None:
                 return
-            self.failure = f"{type(e).__name__}: {e}" if isinstance(e, BaseException) else str(e)
+            self.failure = scrub(f"{type(e).__name__}: {e}" if isinstance(e, BaseException)
+                                 else str(e))
+            self.failure_kind = (self.backend.classify(e) if isinstance(e, BaseException)
+                                 else "corrupt")
             store, self._store = self._store, None
         log.warning("hicache: rank %d: L3 store %s failed (%s); continuing without L3 "
-                    "(`hicache l3 check PATH` reports and quarantines an LMDB store)",
+                    "(`hicache l3 check` reports on a store)",
                     self.rank, self.where, self.failure)
         if store is not None:  # closed in close(): a prefetch thread may still be inside it
             self._last = store.stats
@@ -84,7 +105,7 @@ class GuardedStore:
             return default
         try:
             return getattr(store, name)(*args)
-        except (L3Error, lmdb.Error, OSError) as e:
+        except self._errors as e:
             if self._store is store:
                 self._fail(e)
             else:  # failed meanwhile (another thread): one more error, same verdict
@@ -128,14 +149,12 @@ class GuardedStore:
         if store is not None:
             try:
                 store.close()
-            except (L3Error, lmdb.Error, OSError) as e:
+            except self._errors as e:
                 self._store = store
                 self._fail(e)
         dead, self._dead = self._dead, None
         if dead is not None:
             try:  # a failed store: release it without flushing anything into it
-                if hasattr(dead, "_pending_touch"):
-                    dead._pending_touch, dead._pending_count = [], 0
-                dead.close()
+                dead.abandon()
             except Exception:
                 pass

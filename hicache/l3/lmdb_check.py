@@ -119,13 +119,31 @@ def check_owner(env, path: str) -> None:
                              "directory of its own")
 
 
-def deep_check(path: str) -> dict:
-    """Walk every record of every sub-database and verify every value (in this process: a
-    damaged B-tree can crash it; see :func:`check_in_child`)."""
-    import lmdb
+def _good(k: bytes, head, value, secrets) -> bool | None:
+    """A value's checksum or MAC holds (None: a MAC that no secret was given to verify)."""
+    import hmac
+
     import msgpack
+    raw = bytes(head)
+    h = msgpack.unpackb(raw)
+    if value is None or len(value) != h["n"]:
+        return False
+    if "xxh" in h:
+        return checksum(k, value) == h["xxh"]
+    if secrets is None:
+        return None
+    tag, prefix = h["mac"], raw[:-len(h["mac"])]
+    return any(hmac.compare_digest(tag, s.tag(k, prefix, value)) for s in secrets.all)
+
+
+def deep_check(path: str, secrets=None) -> dict:
+    """Walk every record of every sub-database and verify every value: its checksum, or its
+    MAC when ``secrets`` (:class:`hicache.l3.auth.Secrets`) are given; authenticated values are
+    counted as ``unverified`` without them (in this process: a damaged B-tree can crash it; see
+    :func:`check_in_child`)."""
+    import lmdb
     report = {"path": path, "ok": False, "entries": {}, "values": 0, "bad_values": 0,
-              "error": None}
+              "unverified": 0, "error": None}
     meta = precheck(path)
     if meta is None:
         report.update(ok=True, error=None, note="no store yet")
@@ -151,12 +169,13 @@ def deep_check(path: str) -> dict:
                     k = bytes(key)
                     value = txn.get(k, db=dbs[b"data"])
                     try:
-                        h = msgpack.unpackb(bytes(head))
-                        good = value is not None and len(value) == h["n"] \
-                            and checksum(k, value) == h["xxh"]
+                        good = _good(k, head, value, secrets)
                     except Exception:
                         good = False
-                    report["bad_values"] += not good
+                    if good is None:
+                        report["unverified"] += 1
+                    else:
+                        report["bad_values"] += not good
     finally:
         env.close()
     report["ok"] = report["bad_values"] == 0
@@ -170,11 +189,17 @@ def _signame(code: int) -> str:
         return f"signal {code}"
 
 
-def check_in_child(path: str, timeout_s: float = 600.0) -> dict:
-    """:func:`deep_check` in a child process; a crash or a timeout is a "damaged" verdict."""
+def check_in_child(path: str, timeout_s: float = 600.0,
+                   secret_files: tuple[str, str] | None = None) -> dict:
+    """:func:`deep_check` in a child process; a crash or a timeout is a "damaged" verdict.
+    ``secret_files`` (current, previous; "" for none) verify MACs; None: the environment's
+    (``$HICACHE_L3_SECRET_FILE``, ``$HICACHE_L3_PREVIOUS_SECRET_FILE``)."""
     cmd = [sys.executable, os.path.abspath(__file__), path]
+    env = dict(os.environ)
+    if secret_files is not None:
+        env["HICACHE_L3_SECRET_FILE"], env["HICACHE_L3_PREVIOUS_SECRET_FILE"] = secret_files
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return {"path": path, "ok": False, "error": f"the check took over {timeout_s:g} s"}
     if r.returncode < 0:
@@ -201,8 +226,17 @@ def quarantine(path: str) -> str:
 
 def _main(path: str) -> None:
     import lmdb
+
+    from hicache.errors import ConfigError
+    from hicache.l3 import auth
     try:
-        report = deep_check(path)
+        secrets = auth.load(None)
+    except ConfigError as e:
+        print(json.dumps({"path": path, "ok": False, "usage": True, "error": str(e)}))
+        return
+    try:
+        report = deep_check(path, secrets)
+        report["mac_verified"] = secrets is not None
     except (L3CorruptError, L3ForeignError, lmdb.Error) as e:
         report = {"path": path, "ok": False, "foreign": isinstance(e, L3ForeignError),
                   "error": f"{type(e).__name__}: {e}" if isinstance(e, lmdb.Error) else str(e)}

@@ -63,6 +63,17 @@ def free_port() -> int:
     raise RuntimeError("no free TCP port pair found")
 
 
+def port_free(port: int) -> bool:
+    """Nothing listens on 127.0.0.1:``port`` (a server we start there would fail to bind)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def _ping(port: int | None, unix: str | None, timeout: float = 0.5) -> bool:
     try:
         if unix:
@@ -117,6 +128,9 @@ class LocalServer:
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError(f"server {self.url} is already running (pid {self.pid})")
         os.makedirs(self.dir, exist_ok=True)
+        if self.port and not self.unix and not port_free(self.port):
+            raise RuntimeError(f"port {self.port} is in use on 127.0.0.1 (another server "
+                               "answers there); give another --port")
         if self.cluster:  # a restarted cluster node starts empty, like the others
             Path(self.dir, f"nodes-{self.port}.conf").unlink(missing_ok=True)
         log = open(os.path.join(self.dir, f"server-{self.port or 'unix'}.log"), "ab")
@@ -124,7 +138,7 @@ class LocalServer:
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout
-        while not _ping(self.port, self.unix):
+        while not _ping(self.port, self.unix) or self.proc.poll() is not None:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 tail = Path(self.dir, f"server-{self.port or 'unix'}.log").read_text()[-2000:]
@@ -231,6 +245,17 @@ def main(argv=None) -> int:
     ap.add_argument("--cluster", type=int, default=0, help="start a cluster of N masters")
     ap.add_argument("--dir", default=None)
     args = ap.parse_args(argv)
+    if args.port is not None and not 0 < args.port < 65536:
+        print(f"error: --port must be in [1, 65535], got {args.port}", file=sys.stderr)
+        return 2
+    try:
+        return _serve(args)
+    except (RuntimeError, FileNotFoundError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+def _serve(args) -> int:
     if args.cluster:
         cl = start_cluster(args.dir, args.cluster, args.maxmemory)
         print(" ".join(cl.urls), "pids", " ".join(str(n.pid) for n in cl.nodes), flush=True)

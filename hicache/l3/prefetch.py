@@ -25,13 +25,13 @@ from typing import Sequence
 import torch
 
 from .. import minvec
-from ..config import PREFETCH_POLICIES, L3Section, PolicySection
+from ..config import PREFETCH_POLICIES, PolicySection
 from .agree import min_across_ranks
 from .base import L3Store, Out
 from ..errors import L3Error
 
 _POLICY = PolicySection()  # the policy file's defaults: the only ones
-_STORE_CALL_S = L3Section().timeout_s  # the default bound on one store call (redis)
+_STORE_CALL_S = 2.0  # the bound on one call of a store that has none of its own (LMDB)
 
 
 @dataclass(frozen=True)

@@ -35,11 +35,11 @@ from urllib.parse import urlsplit
 
 import torch
 
-from .base import L3Store, Out, PutResult, checksum, copy_into
+from .base import L3Store, Out, PutResult, copy_into
+from .redis_backend import parse_url, redact
 from .keys import Namespace
 from ..errors import L3Error
 
-_SCHEMES = ("redis", "rediss", "unix")
 HINT_KEYS = 1 << 15  # keys a store remembers as held (to TOUCH instead of resending their pages)
 
 
@@ -77,52 +77,6 @@ def _packer(encode):
     return Packer(6000, encode)
 
 
-def parse_url(url) -> str | list[str]:
-    """Validate ``url``: ``redis://host:port/db``, ``rediss://...``, ``unix:///path`` (one
-    server), or a non-empty list of ``redis[s]://host:port`` (Redis Cluster startup nodes).
-    Returns it normalised (a str or a list); L3Error naming what is wrong otherwise."""
-    if isinstance(url, (list, tuple)):
-        if not url:
-            raise L3Error("a Redis Cluster needs at least one node URL, got an empty list")
-        out = []
-        for u in url:
-            if not isinstance(u, str):
-                raise L3Error(f"a cluster node URL must be a string, got {u!r}")
-            parts = _split(u)
-            if parts.scheme == "unix":
-                raise L3Error(f"cluster node {u!r}: cluster nodes are host:port, not unix sockets")
-            if parts.path not in ("", "/", "/0"):
-                raise L3Error(f"cluster node {u!r}: a cluster has only database 0")
-            out.append(u)
-        return out
-    if not isinstance(url, str):
-        raise L3Error(f"a Redis URL must be a string or a list of node URLs, got {url!r}")
-    parts = _split(url)
-    if parts.scheme != "unix":
-        db = parts.path.strip("/")
-        if db and not db.isdigit():
-            raise L3Error(f"{url!r}: the database must be a number (redis://host:port/0)")
-    return url
-
-
-def _split(url: str):
-    try:
-        parts = urlsplit(url)
-        port = parts.port  # raises for a non-numeric port
-    except ValueError as e:
-        raise L3Error(f"bad Redis URL {url!r}: {e}") from None
-    if parts.scheme not in _SCHEMES:
-        raise L3Error(f"bad Redis URL {url!r}: the scheme must be one of "
-                      f"{', '.join(s + '://' for s in _SCHEMES)}")
-    if parts.scheme == "unix":
-        if not parts.path:
-            raise L3Error(f"bad Redis URL {url!r}: unix:// needs a socket path (unix:///path)")
-    elif not parts.hostname:
-        raise L3Error(f"bad Redis URL {url!r}: no host (redis://host:port/db)")
-    del port
-    return parts
-
-
 def _close_quietly(client) -> None:
     """Close a client that is being dropped (the server may already be gone)."""
     if client is None:
@@ -139,8 +93,8 @@ class RedisStore(L3Store):
     def __init__(self, url: str | Sequence[str], namespace: Namespace, rank: int, *,
                  writer: bool = True, timeout_s: float = 2.0, retry_after_s: float = 1.0,
                  batch_bytes: int = 32 << 20, key_prefix: bytes = b"hicache:",
-                 check_policy: bool = True) -> None:
-        self._init_common(namespace, rank, writer)
+                 check_policy: bool = True, secrets=None) -> None:
+        self._init_common(namespace, rank, writer, secrets)
         self.url = parse_url(url)
         if not timeout_s > 0 or retry_after_s < 0:
             raise L3Error(f"timeout_s must be > 0 and retry_after_s >= 0, got {timeout_s}, "
@@ -158,6 +112,8 @@ class RedisStore(L3Store):
         self._check_policy = check_policy
         self._held: OrderedDict[bytes, None] = OrderedDict()  # hint: keys seen held, newest last
         self.last_error: BaseException | None = None
+        self.first_error: BaseException | None = None  # for the run's one warning line
+        self._connected_once = False
         import redis  # the optional dependency: pip install 'hicache[redis]'
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -205,8 +161,13 @@ class RedisStore(L3Store):
                     client.ping()
             except self._errors + (r.exceptions.RedisError,) as e:
                 self._fail(e)
+                if not self._connected_once and self._tls_mismatch(e):
+                    raise L3Error(f"L3 Redis {redact(self.url)}: the TLS handshake failed "
+                                  f"({type(e).__name__}: {e}); is the server plaintext "
+                                  "(redis://)? L3 is off for this run") from None
                 return None
             self._client = client
+            self._connected_once = True
         if self._check_policy:
             self._check_policy = False
             self._warn_policy(client)
@@ -226,7 +187,7 @@ class RedisStore(L3Store):
                 (v.decode() if isinstance(v, bytes) else v) for k, v in dict(conf).items()}
         policy = conf.get("maxmemory-policy", "")
         if not policy.startswith("allkeys-") or conf.get("maxmemory") in ("0", None):
-            warnings.warn(f"L3 Redis {self.url}: maxmemory={conf.get('maxmemory')} "
+            warnings.warn(f"L3 Redis {redact(self.url)}: maxmemory={conf.get('maxmemory')} "
                           f"maxmemory-policy={policy}; set maxmemory and an allkeys-lru policy "
                           "or the server fills up and refuses writes", stacklevel=3)
 
@@ -235,8 +196,19 @@ class RedisStore(L3Store):
         self._bump(errors=1)
         self._down_until = time.monotonic() + self.retry_after_s
         self.last_error = err
+        if self.first_error is None:
+            self.first_error = err
         client, self._client = self._client, None
         _close_quietly(client)
+
+    def _tls_mismatch(self, e: BaseException) -> bool:
+        """A first connection over ``rediss://`` that failed in the TLS handshake (or timed out
+        in it, the server waiting for a command that never comes): a plaintext server."""
+        from .redis_backend import classify
+        urls = self.url if isinstance(self.url, list) else [self.url]
+        if not any(u.startswith("rediss://") for u in urls):
+            return False
+        return classify(e) in ("tls", "timeout")
 
     def _pipeline(self, commands: list[tuple]) -> list | None:
         """Run commands in one pipelined round trip (cluster: grouped by node). Per-command
@@ -300,7 +272,7 @@ class RedisStore(L3Store):
                 h.popitem(last=False)
 
     def _value(self, key: bytes, payload) -> _Value:
-        return _Value((self._head_prefix, checksum(key, payload), payload))
+        return _Value(self._value_parts(key, payload))
 
     # ---- the contract ---------------------------------------------------------------------------
     def exists_prefix(self, keys: Sequence[bytes]) -> int:

@@ -32,9 +32,11 @@ import lmdb
 import numpy as np
 import torch
 
-from .base import (SUM_BYTES as _SUM, L3Stats, L3Store, Out, PutResult, checksum as _checksum,
+from .base import checksum as _checksum  # noqa: F401 (tests reach it here)
+from .base import (SUM_BYTES as _SUM, L3Stats, L3Store, Out, PutResult,
                    copy_into)
 from . import lmdb_check
+from .placement import replica_of, should_write, store_replica  # noqa: F401 (re-exported)
 from .keys import Namespace
 from ..errors import L3CorruptError, L3Error, L3ForeignError
 
@@ -44,37 +46,6 @@ _U64 = 8
 
 
 _FULL = object()  # a write transaction that filled the map
-
-
-def should_write(page_index: int, replica_id: int, num_replicas: int) -> bool:
-    """One writer per page among ``num_replicas`` TP replicas of a shard (tp > dcp): rotate."""
-    if num_replicas < 1 or not 0 <= replica_id < num_replicas:
-        raise L3Error(f"replica_id {replica_id} is outside [0, {num_replicas})")
-    if page_index < 0:
-        raise L3Error(f"page_index must be >= 0, got {page_index}")
-    return page_index % num_replicas == replica_id
-
-
-def replica_of(tp_rank: int, tp_size: int, dcp_size: int) -> tuple[int, int, int]:
-    """``(dcp_rank, replica_id, num_replicas)`` of a TP rank (dcp rank = tp_rank mod dcp)."""
-    if dcp_size < 1 or tp_size % dcp_size:
-        raise L3Error(f"tp_size {tp_size} is not a multiple of dcp_size {dcp_size}")
-    if not 0 <= tp_rank < tp_size:
-        raise L3Error(f"tp_rank {tp_rank} is outside [0, {tp_size})")
-    return tp_rank % dcp_size, tp_rank // dcp_size, tp_size // dcp_size
-
-
-def store_replica(tp_rank: int, tp_size: int, dcp_size: int,
-                  store_of: Sequence[object]) -> tuple[int, int]:
-    """``(writer_id, num_writers)`` of a TP rank among the replicas of its shard that share its
-    L3 store, for ``HiCache(replica=...)``. ``store_of[r]`` names TP rank r's store (its node
-    for LMDB, one environment per node; the same id for every rank sharing one Redis). Rotating writers over the replicas of one
-    store only, every store holds every page (replicas on other nodes fill their own stores)."""
-    dcp_rank, _, _ = replica_of(tp_rank, tp_size, dcp_size)
-    if len(store_of) != tp_size:
-        raise L3Error(f"store_of names {len(store_of)} stores for {tp_size} TP ranks")
-    peers = [r for r in range(dcp_rank, tp_size, dcp_size) if store_of[r] == store_of[tp_rank]]
-    return peers.index(tp_rank), len(peers)
 
 
 class _Gate:
@@ -209,8 +180,8 @@ class PageStore(L3Store):
     def __init__(self, path: str | os.PathLike, namespace: Namespace, rank: int,
                  capacity_bytes: int, map_size: int | None = None, writer: bool = True,
                  max_map_size: int | None = None, sync: bool = True,
-                 batch_bytes: int = 256 << 20) -> None:
-        self._init_common(namespace, rank, writer)
+                 batch_bytes: int = 256 << 20, secrets=None) -> None:
+        self._init_common(namespace, rank, writer, secrets)
         page_bytes = self.page_bytes
         if not isinstance(capacity_bytes, int) or capacity_bytes < page_bytes:
             raise L3Error(f"capacity_bytes {capacity_bytes!r} is smaller than one page shard "
@@ -359,7 +330,7 @@ class PageStore(L3Store):
             if k in seen:  # one key twice in a put (merged submissions): store it once
                 continue
             seen.add(k)
-            items.append((k, payload, self._head_prefix + _checksum(k, payload)))
+            items.append((k, payload, self._head_prefix + self._seal(k, payload)))
         written, stored = 0, {}
         batch: list = []
         size = 0
@@ -383,8 +354,11 @@ class PageStore(L3Store):
             clock = self._meta_get(txn, b"clock")
             fresh, existing = [], []
             for k, payload, head in items:
-                (existing if txn.get(k, db=self._head) is not None else fresh).append(
-                    (k, payload, head))
+                held = txn.get(k, db=self._head)
+                if held is not None and not self._head_ok(held):  # another writer's value
+                    used -= self._remove(txn, k)  # replaced, never kept (no NX for it)
+                    held = None
+                (existing if held is not None else fresh).append((k, payload, head))
             clock = self._touch(txn, _dedupe([k for k, _, _ in existing] + touch), clock)
             # Refuse what cannot fit at all: keep the leading pages (prefixes are worth more).
             need, keep = 0, []
@@ -547,6 +521,11 @@ class PageStore(L3Store):
         """Keys from the least to the most recently used (whole environment)."""
         return self._run(lambda txn: [bytes(k)[_U64:] for k, _ in
                                          txn.cursor(db=self._lru)], write=False)
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._pending_touch, self._pending_count = [], 0
+        self.close()
 
     def close(self) -> None:
         if self._closed:
