@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--timeout", type=float, default=600.0, help="seconds the walk may take")
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=_l3_check)
-    from .engine import cli as engine_cli
+    from . import decode_cli as engine_cli
     engine_cli.add_parser(sub)
     return parser
 

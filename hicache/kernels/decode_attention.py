@@ -146,7 +146,7 @@ def decode_attention_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.T
     ``rows`` int64 [N]: the keys are ``kv[rows]``, read in place (no gathered copy)."""
     if triton is None:
         raise RuntimeError("triton is not installed; use the torch attention path")
-    from hicache.engine.merge import merge_attn_states
+    from hicache.kernels.merge import merge_attn_states
 
     t, h, r = q_lat.shape
     dr = q_pe.shape[2]

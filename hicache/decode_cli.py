@@ -5,7 +5,7 @@
                    [--prompt-ids 1,2,3] [--device cpu|cuda] [--verify] [--json]
 
 ``--model`` is a Hugging Face DeepSeek-V2/V3-family checkpoint directory
-(``hicache.engine.hf``) or a file written by ``MLAModel.save``; without it the built-in seeded
+(``hicache.checkpoints.hf``) or a file written by ``MLAModel.save``; without it the built-in seeded
 tiny model runs. ``--prompt-ids`` gives the prompt's token ids instead of the seeded random
 prompt of ``--prompt-len`` tokens, so the greedy tokens can be checked against another
 implementation.
@@ -79,7 +79,7 @@ def build_model(spec: DecodeSpec):
     """The checkpoint directory or model file at ``spec.model_path``, else the built-in model."""
     from hicache.engine.model import MLAModel, ModelConfig
     if spec.model_path:
-        from hicache.engine.hf import load_model
+        from hicache.checkpoints.hf import load_model
         return load_model(spec.model_path)
     return MLAModel(ModelConfig(seed=spec.seed, **dict(spec.model_overrides)))
 
@@ -381,7 +381,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    """Standalone entry (``python -m hicache.engine.cli decode ...``)."""
+    """Standalone entry (``python -m hicache.decode_cli decode ...``)."""
     parser = argparse.ArgumentParser(prog="hicache")
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser(sub)

@@ -4,7 +4,7 @@
     model = load_model(path)                        # a directory as above, or an MLAModel.save file
     sig = weights_signature("path/to/checkpoint")   # digest of the weight files (cached)
 
-Loading reads ``config.json`` (``hicache.engine.hf_config``: unknown architectures and
+Loading reads ``config.json`` (``hicache.checkpoints.hf_config``: unknown architectures and
 unsupported values are errors naming the key), then the safetensors headers of
 ``model.safetensors`` or of every shard of ``model.safetensors.index.json``: a missing tensor,
 an unexpected one, or a shape that differs from what ``config.json`` implies is a
@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from hicache.engine.hf_config import read_hf_config, weight_files
+from hicache.checkpoints.hf_config import read_hf_config, weight_files
 from hicache.engine.model import MLAModel, ModelConfig
 from hicache.errors import CheckpointError
 
