@@ -2,7 +2,7 @@
 
 ``load_checkpoint`` reads every weight once to refuse NaN/inf (``hf.non_finite``: a sum per
 tensor, memory-mapped; ``torch.isfinite(t).all()`` is shown too, which it replaces). The baseline is what every first load already pays for the same
-bytes: the weights signature's XXH3-128 of the files (``hicache.engine.hf._file_digest``).
+bytes: the weights signature's XXH3-128 of the files (``hicache.checkpoints.hf._file_digest``).
 
     .venv/bin/python bench/finite_check.py [--mib 512] [--dtype bfloat16]
 """
@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hicache.engine.hf import _file_digest, non_finite
+from hicache.checkpoints.hf import _file_digest, non_finite
 
 
 def main() -> None:

@@ -106,7 +106,7 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
 def engine_model(cfg: HiCacheConfig, seed: int = 0):
     """The policy's checkpoint (``[model] path``) or the built-in seeded model."""
     if cfg.model.path:
-        from .engine.hf import load_model
+        from .checkpoints.hf import load_model
         return load_model(cfg.model.path)
     from .engine.model import MLAModel
     from .serving import model_config

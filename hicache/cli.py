@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the secret before a rotation (its MACs are accepted too)")
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=_l3_check)
-    from .engine import cli as engine_cli
+    from . import decode_cli as engine_cli
     engine_cli.add_parser(sub)
     return parser
 

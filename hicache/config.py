@@ -95,7 +95,7 @@ class ModelSection:
             return {"num_layers": shape.num_layers, "kv_lora_rank": shape.kv_lora_rank,
                     "rope_dim": shape.rope_dim}
         if self.path:
-            from .engine.hf_config import kv_shape
+            from .checkpoints.hf_config import kv_shape
             try:
                 return kv_shape(self.path)
             except CheckpointError as e:

@@ -149,57 +149,15 @@ def load_trace(path: str | Path, vocab_size: int = 32000, seed: int = 0) -> list
     out: list[Request] = []
     for lineno, raw in enumerate(data.split(b"\n"), start=1):
         where = f"{p}:{lineno}"
-        if len(raw) > MAX_LINE_BYTES:
-            raise ConfigError(f"{where}: line is {len(raw)} bytes; the limit is {MAX_LINE_BYTES}")
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{where}: not UTF-8 text (byte {e.start} of the line); a trace "
-                              "is UTF-8 JSON Lines") from None
-        if not line.strip():
+        obj = _trace_object(raw, where)
+        if obj is None:
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{where}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict):
-            raise ConfigError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         olen = _int_field(obj, "output_len", where, default=1, lo=0, hi=MAX_REQUEST_TOKENS)
         session = _int_field(obj, "session", where, default=len(out), lo=0, hi=SEED_MAX)
         if "tokens" in obj:
-            toks = obj["tokens"]
-            if (not isinstance(toks, list) or not toks
-                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks)):
-                raise ConfigError(f"{where}: 'tokens' must be a non-empty list of ints")
-            if len(toks) > MAX_REQUEST_TOKENS:
-                raise ConfigError(f"{where}: 'tokens' has {len(toks)} ids; the limit is "
-                                  f"{MAX_REQUEST_TOKENS}")
-            bad = next((i for i, t in enumerate(toks) if not 0 <= t < vocab_size), None)
-            if bad is not None:
-                raise ConfigError(f"{where}: 'tokens'[{bad}] = {toks[bad]} is outside the "
-                                  f"vocabulary [0, {vocab_size}) (model.vocab_size)")
-            arr = np.asarray(toks, dtype=np.int32)
+            arr = _given_tokens(obj["tokens"], where, vocab_size)
         elif "length" in obj:
-            n = _int_field(obj, "length", where, lo=1, hi=MAX_REQUEST_TOKENS)
-            k = _int_field(obj, "prefix_len", where, default=0, lo=0, hi=MAX_REQUEST_TOKENS)
-            if k > n:
-                raise ConfigError(f"{where}: prefix_len {k} exceeds length {n}")
-            pid = obj.get("prefix_id", None)
-            if k and pid is None:
-                raise ConfigError(f"{where}: prefix_len given without prefix_id")
-            if k:
-                key = json.dumps(pid)
-                have = prefixes.get(key, np.empty(0, np.int32))
-                if len(have) < k:  # extend the shared prefix stream deterministically
-                    ext = np.random.default_rng([seed, 4, len(prefixes) if key not in prefixes
-                                                 else list(prefixes).index(key), len(have)])
-                    have = np.concatenate([have, ext.integers(0, vocab_size, k - len(have),
-                                                              dtype=np.int32)])
-                    prefixes[key] = have
-                pre = have[:k]
-            else:
-                pre = np.empty(0, np.int32)
-            arr = np.concatenate([pre, rng.integers(0, vocab_size, n - k, dtype=np.int32)])
+            arr = _made_tokens(obj, where, vocab_size, seed, prefixes, rng)
         else:
             raise ConfigError(f"{where}: a line needs 'tokens' or 'length' "
                               f"(got keys {sorted(obj)})")
@@ -207,6 +165,66 @@ def load_trace(path: str | Path, vocab_size: int = 32000, seed: int = 0) -> list
     if not out:
         raise ConfigError(f"{p}: the trace has no requests")
     return out
+
+
+def _trace_object(raw: bytes, where: str) -> dict | None:
+    """One trace line as its JSON object (None for a blank line)."""
+    if len(raw) > MAX_LINE_BYTES:
+        raise ConfigError(f"{where}: line is {len(raw)} bytes; the limit is {MAX_LINE_BYTES}")
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {e.start} of the line); a trace "
+                          "is UTF-8 JSON Lines") from None
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: not valid JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _given_tokens(toks, where: str, vocab_size: int) -> np.ndarray:
+    """A line's ``tokens`` list, checked (int32 array)."""
+    if (not isinstance(toks, list) or not toks
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks)):
+        raise ConfigError(f"{where}: 'tokens' must be a non-empty list of ints")
+    if len(toks) > MAX_REQUEST_TOKENS:
+        raise ConfigError(f"{where}: 'tokens' has {len(toks)} ids; the limit is "
+                          f"{MAX_REQUEST_TOKENS}")
+    bad = next((i for i, t in enumerate(toks) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ConfigError(f"{where}: 'tokens'[{bad}] = {toks[bad]} is outside the "
+                          f"vocabulary [0, {vocab_size}) (model.vocab_size)")
+    return np.asarray(toks, dtype=np.int32)
+
+
+def _made_tokens(obj: dict, where: str, vocab_size: int, seed: int,
+                 prefixes: dict[str, np.ndarray], rng: np.random.Generator) -> np.ndarray:
+    """A ``length`` line's tokens: its shared prefix (``prefixes``, extended as needed) then
+    unique tokens from ``rng``."""
+    n = _int_field(obj, "length", where, lo=1, hi=MAX_REQUEST_TOKENS)
+    k = _int_field(obj, "prefix_len", where, default=0, lo=0, hi=MAX_REQUEST_TOKENS)
+    if k > n:
+        raise ConfigError(f"{where}: prefix_len {k} exceeds length {n}")
+    pid = obj.get("prefix_id", None)
+    if k and pid is None:
+        raise ConfigError(f"{where}: prefix_len given without prefix_id")
+    pre = np.empty(0, np.int32)
+    if k:
+        key = json.dumps(pid)
+        have = prefixes.get(key, np.empty(0, np.int32))
+        if len(have) < k:  # extend the shared prefix stream deterministically
+            ext = np.random.default_rng([seed, 4, len(prefixes) if key not in prefixes
+                                         else list(prefixes).index(key), len(have)])
+            have = np.concatenate([have, ext.integers(0, vocab_size, k - len(have),
+                                                      dtype=np.int32)])
+            prefixes[key] = have
+        pre = have[:k]
+    return np.concatenate([pre, rng.integers(0, vocab_size, n - k, dtype=np.int32)])
 
 
 def _int_field(obj: dict, name: str, where: str, default: int | None = None, lo: int = 0,

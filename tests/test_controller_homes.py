@@ -14,6 +14,7 @@ from hicache import ids
 from hicache.config import HiCacheConfig, PolicySection
 from hicache.controller import EVICTION_POLICIES, WRITE_POLICIES, CacheController
 from hicache.controller import controller as controller_module
+from hicache.controller import request_pages
 
 PT = 4
 
@@ -49,7 +50,7 @@ def test_one_coercion_of_each_kind_everywhere():
     from hicache.l2 import transfer
     from hicache.l3 import keys
     assert tree.as_tokens is service.as_tokens is keys.as_tokens is ids.as_tokens
-    assert transfer.page_ids is allocator.page_ids is controller_module.page_ids is ids.page_ids
+    assert transfer.page_ids is allocator.page_ids is request_pages.page_ids is ids.page_ids
     assert allocator.UsageError is transfer.UsageError is ids.UsageError
     # tiers may import it: it imports no other part of hicache but the errors (a leaf)
     tree_ = ast.parse(open(ids.__file__).read())

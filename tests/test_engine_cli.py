@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from hicache.engine import cli
+from hicache import decode_cli as cli
 from hicache.engine.model import MLAModel, ModelConfig
 
 

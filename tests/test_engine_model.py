@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.engine.attention import attend_latent
-from hicache.engine.merge import merge_attn_states
+from hicache.kernels.merge import merge_attn_states
 from hicache.engine.model import MLAModel, ModelConfig, rms_norm
 from hicache.errors import CheckpointError, ConfigError, UsageError
 

@@ -22,8 +22,8 @@ import torch
 
 from hicache.config import HiCacheConfig, loads
 from hicache.distributed import launch
-from hicache.engine import hf
-from hicache.engine.hf import load_checkpoint, weights_signature
+from hicache.checkpoints import hf
+from hicache.checkpoints.hf import load_checkpoint, weights_signature
 from hicache.engine.model import MLAModel
 from hicache.errors import CheckpointError, ConfigError
 
@@ -215,7 +215,7 @@ def serve_modes(path, l3_root, dcp, jobs, rank=0, group=None):
 def two_rank_worker(rank, world, cases, tier_cases, pcp_cases, l3_root):
     """DCP 2 (both backends), the serving loop over every tier, PCP 2 prefill: one group."""
     import torch.distributed as dist
-    from hicache.engine.cli import DecodeSpec, decode_worker
+    from hicache.decode_cli import DecodeSpec, decode_worker
     group = dist.group.WORLD
     out = {}
     for name, (path, prompt) in cases.items():
@@ -319,7 +319,7 @@ def test_dcp4_matches_transformers(ckpts):
 
 
 def test_decode_cli_runs_a_checkpoint_on_explicit_prompt_ids(ckpts, capsys):
-    from hicache.engine import cli
+    from hicache import decode_cli as cli
     path, prompt, ref_tokens, _ = ckpts["v2_moe_grouped_yarn_tied"]
     rc = cli.main(["decode", "--model", path, "--prompt-ids", ",".join(map(str, prompt)),
                    "--new-tokens", str(NEW), "--json", "--verify"])

@@ -11,7 +11,7 @@ import pytest
 
 from hicache import cli
 from hicache.engine.kimi import HybridConfig
-from hicache.engine.kimi_config import parse_kimi_config
+from hicache.checkpoints.kimi_config import parse_kimi_config
 from hicache.engine.model import ModelConfig
 from hicache.errors import CheckpointError
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hicache.distributed import CollectiveCounter, launch
-from hicache.engine import hf
+from hicache.checkpoints import hf
 from hicache.errors import CheckpointError, UsageError
 
 TOL = 1e-4
@@ -291,7 +291,7 @@ def test_snapshots_inside_a_step_restore_a_prefix_hit(ckpts):
 
 
 def test_decode_cli_runs_kimi_at_dcp2_and_rejects_bad_configs(ckpts, tmp_path, capsys):
-    from hicache.engine import cli
+    from hicache import decode_cli as cli
     path, prompt, ref_tokens, _ = ckpts["kda_first_dense0_moe"]
     rc = cli.main(["decode", "--model", path, "--dcp", "2", "--prompt-ids",
                    ",".join(map(str, prompt)), "--new-tokens", str(NEW), "--json", "--verify"])
@@ -329,7 +329,7 @@ def test_decode_cli_runs_kimi_at_dcp2_and_rejects_bad_configs(ckpts, tmp_path, c
 def test_deepseek_checkpoints_get_the_plain_engine(tmp_path):
     """A DeepSeek checkpoint loads as MLAModel and runs on DCPRunner itself: no state pool."""
     from test_hf_checkpoint import make_checkpoint as deepseek_checkpoint
-    from hicache.engine.hf_config import kv_shape
+    from hicache.checkpoints.hf_config import kv_shape
     from hicache.engine.model import MLAModel
     deepseek_checkpoint(tmp_path / "ds", arch="v3", q_lora=None, moe=True)
     model = hf.load_model(tmp_path / "ds")

@@ -94,3 +94,62 @@ def l3_backends() -> tuple:
                                   "hicache.service"])
 def test_no_l3_backend_is_imported_before_it_is_used(loaded, root):
     assert under(loaded[root], *l3_backends()) == []
+
+
+# ---- static rules: every import statement, lazy ones inside functions included ----------------
+
+import ast  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+PKG = Path(__file__).resolve().parents[1] / "hicache"
+
+
+def static_imports(part: str) -> dict[str, set[str]]:
+    """module -> the hicache modules its import statements name (anywhere in the file), for
+    ``part`` (a module like ``config`` or a package like ``engine``)."""
+    target = PKG / part
+    files = sorted(target.rglob("*.py")) if target.is_dir() else [target.with_suffix(".py")]
+    out = {}
+    for f in files:
+        mod = "hicache." + ".".join(f.relative_to(PKG).with_suffix("").parts)
+        pkg = mod if f.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        names = set()
+        for n in ast.walk(ast.parse(f.read_text())):
+            if isinstance(n, ast.Import):
+                names.update(a.name for a in n.names)
+            elif isinstance(n, ast.ImportFrom):
+                base = n.module or ""
+                if n.level:
+                    base = ".".join(pkg.split(".")[:len(pkg.split(".")) - n.level + 1]
+                                    + ([base] if base else []))
+                names.update([base] + [f"{base}.{a.name}" for a in n.names])
+        out[mod] = {m for m in names if m.split(".")[0] == "hicache"}
+    return out
+
+
+def reaches(part: str, *forbidden: str) -> list[str]:
+    return sorted(f"{mod} -> {m}" for mod, names in static_imports(part).items() for m in names
+                  for f in forbidden if m == f or m.startswith(f + "."))
+
+
+def test_the_static_probe_sees_lazy_imports():
+    # decode_cli imports the runner inside a function: the static probe must see it
+    assert reaches("decode_cli", "hicache.engine.runner")
+
+
+def test_the_kernels_import_no_engine():
+    assert reaches("kernels", "hicache.engine", "hicache.pcp", "hicache.service") == []
+
+
+def test_the_engine_core_imports_no_pcp_checkpoint_loader_or_cli():
+    assert reaches("engine", "hicache.pcp", "hicache.checkpoints", "hicache.decode_cli",
+                   "hicache.cli", "hicache.bench_cli", "hicache.service") == []
+
+
+def test_pcp_imports_no_cli():
+    assert reaches("pcp", "hicache.decode_cli", "hicache.cli", "hicache.bench_cli") == []
+
+
+def test_checkpoint_config_reading_needs_no_engine():
+    # config.json -> fields is pure (the policy file reads it for model.path)
+    assert reaches("checkpoints/hf_config", "hicache.engine") == []

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.engine.merge import merge_attn_states, merge_weights
+from hicache.kernels.merge import merge_attn_states, merge_weights
 from hicache.errors import UsageError
 
 

@@ -18,8 +18,8 @@ import torch
 from spec_ckpt import VOCAB, make_mtp_checkpoint, perturbed_copy
 
 from hicache.distributed import launch
-from hicache.engine.cli import DecodeSpec, decode_worker
-from hicache.engine.hf import load_model
+from hicache.decode_cli import DecodeSpec, decode_worker
+from hicache.checkpoints.hf import load_model
 
 PAGE = 2
 NEW = 10
@@ -41,7 +41,8 @@ def paths(tmp_path_factory):
 def run_case(paths, prompt, c, rank, group, backend, method, draft):
     """One DCP rank's decode of ``prompt``: plain (method none) or speculative."""
     from hicache.engine.runner import DCPRunner, RequestState, reserve
-    from hicache.engine.spec import SpecSettings, SpecStats, make_drafter, speculative_generate
+    from hicache.checkpoints.drafter import make_drafter
+    from hicache.engine.spec import SpecSettings, SpecStats, speculative_generate
     from hicache.l1 import DeviceKVPool
     from hicache.layout import DCPLayout
     from hicache.pages import PageAllocator

@@ -14,8 +14,8 @@ import torch
 
 from spec_ckpt import LAYERS, VOCAB, make_mtp_checkpoint
 
-from hicache.engine.hf import load_model
-from hicache.engine.mtp import load_mtp, mtp_tensors
+from hicache.checkpoints.hf import load_model
+from hicache.checkpoints.mtp import load_mtp, mtp_tensors
 from hicache.engine.runner import RequestState, reserve
 from hicache.engine.spec import replicated_runner
 from hicache.errors import CheckpointError

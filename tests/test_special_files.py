@@ -79,7 +79,7 @@ def _checkpoint(tmp_path) -> Path:
 
 
 def test_checkpoint_files_that_are_fifos_are_refused(tmp_path):
-    from hicache.engine.hf import load_checkpoint, load_model, weights_signature
+    from hicache.checkpoints.hf import load_checkpoint, load_model, weights_signature
     d = _checkpoint(tmp_path)
     for name, what in (("config.json", "config.json"),
                        ("model.safetensors", "the weight file")):

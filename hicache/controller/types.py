@@ -10,8 +10,22 @@ import numpy as np
 from hicache.ids import join_ids
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hicache.controller.controller import LockHandle
     from hicache.controller.tree import Node
+
+NO_IDS = np.zeros(0, np.int64)  # an empty int64 page-id array, shared (read-only)
+NO_IDS.flags.writeable = False
+
+
+class LockHandle:
+    """What ``lock`` returns; release it exactly once (``unlock``, or ``insert(after=)``).
+    ``prefix_len``: tokens of the prefix it holds (the root's path to ``node``)."""
+
+    __slots__ = ("node", "prefix_len", "released")
+
+    def __init__(self, node: "Node", prefix_len: int) -> None:
+        self.node = node
+        self.prefix_len = prefix_len
+        self.released = False
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch
 from hicache.checks import check_int
 from hicache.errors import TopologyError
 from hicache import distributed as hd
-from hicache.engine.merge import merge_attn_states, merge_weights
+from hicache.kernels.merge import merge_attn_states, merge_weights
 
 DCP_BACKENDS = ("a2a", "ag_rs")
 

@@ -1,6 +1,6 @@
 """Kimi Linear: MLA layers (striped KV, the existing MLA path) interleaved with KDA layers.
 
-    model = hicache.engine.hf.load_model("path/to/kimi-linear")   # a KimiLinearModel
+    model = hicache.checkpoints.hf.load_model("path/to/kimi-linear")   # a KimiLinearModel
     model.cfg        # ModelConfig of the MLA part: num_layers = the MLA layers (the KV layers)
     model.hybrid     # HybridConfig: every layer's kind, MLP kind and the KDA shape
     model.kv_layer   # layer i -> its KV pool layer (MLA) or None (KDA)

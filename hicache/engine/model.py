@@ -9,8 +9,8 @@ plus routed experts chosen by grouped top-k). RoPE rotates halves (the built-in 
 interleaved pairs (DeepSeek checkpoints), optionally YaRN-scaled (``YarnConfig``).
 
 One ``ModelConfig`` describes both: the built-in model is ``MLAModel(ModelConfig(...))`` with
-seeded random weights; ``hicache.engine.hf.load_checkpoint(dir)`` builds the same class from a
-Hugging Face checkpoint. Every caller (``DCPRunner.extend``, PCP prefill, the dense reference)
+seeded random weights; ``hicache.checkpoints.hf.load_checkpoint(dir)`` builds the same class
+from a Hugging Face checkpoint. Every caller (``DCPRunner.extend``, PCP prefill, the dense reference)
 runs the same pieces.
 
 Attention is *absorbed*: q_nope goes through W_UK into the latent space, so the cache holds one

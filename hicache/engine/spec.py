@@ -1,7 +1,7 @@
 """Speculative decoding beside DCP: propose k tokens with a draft, verify them in one target step.
 
     settings = SpecSettings("mtp" | "draft", draft_model=..., num_draft_tokens=k)
-    drafter = make_drafter(settings, target, target_path, page_tokens, num_pages)
+    drafter = make_drafter(settings, target, target_path, page_tokens, num_pages)  # checkpoints
     tokens = speculative_generate(runner, state, prompt, last_logits, drafter, k, n,
                                   hidden=runner.last_hidden, stats=stats)
 
@@ -35,19 +35,18 @@ Drafters:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-from hicache.errors import CheckpointError, ConfigError, UsageError
+from hicache.errors import UsageError
 
 METHODS = ("none", "mtp", "draft")
 MAX_DRAFT_TOKENS = 8
 
 __all__ = ["METHODS", "MAX_DRAFT_TOKENS", "SpecSettings", "SpecStats", "DraftModelDrafter",
-           "MTPDrafter", "make_drafter", "replicated_runner", "speculative_generate"]
+           "MTPDrafter", "replicated_runner", "speculative_generate"]
 
 
 @dataclass(frozen=True)
@@ -221,38 +220,6 @@ class MTPDrafter(Drafter):
             logits = run.extend_batch([st], [[out[-1]]], inputs=mtp.inputs([out[-1]], h))[0]
             out.append(int(logits[-1].argmax()))
         return out
-
-
-def make_drafter(settings: SpecSettings, target, target_path: Optional[str], page_tokens: int,
-                 page_table: list, num_pages: int, attn_backend: str = "auto"
-                 ) -> Optional[Drafter]:
-    """The drafter ``settings`` asks for, on the target's device (None for method none).
-    Bad input (no MTP tensors, another vocabulary) is a ``UsageError`` naming it."""
-    if not settings.enabled:
-        return None
-    if settings.method == "mtp":
-        from hicache.engine.mtp import load_mtp
-        if not target_path or not Path(target_path).is_dir():
-            raise UsageError("spec method 'mtp' needs the target to be a checkpoint directory "
-                             "with MTP tensors (--model DIR)")
-        try:
-            mtp = load_mtp(target_path, target)
-        except (CheckpointError, ConfigError) as e:
-            raise UsageError(f"--spec mtp: {e}") from None
-        return MTPDrafter(replicated_runner(mtp, page_tokens, num_pages, attn_backend),
-                          page_table)
-    from hicache.engine.hf import load_model
-    try:
-        draft = load_model(settings.draft_model)
-    except (CheckpointError, ConfigError) as e:
-        raise UsageError(f"--draft-model: {e}") from None
-    if draft.cfg.vocab_size != target.cfg.vocab_size:
-        raise UsageError(f"--draft-model {settings.draft_model}: vocabulary size "
-                         f"{draft.cfg.vocab_size} differs from the target's "
-                         f"{target.cfg.vocab_size}")
-    draft = draft.to(target.embed_tokens.device)
-    return DraftModelDrafter(replicated_runner(draft, page_tokens, num_pages, attn_backend),
-                             page_table)
 
 
 @torch.no_grad()

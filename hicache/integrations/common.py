@@ -35,7 +35,7 @@ def weights_signature(model: str, override: str | None = None) -> str:
     """A signature of the weights a model name stands for.
 
     ``override`` (a revision, a checksum, ...) wins. A local checkpoint directory is signed by
-    the digest of its config and weight files (:func:`hicache.engine.hf.weights_signature`,
+    the digest of its config and weight files (:func:`hicache.checkpoints.hf.weights_signature`,
     cached beside the files). For a hub id nothing local pins the weights: the id is used and a
     warning asks for ``weights_signature``.
     """

@@ -228,7 +228,7 @@ def _merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor
     output, accumulated in place: no temporary the size of the partials (the general merge
     makes two, 17 GB each for a 32K-token extend). The kernel writes o = 0 and lse = -inf for
     a split without keys, so its weight is 0 and nothing needs masking."""
-    from hicache.engine.merge import merge_weights
+    from hicache.kernels.merge import merge_weights
 
     w, lse = merge_weights(lse_part)  # [splits, T, H], [T, H]
     out = torch.mul(o_part[0], w[0, ..., None])

@@ -222,65 +222,17 @@ class CpuBackend(CopyBackend):
         has a copy still writing), raising the first failure; after a failure no chunk is
         taken."""
         job._pieces = pieces
-        n = len(chunks)
-        cond = threading.Condition(threading.Lock())
-        taken = [0, 0, 1]  # chunks taken, chunks finished, threads copying (this one)
-        failed: list[BaseException] = []
-        T = self._threads
-
-        def work(limit: int) -> None:
-            """Take chunks in order until ``limit`` were taken (or a failure)."""
-            while True:
-                with cond:
-                    i = taken[0]
-                    if failed or i >= limit:
-                        return
-                    taken[0] = i + 1
-                err = None
-                try:
-                    copy_chunk(chunks[i])
-                except BaseException as e:  # reported by the thread running the job
-                    err = e
-                with cond:
-                    if err is not None:
-                        failed.append(err)
-                    taken[1] += 1
-                    if taken[1] == taken[0]:
-                        cond.notify_all()
-
-        def join(limit: int = n) -> None:
-            """A helper or a waiter: copy chunks below ``limit`` while a copy slot is free."""
-            with cond:
-                if taken[2] >= T or taken[0] >= limit or failed:
-                    return
-                taken[2] += 1
-            try:
-                work(limit)
-            finally:
-                with cond:
-                    taken[2] -= 1
-
-        def help_waiter(need: int) -> None:  # the chunks the first ``need`` layers need
-            join(n if firsts is None else bisect.bisect_left(firsts, need))
-            # a helper turned away while this waiter held a copy slot does not come back by
-            # itself: hand the slot on while chunks are left
-            with cond:
-                left = not failed and taken[0] < n
-            if left and self._helpers:
-                self._help_q.put(join)
-
-        job._help = help_waiter
+        share = _Sharing(chunks, copy_chunk, self._threads, firsts, self)
+        job._help = share.help_waiter
         try:
-            for _ in range(min(T - 1, len(self._helpers))):  # none once stopped
-                self._help_q.put(join)
-            work(n)
-            with cond:
-                while taken[1] < taken[0]:
-                    cond.wait()
+            for _ in range(min(self._threads - 1, len(self._helpers))):  # none once stopped
+                self._help_q.put(share.join)
+            share.work(share.n)
+            share.wait_taken()
         finally:
             job._help = None
-        if failed:
-            raise failed[0]
+        if share.failed:
+            raise share.failed[0]
         if job.direction == "d2h":
             job._layer_done(self.engine.num_layers - 1)
 
@@ -332,3 +284,70 @@ def layer_group(num_layers: int, nbytes: int) -> int:
 
 
 register_backend("cpu", CpuBackend)
+
+
+class _Sharing:
+    """One job's chunks shared by the threads that copy it (``CpuBackend._share``): chunks
+    are taken in order; at most ``threads`` threads copy at once (the job's own included)."""
+
+    def __init__(self, chunks: list, copy_chunk, threads: int, firsts: list[int] | None,
+                 backend) -> None:
+        self.chunks, self.copy_chunk, self.threads = chunks, copy_chunk, threads
+        self.firsts, self.backend = firsts, backend
+        self.n = len(chunks)
+        self.cond = threading.Condition(threading.Lock())
+        self.taken = 0        # chunks taken
+        self.finished = 0     # chunks finished
+        self.copying = 1      # threads copying (the job's own)
+        self.failed: list[BaseException] = []
+
+    def work(self, limit: int) -> None:
+        """Take chunks in order until ``limit`` were taken (or a failure)."""
+        cond = self.cond
+        while True:
+            with cond:
+                i = self.taken
+                if self.failed or i >= limit:
+                    return
+                self.taken = i + 1
+            err = None
+            try:
+                self.copy_chunk(self.chunks[i])
+            except BaseException as e:  # reported by the thread running the job
+                err = e
+            with cond:
+                if err is not None:
+                    self.failed.append(err)
+                self.finished += 1
+                if self.finished == self.taken:
+                    cond.notify_all()
+
+    def join(self, limit: int | None = None) -> None:
+        """A helper or a waiter: copy chunks below ``limit`` (default: all) while a copy slot
+        is free."""
+        limit = self.n if limit is None else limit
+        with self.cond:
+            if self.copying >= self.threads or self.taken >= limit or self.failed:
+                return
+            self.copying += 1
+        try:
+            self.work(limit)
+        finally:
+            with self.cond:
+                self.copying -= 1
+
+    def help_waiter(self, need: int) -> None:
+        """A waiter for the first ``need`` layers copies the chunks they need."""
+        self.join(self.n if self.firsts is None else bisect.bisect_left(self.firsts, need))
+        # a helper turned away while this waiter held a copy slot does not come back by
+        # itself: hand the slot on while chunks are left
+        with self.cond:
+            left = not self.failed and self.taken < self.n
+        if left and self.backend._helpers:
+            self.backend._help_q.put(self.join)
+
+    def wait_taken(self) -> None:
+        """Until every chunk taken has finished."""
+        with self.cond:
+            while self.finished < self.taken:
+                self.cond.wait()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from hicache.errors import UsageError
 from hicache import distributed as hdist
 from hicache.engine.attention import attend_latent
-from hicache.engine.merge import merge_attn_states
+from hicache.kernels.merge import merge_attn_states
 
 PCP_MODES = ("full_kv", "ring")
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from hicache.engine.hf_config import load_json, weight_files
+from hicache.checkpoints.hf_config import load_json, weight_files
 from hicache.engine.kimi import HybridConfig, KimiLinearModel
-from hicache.engine.kimi_config import parse_kimi_config
+from hicache.checkpoints.kimi_config import parse_kimi_config
 from hicache.engine.model import ModelConfig
 from hicache.errors import CheckpointError
 
@@ -43,7 +43,7 @@ def read_kimi_config(directory: str | Path) -> tuple[ModelConfig, HybridConfig]:
     raw = load_json(d / "config.json", "config.json")
     stored = None
     if not (raw.get("dtype") or raw.get("torch_dtype")):
-        from hicache.engine.hf_config import _stored_dtype
+        from hicache.checkpoints.hf_config import _stored_dtype
         stored = _stored_dtype(weight_files(d)[0])
     mla, hyb = parse_kimi_config(raw, str(d / "config.json"), stored)
     return ModelConfig(**mla), HybridConfig(**hyb)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache.checks import check_int, regular_file
-from hicache.engine.kimi_config import is_kimi, parse_kimi_config
+from hicache.checkpoints.kimi_config import is_kimi, parse_kimi_config
 from hicache.errors import CheckpointError
 
 ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}

@@ -4,7 +4,7 @@
     model = load_model(path)                        # a directory as above, or an MLAModel.save file
     sig = weights_signature("path/to/checkpoint")   # digest of the weight files (cached)
 
-Loading reads ``config.json`` (``hicache.engine.hf_config``: unknown architectures and
+Loading reads ``config.json`` (``hicache.checkpoints.hf_config``: unknown architectures and
 unsupported values are errors naming the key), then the safetensors headers of
 ``model.safetensors`` or of every shard of ``model.safetensors.index.json``: a missing tensor,
 an unexpected one, or a shape that differs from what ``config.json`` implies is a
@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 
 from hicache.checks import regular_file
-from hicache.engine.hf_config import read_hf_config, weight_files
+from hicache.checkpoints.hf_config import read_hf_config, weight_files
 from hicache.engine.model import MLAModel, ModelConfig
 from hicache.errors import CheckpointError
 
@@ -172,8 +172,8 @@ def _bound(cfg: ModelConfig, where: dict, d: Path) -> None:
 
 
 def _is_kimi_dir(d: Path) -> bool:
-    from hicache.engine.hf_config import load_json
-    from hicache.engine.kimi_config import is_kimi
+    from hicache.checkpoints.hf_config import load_json
+    from hicache.checkpoints.kimi_config import is_kimi
     return (d / "config.json").is_file() and is_kimi(load_json(d / "config.json", "config.json"))
 
 
@@ -184,8 +184,8 @@ def load_checkpoint(directory: str | os.PathLike, device: Optional[str | torch.d
     every weight once: ``check_finite=False`` skips it, see docs/trust.md for its cost)."""
     from safetensors import safe_open
     d = Path(directory)
-    if _is_kimi_dir(d):  # hybrid MLA + KDA (hicache.engine.kimi_hf)
-        from hicache.engine.kimi_hf import load_kimi
+    if _is_kimi_dir(d):  # hybrid MLA + KDA (hicache.checkpoints.kimi_hf)
+        from hicache.checkpoints.kimi_hf import load_kimi
         return load_kimi(d, device)
     try:
         cfg = ModelConfig(**read_hf_config(d))

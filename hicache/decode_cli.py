@@ -6,7 +6,7 @@
                    [--spec none|mtp|draft] [--draft-model DIR] [--num-draft-tokens K]
 
 ``--model`` is a Hugging Face DeepSeek-V2/V3-family checkpoint directory
-(``hicache.engine.hf``) or a file written by ``MLAModel.save``; without it the built-in seeded
+(``hicache.checkpoints.hf``) or a file written by ``MLAModel.save``; without it the built-in seeded
 tiny model runs. ``--prompt-ids`` gives the prompt's token ids instead of the seeded random
 prompt of ``--prompt-len`` tokens, so the greedy tokens can be checked against another
 implementation.
@@ -94,7 +94,7 @@ def build_model(spec: DecodeSpec):
     """The checkpoint directory or model file at ``spec.model_path``, else the built-in model."""
     from hicache.engine.model import MLAModel, ModelConfig
     if spec.model_path:
-        from hicache.engine.hf import load_model
+        from hicache.checkpoints.hf import load_model
         return load_model(spec.model_path)
     return MLAModel(ModelConfig(seed=spec.seed, **dict(spec.model_overrides)))
 
@@ -144,7 +144,7 @@ def decode_worker(rank: int, world_size: int, spec: DecodeSpec) -> dict:
     reserve(state, alloc, total, page_tokens)
     drafter = None
     if in_dcp and spec.spec != "none":  # the draft's KV: replicated, on every DCP rank
-        from hicache.engine.spec import make_drafter
+        from hicache.checkpoints.drafter import make_drafter
         drafter = make_drafter(spec.spec_settings(), model, spec.model_path, page_tokens,
                                state.page_table, alloc.num_pages, spec.attn_backend)
     _sync(world_size, device)
@@ -369,7 +369,7 @@ def spec_from_args(args) -> DecodeSpec:
         raise UsageError(
             f"--dcp {args.dcp} does not divide the model's {model.cfg.num_heads} attention heads")
     if spec_settings.enabled:  # load the draft once here: its errors are one line, exit 2
-        from hicache.engine.spec import make_drafter
+        from hicache.checkpoints.drafter import make_drafter
         make_drafter(spec_settings, model, spec.model_path, 1, [], 1)
     return spec
 
@@ -458,7 +458,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    """Standalone entry (``python -m hicache.engine.cli decode ...``)."""
+    """Standalone entry (``python -m hicache.decode_cli decode ...``)."""
     parser = argparse.ArgumentParser(prog="hicache")
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser(sub)
