@@ -229,7 +229,7 @@ class HiCacheMetrics:
 
 
 def describe() -> list[tuple[str, str, str]]:
-    """``(name, labels, help)`` of every metric, for the README and ``--help``."""
+    """``(name, labels, help)`` of every metric, for docs/operations.md and ``--help``."""
     rows = []
     for name, (kind, help_, label, _p) in SERIES.items():
         rows.append((name, ",".join(["rank"] + ([label] if label else [])), f"{kind}: {help_}"))

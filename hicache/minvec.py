@@ -48,7 +48,7 @@ KINDS = {0: "an unnamed agreement", PLAIN: "a plain min_across_ranks",
 # Payload slots in the fixed vector. A scheduler step agrees on a few in-flight copies (one or
 # two per running request) plus 1 + 2 per request waiting on L3; 64 covers a busy step, and a
 # 3 + H + 64 int64 vector (< 1 KiB) costs one small all-reduce like the 10-value one it replaces
-# (latency-bound; see the README). A step with more rides a second, agreed-size collective.
+# (latency-bound; see bench/README.md). A step with more rides a second, agreed-size collective.
 CAPACITY = 64
 
 

@@ -22,7 +22,7 @@ miss and a read stops at the first missing page.
 
 SGLang 0.5.23 refuses every storage backend but ``file`` and ``mooncake`` when DCP > 1, in
 ``HiCacheController.attach_storage_backend``; :data:`UPSTREAM_DCP_CHECK` is the one-line change
-that lifts it (see the README).
+that lifts it (see docs/integrations.md).
 """
 
 from __future__ import annotations
