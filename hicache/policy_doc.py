@@ -36,17 +36,25 @@ def _default(value) -> str:
     return f"`{value}`"
 
 
+def _sections() -> list[tuple[str, type]]:
+    """(table name, its dataclass): the policy file's sections, then each registered L3
+    backend's ``[l3.<name>]`` table."""
+    from hicache.l3 import registry
+    return [*SECTIONS.items(),
+            *((f"l3.{b}", registry.get(b).section) for b in registry.names())]
+
+
 def reference() -> str:
     """The whole reference, as Markdown."""
     out = [HEADER]
-    for name, kind in SECTIONS.items():
+    for name, kind in _sections():
         out.append(f"\n## `[{name}]`\n")
         doc = (kind.__doc__ or "").strip()
         if doc and not doc.startswith(kind.__name__ + "("):
             out.append(doc.split("\n\n")[0].replace("\n", " ") + "\n")
         out.append("| key | default | allowed | meaning |\n|---|---|---|---|")
         for f in dataclasses.fields(kind):
-            if f.name.startswith("_") or "help" not in f.metadata:
+            if f.name.startswith("_") or "help" not in f.metadata or f.metadata.get("table"):
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             help_text = " ".join(str(f.metadata["help"]).split()).replace("|", "\\|")

@@ -60,8 +60,8 @@ def test_the_docs_show_commands():
 
 @pytest.mark.parametrize("doc,prog,rest", shown_commands())
 def test_every_flag_shown_exists(doc, prog, rest):
-    words = [w for w in rest.replace("[", " ").replace("]", " ").split()
-             if re.fullmatch(r"[a-z][a-z0-9-]*", w)]
+    words = [w.strip("`:,.()") for w in rest.replace("[", " ").replace("]", " ").split()]
+    words = [w for w in words if re.fullmatch(r"[a-z][a-z0-9-]*", w)]
     parser = _parser_for(prog, words)
     known = set(parser._option_string_actions)
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest))

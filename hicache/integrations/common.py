@@ -48,7 +48,7 @@ def weights_signature(model: str, override: str | None = None) -> str:
                     "its weights; pass weights_signature (e.g. the revision) so a store written "
                     "with other weights never hits", model)
         return f"id:{model}"
-    from ..engine.hf import weights_signature as checkpoint_signature
+    from ..checkpoints.hf import weights_signature as checkpoint_signature
     try:
         return checkpoint_signature(model)
     except CheckpointError as e:
