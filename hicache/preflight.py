@@ -159,6 +159,19 @@ def check_l3_store(path: str) -> list[str]:
     return []
 
 
+REDIS_EXTRA = "pip install 'hicache[redis]'"
+
+
+def check_redis_client() -> None:
+    """A Redis / Valkey L3 needs the optional ``redis`` client: say how to install it, once,
+    before any rank starts."""
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"l3.url: a Redis / Valkey store needs the redis client, which is not "
+                          f"installed: {REDIS_EXTRA}") from None
+
+
 def check_engine(cfg: HiCacheConfig) -> None:
     """What the built-in engine (hicache-bench, the examples) needs beyond the cache."""
     m, c = cfg.model, cfg.parallel.dcp
@@ -187,6 +200,8 @@ def validate(cfg: HiCacheConfig, *, tiers: tuple[str, ...] = ("l1", "l2", "l3"),
     if use_l3 and cfg.l3.backend == "lmdb":
         check_l3_path(cfg.l3.path)
         warnings += check_l3_store(cfg.l3.path)
+    if use_l3 and cfg.l3.backend == "redis":
+        check_redis_client()
     if use_l3:
         if cfg.l3.size_bytes < cfg.page_bytes_per_rank:  # lmdb: capacity; redis: maxmemory
             raise ConfigError(f"l3.size_bytes: {cfg.l3.size_bytes} is smaller than one page "
