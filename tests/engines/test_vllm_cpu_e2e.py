@@ -16,8 +16,8 @@ import textwrap
 
 import pytest
 
-BLOCK = 16
-PROMPT = 513  # 32 full blocks + 1: vLLM computes the last token; 512 can come from a cache
+BLOCK = 32  # CPU attention needs a multiple of 32
+PROMPT = 513  # 16 full blocks + 1: vLLM computes the last token; 512 can come from a cache
 FILL = 3  # prompts that push the repeated one out of the device cache and the CPU tier
 GEN = 8
 
@@ -42,7 +42,7 @@ ENGINE = textwrap.dedent(r"""
                                      "module_path": "hicache.integrations.vllm",
                                      "store": args["store"], "timeout_s": 10.0}]})
     llm = LLM(model=args["model"], skip_tokenizer_init=True, dtype="float32",
-              block_size=args["block"], max_model_len=2048, enforce_eager=True,
+              block_size=args["block"], max_model_len=1024, enforce_eager=True,
               num_gpu_blocks_override=args["device_blocks"], enable_prefix_caching=True,
               disable_log_stats=False, max_num_seqs=1, seed=0, **kw)
     sp = SamplingParams(temperature=0.0, max_tokens=args["gen"], detokenize=False)
@@ -96,10 +96,10 @@ def prompts() -> dict:
     return out
 
 
-def run_engine(model: str, store, order, tmp_path, *, cpu_chunks=40) -> list:
+def run_engine(model: str, store, order, tmp_path, *, cpu_chunks=24) -> list:
     block_bytes = 2 * 2 * 2 * 64 * BLOCK * 4  # layers x (K,V) x kv heads x head dim x tokens x fp32
     args = {"model": model, "store": store, "order": order, "prompts": prompts(),
-            "block": BLOCK, "gen": GEN, "device_blocks": 72,
+            "block": BLOCK, "gen": GEN, "device_blocks": 40,
             "cpu_bytes": cpu_chunks * block_bytes}
     env = dict(os.environ, HICACHE_TEST_DIR=os.path.dirname(os.path.abspath(__file__)),
                VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
