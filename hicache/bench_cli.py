@@ -32,7 +32,9 @@ from .service import CACHE_MODES, RESTORE_RETRIES, HiCache
 from .workloads import (MAX_REQUEST_TOKENS, SCALE_MAX, SEED_MAX, agentic_trace, chat_trace,
                         load_trace, trace_summary)
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "policy.toml"
+from .paths import default_policy  # noqa: E402
+
+EXAMPLE = default_policy()
 WORKLOADS = {"chat": chat_trace, "agentic": agentic_trace}
 DEFAULT_SCALE = {"chat": 0.1, "agentic": 0.02}
 

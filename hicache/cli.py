@@ -33,6 +33,9 @@ def number(flag: str, value: float, lo: float, hi: float, *, lo_open: bool = Fal
 
 def _check_config(args) -> int:
     from . import preflight
+    from .paths import default_policy
+    if args.file is None:
+        args.file = str(default_policy())
     cfg = load_config(args.file)
     if args.ranks is not None:
         number("--ranks", args.ranks, 1, 4096)
@@ -218,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hicache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("check-config", help="validate a policy file and print what it resolves to")
-    c.add_argument("file")
+    c.add_argument("file", nargs="?", default=None,
+                   help="policy file (default: the example policy shipped with hicache)")
     c.add_argument("--json", action="store_true")
     c.add_argument("--ranks", type=int, default=None,
                    help="ranks sharing this node's memory (default parallel.dcp, as "

@@ -15,9 +15,7 @@ usable, and what the built-in engine needs (even ``rope_dim``, heads divisible b
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from .checks import check_int
 from .config import HiCacheConfig

@@ -421,9 +421,11 @@ def test_weights_signature_is_cached_and_follows_the_bytes(ckpts, tmp_path, monk
     import shutil
     a = shutil.copytree(ckpts["v2_dense"][0], tmp_path / "a")
     b = shutil.copytree(ckpts["v3_moe_halfrope_published"][0], tmp_path / "b")
+    monkeypatch.setenv("HICACHE_CACHE_DIR", str(tmp_path / "cache"))
     sig = weights_signature(a)
     assert sig.startswith("xxh3-128:") and sig != weights_signature(b)
-    assert (Path(a) / hf.SIGNATURE_FILE).is_file()
+    assert hf.signature_cache_path(a).is_file() and not (Path(a) / hf.SIGNATURE_FILE).exists()
+    assert hf.signature_cache_path(a).is_relative_to(tmp_path / "cache")
     calls = []
     real = hf._file_digest
     monkeypatch.setattr(hf, "_file_digest", lambda p: calls.append(p) or real(p))

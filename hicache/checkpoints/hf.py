@@ -271,7 +271,17 @@ def load_model(path: str | os.PathLike, device: Optional[str | torch.device] = N
 
 
 # ---- weights signature ----------------------------------------------------------------------
-SIGNATURE_FILE = ".hicache-weights-signature.json"
+SIGNATURE_FILE = ".hicache-weights-signature.json"  # the name of the cache before it moved
+
+
+def signature_cache_path(directory: str | os.PathLike) -> Path:
+    """The weights-signature cache file of a checkpoint directory, in hicache's user cache
+    directory (never in the checkpoint directory)."""
+    import hashlib
+
+    from ..paths import cache_dir
+    key = hashlib.blake2b(str(Path(directory).resolve()).encode(), digest_size=12).hexdigest()
+    return cache_dir() / "weights-signatures" / f"{key}.json"
 _CHUNK = 16 << 20
 
 
@@ -290,9 +300,12 @@ def weights_signature(directory: str | os.PathLike) -> str:
     """A digest of the checkpoint's weights: ``config.json``, the safetensors index (when
     sharded) and every weight file, each hashed whole (XXH3-128) and combined by name.
 
-    Each file's digest is cached in ``<dir>/.hicache-weights-signature.json`` keyed by its size
-    and mtime, so a restart rehashes only files that changed (a 600 GB checkpoint is hashed
-    once). A read-only directory is hashed every time. Returns ``"xxh3-128:<hex>"``.
+    Each file's digest is cached in hicache's user cache directory
+    (:func:`hicache.paths.cache_dir`: ``$HICACHE_CACHE_DIR``, default under the XDG cache home;
+    one file per checkpoint directory, named by a hash of its absolute path), keyed by size and
+    mtime, so a restart rehashes only files that changed (a 600 GB checkpoint is hashed once).
+    The model directory is never written (it may be read-only or shared). An unwritable cache
+    directory only costs rehashing. Returns ``"xxh3-128:<hex>"``.
     """
     import xxhash
     d = Path(directory)
@@ -303,7 +316,7 @@ def weights_signature(directory: str | os.PathLike) -> str:
     names = ["config.json"] + (["model.safetensors.index.json"]
                                if (d / "model.safetensors.index.json").is_file() else [])
     paths = [d / n for n in names] + files
-    cache_path = d / SIGNATURE_FILE
+    cache_path = signature_cache_path(d)
     try:
         regular_file(cache_path, "the signature cache")  # a FIFO: no cache, never a hang
         cached = json.loads(cache_path.read_text()).get("files", {})
@@ -327,12 +340,17 @@ def weights_signature(directory: str | os.PathLike) -> str:
                             "digest": _file_digest(p)}
             changed = True
     if changed or set(cached) != set(entries):
-        tmp = cache_path.with_name(f"{SIGNATURE_FILE}.{os.getpid()}.tmp")
+        tmp = cache_path.with_name(f"{cache_path.name}.{os.getpid()}.tmp")
         try:
-            tmp.write_text(json.dumps({"version": 1, "files": entries}, indent=1))
+            cache_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"version": 1, "dir": str(d.resolve()),
+                                       "files": entries}, indent=1))
             os.replace(tmp, cache_path)
-        except OSError:  # read-only checkpoint: nothing cached
-            tmp.unlink(missing_ok=True)
+        except OSError:  # unwritable cache directory: nothing cached
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
     total = xxhash.xxh3_128()
     for rel in sorted(entries):
         total.update(f"{rel}\0{entries[rel]['size']}\0{entries[rel]['digest']}\n".encode())

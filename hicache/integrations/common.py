@@ -36,7 +36,7 @@ def weights_signature(model: str, override: str | None = None) -> str:
 
     ``override`` (a revision, a checksum, ...) wins. A local checkpoint directory is signed by
     the digest of its config and weight files (:func:`hicache.checkpoints.hf.weights_signature`,
-    cached beside the files). For a hub id nothing local pins the weights: the id is used and a
+    cached in hicache's user cache directory, never in the model directory). For a hub id nothing local pins the weights: the id is used and a
     warning asks for ``weights_signature``.
     """
     if override:
@@ -56,15 +56,98 @@ def weights_signature(model: str, override: str | None = None) -> str:
             from None
 
 
+def held(store: L3Store, skeys: list[bytes]) -> list[bool]:
+    """Per key: is it stored? (``exists_prefix`` runs from each miss on; one call when all are
+    held, one more per missing key.) The keys need not be in chunk order."""
+    out: list[bool] = []
+    i = 0
+    while i < len(skeys):
+        n = store.exists_prefix(skeys[i:])
+        out += [True] * n
+        i += n
+        if i < len(skeys):
+            out.append(False)
+            i += 1
+    return out
+
+
+def get_each(store: L3Store, skeys: list[bytes], out) -> list[bool]:
+    """Per key: was it served into ``out(i)``? (``get`` serves prefixes; a missing, corrupt or
+    unreadable page fails only itself.)"""
+    got: list[bool] = []
+    i = 0
+    while i < len(skeys):
+        base = i
+        n = store.get(skeys[i:], lambda j, b=base: out(b + j))
+        got += [True] * n
+        i += n
+        if i < len(skeys):
+            got.append(False)
+            i += 1
+    return got
+
+
+# vLLM / SGLang spellings of one KV cache dtype (same bytes): mapped to one name
+KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2",
+                    "bf16": "bfloat16", "half": "float16", "fp16": "float16",
+                    "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+def kv_dtype_name(dtype: Any) -> str:
+    """One name per KV cache byte format (``fp8`` and ``fp8_e4m3`` alike; ``fp8_e5m2`` apart)."""
+    name = str(dtype).removeprefix("torch.")
+    return KV_DTYPE_ALIASES.get(name, name)
+
+
+def is_remote(where: Any) -> bool:
+    """A Redis / Valkey URL (or a cluster's URL list) names a store over the network."""
+    if isinstance(where, (list, tuple)):
+        return True
+    return isinstance(where, str) and "://" in where and not where.startswith("file://")
+
+
+def clear_namespace(store: L3Store) -> int:
+    """Delete every page of the store's namespace and rank (other namespaces are untouched);
+    returns how many were deleted."""
+    prefix = store.namespace.digest + store.rank.to_bytes(2, "big")
+    keys: list[bytes]
+    if hasattr(store, "lru_order"):  # LMDB: the keys of the whole environment
+        keys = [k for k in store.lru_order() if k.startswith(prefix)]
+    else:  # Redis: SCAN this namespace's key range
+        client = store.raw_client()
+        if client is None:
+            raise L3Error(f"cannot clear the L3 namespace: the store is unavailable "
+                          f"({getattr(store, 'last_error', None)})")
+        pre = store.key_prefix + prefix
+        pattern = b"".join(b"\\" + bytes([c]) if c in b"*?[]\\" else bytes([c]) for c in pre)
+        keys = [bytes(k)[len(store.key_prefix):] for k in client.scan_iter(match=pattern + b"*",
+                                                                          count=1000)]
+    n = 0
+    for i in range(0, len(keys), 512):
+        n += store.delete(keys[i:i + 512])
+    return n
+
+
 def signature(fields: dict[str, Any]) -> str:
     """A stable text of the fields that sign a namespace (sorted ``k=v``; order-free)."""
     return ",".join(f"{k}={fields[k]}" for k in sorted(fields))
+
+
+def require_client(where: Any) -> None:
+    """A Redis / Valkey store needs the optional redis client: one line saying how to get it."""
+    if is_remote(where):
+        try:
+            import redis  # noqa: F401
+        except ImportError:
+            raise L3Error("the store is a Redis / Valkey URL, which needs the redis client: "
+                          "pip install 'hicache[redis]'") from None
 
 
 def open_stores(where: Any, namespace: Namespace, ranks: Iterable[int], *, writer: bool = True,
                 capacity_bytes: int | None = None, timeout_s: float | None = None
                 ) -> dict[int, L3Store]:
     """One store per shard index (LMDB ranks in one process share one environment)."""
+    require_client(where)
     out: dict[int, L3Store] = {}
     try:
         for r in ranks:

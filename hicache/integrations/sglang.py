@@ -9,16 +9,19 @@ Turn it on with SGLang's own flags, no patch to SGLang (DCP 1)::
 
 Extra-config keys: ``store`` (an LMDB directory, a Redis URL or a list of Redis Cluster node
 URLs), ``capacity_bytes`` (LMDB), ``timeout_s`` (Redis), ``weights_signature`` (pins the weights
-when the model is a hub id). ``interface_v1`` makes SGLang call ``batch_get_v1``/``batch_set_v1``,
+when the model is a hub id), and ``quantization``, ``kv_cache_dtype``, ``revision`` (default:
+SGLang's server args; each changes the bytes, so each is in the namespace). ``interface_v1`` makes SGLang call ``batch_get_v1``/``batch_set_v1``,
 which copy straight between the store and the host pool; without it SGLang's generic path calls
 ``batch_get``/``batch_set`` with flat pages.
 
 Each rank keeps its own shard: keys are ``namespace | DCP rank | hash of SGLang's page hash``, the
 value one rank's rows of the widened page in hicache's ``[layers, P, kv_dim]`` order whatever the
 host layout (so ``layer_first``, ``page_first`` and ``page_first_direct`` pools share a store).
-Writers follow SGLang's own rule (``HiCacheStorageConfig.is_storage_writer``: the first DCP group
-writes, the other TP replicas only read). Values carry hicache's checksums: a corrupt value is a
-miss and a read stops at the first missing page.
+Any rank may write (SGLang itself backs up only from its writers, the first DCP group; a key
+already stored is not rewritten). Values carry hicache's checksums: a corrupt value is a miss.
+Reads and writes answer per key: a missing or corrupt page fails only itself. ``clear()`` deletes
+this namespace's pages; ``get_stats()`` returns SGLang's ``StorageMetrics`` and counts hicache's
+L3 health (hits, misses, errors by reason, bytes, seconds) in ``hicache_l3_*`` Prometheus series.
 
 SGLang 0.5.23 refuses every storage backend but ``file`` and ``mooncake`` when DCP > 1, in
 ``HiCacheController.attach_storage_backend``; :data:`UPSTREAM_DCP_CHECK` is the one-line change
@@ -28,6 +31,8 @@ that lifts it (see docs/integrations.md).
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Any, List, Optional
 
 import torch
@@ -36,7 +41,9 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from ..errors import L3Error
 from ..l3 import L3Store, Namespace, open_store
-from .common import signature, store_keys, weights_signature
+from .common import (clear_namespace, get_each, kv_dtype_name, require_client, signature,
+                     store_keys, weights_signature)
+from .health import REASONS, Health
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +93,7 @@ class HiCacheL3Storage(HiCacheStorage):
         if not storage_config.is_mla_model:
             raise L3Error("the hicache storage backend serves MLA models (rank-replicated KV); "
                           "this model's KV is split by TP heads")
+        require_client(self.where)
         self.config = storage_config
         self.capacity_bytes = extra.get("capacity_bytes")
         self.timeout_s = extra.get("timeout_s")
@@ -93,8 +101,17 @@ class HiCacheL3Storage(HiCacheStorage):
         if not (override or storage_config.model_name):
             raise L3Error("SGLang gave no model name; pass weights_signature in the extra config")
         self.weights = weights_signature(storage_config.model_name or "", override)
-        self.writer = bool(storage_config.is_storage_writer)  # SGLang's own rule
+        self.writer = bool(storage_config.is_storage_writer)  # SGLang's rule for its backups
         self.rank = storage_config.dcp_rank
+        args = _server_args()
+        # what changes the bytes besides the weights: extra config, else SGLang's server args
+        self.quantization = extra.get("quantization", getattr(args, "quantization", None))
+        self.kv_cache_dtype = extra.get("kv_cache_dtype", getattr(args, "kv_cache_dtype", None))
+        self.revision = extra.get("revision", getattr(args, "revision", None))
+        self.health = Health()
+        self._io = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
+                    "backup_bandwidth": []}
+        self._io_lock = threading.Lock()
         self.namespace: Namespace | None = None
         self.store: L3Store | None = None
         self.mem_pool_host = None
@@ -118,6 +135,10 @@ class HiCacheL3Storage(HiCacheStorage):
                                                                   pool.end_layer],
             "cp": cfg.attn_cp_size, "cp_rank": cfg.attn_cp_rank,
             "format": getattr(pool, "storage_format_tag", None),
+            "quantization": self.quantization, "revision": self.revision,
+            # "auto" stores the pool dtype (in the namespace); fp8 variants may share a uint8 pool
+            "kv_dtype": (None if self.kv_cache_dtype in (None, "auto")
+                         else kv_dtype_name(self.kv_cache_dtype)),
         }
         ns = Namespace(model=signature(fields), num_layers=pool.layer_num,
                        kv_dim=pool.kv_cache_dim, dtype=pool.dtype, page_size=pool.page_size,
@@ -143,9 +164,27 @@ class HiCacheL3Storage(HiCacheStorage):
         return host_indices[:need:self.logical_page_size].tolist()
 
     def _put(self, keys: List[str], shards: list[torch.Tensor]) -> list[bool]:
-        if not self.writer:  # SGLang skips backups on non-writers; never write from one
-            return [False] * len(keys)
-        return list(self.store.put(self._keys(keys), shards).stored)
+        """Any rank may write (MLA replicas hold the same bytes; a key already stored is not
+        rewritten). SGLang itself backs up only from its writers."""
+        t0 = time.perf_counter()
+        stored = list(self.store.put(self._keys(keys), shards).stored)
+        self._io_sample("backup", len(keys), time.perf_counter() - t0)
+        return stored
+
+    def _get(self, keys: List[str], out) -> list[bool]:
+        t0 = time.perf_counter()
+        got = get_each(self.store, self._keys(keys), out)
+        self._io_sample("prefetch", len(keys), time.perf_counter() - t0)
+        self.health.outcome(hits=sum(got), misses=len(got) - sum(got))
+        return got
+
+    def _io_sample(self, kind: str, pages: int, seconds: float) -> None:
+        if not pages:
+            return
+        gb = pages * self.store.page_bytes / 1e9
+        with self._io_lock:
+            self._io[f"{kind}_pgs"].append(pages)
+            self._io[f"{kind}_bandwidth"].append(gb / seconds if seconds > 0 else 0.0)
 
     # ---- zero-copy interface (extra config "interface_v1": 1) ---------------------------------
     def batch_exists(self, keys: List[str], extra_info=None) -> int:
@@ -156,8 +195,7 @@ class HiCacheL3Storage(HiCacheStorage):
                      extra_info=None) -> List[bool]:
         starts = self._starts(keys, host_indices)
         pool = self.mem_pool_host
-        n = self.store.get(self._keys(keys), lambda i: page_view(pool, starts[i]))
-        return [i < n for i in range(len(keys))]
+        return self._get(keys, lambda i: page_view(pool, starts[i]))
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info=None) -> List[bool]:
@@ -176,8 +214,9 @@ class HiCacheL3Storage(HiCacheStorage):
         pool = self.mem_pool_host
         outs = [t if t is not None else pool.get_dummy_flat_data_page()
                 for t in (target_locations or [None] * len(keys))]
-        n = self.store.get(self._keys(keys), [flat_view(pool, t) for t in outs])
-        return [outs[i] if i < n else None for i in range(len(keys))]
+        views = [flat_view(pool, t) for t in outs]
+        got = self._get(keys, lambda i: views[i])
+        return [outs[i] if got[i] else None for i in range(len(keys))]
 
     def set(self, key: str, value: Any = None, target_location: Any = None,
             target_sizes: Any = None) -> bool:
@@ -190,6 +229,72 @@ class HiCacheL3Storage(HiCacheStorage):
                           f"{None if values is None else len(values)} values")
         return all(self._put(keys, [flat_view(self.mem_pool_host, v) for v in values]))
 
+    def clear(self) -> None:
+        """Delete every page of this backend's namespace and rank from the store (other models,
+        layouts and ranks sharing the store are untouched)."""
+        if self.store is None:
+            raise L3Error("register_mem_pool_host was not called")
+        clear_namespace(self.store)
+
+    def get_stats(self):
+        """SGLang's ``StorageMetrics`` (pages and GB/s per prefetch / backup), with hicache's
+        L3 health since the last call in ``.hicache`` (a :class:`HealthDelta`), also counted in
+        the ``hicache_l3_*`` series of SGLang's Prometheus endpoint (docs/integrations.md)."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+        m = StorageMetrics()
+        with self._io_lock:
+            for k, v in self._io.items():
+                getattr(m, k).extend(v)
+                v.clear()
+        d = self.health.take([self.store] if self.store is not None else [])
+        m.hicache = d
+        _prometheus(d, self.config)
+        return m
+
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+
+
+def _server_args() -> Any:
+    """SGLang's server args of this process, or None (a backend built outside a server)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+        return get_server_args()
+    except Exception:
+        return None
+
+
+_PROM: dict[str, Any] = {}
+_PROM_LOCK = threading.Lock()
+
+
+def _prometheus(d, cfg) -> None:
+    """Count a health delta in the process's prometheus_client registry (SGLang serves it, in
+    multiprocess mode, on its /metrics endpoint)."""
+    from prometheus_client import Counter
+    with _PROM_LOCK:
+        if not _PROM:
+            lab = ["model_name", "tp_rank", "dcp_rank"]
+            _PROM.update(
+                hits=Counter("hicache_l3_hits", "Pages hicache's L3 served to SGLang.", lab),
+                misses=Counter("hicache_l3_misses", "Pages SGLang asked hicache's L3 for and "
+                               "did not get.", lab),
+                errors=Counter("hicache_l3_errors", "hicache L3 failures by reason ("
+                               + ", ".join(REASONS) + ").", lab + ["reason"]),
+                read_bytes=Counter("hicache_l3_read_bytes", "Bytes read from hicache's L3.",
+                                   lab),
+                write_bytes=Counter("hicache_l3_write_bytes", "Bytes written to hicache's L3.",
+                                    lab),
+                read_s=Counter("hicache_l3_read_seconds", "Seconds inside hicache L3 reads.",
+                               lab),
+                write_s=Counter("hicache_l3_write_seconds", "Seconds inside hicache L3 "
+                                "writes.", lab))
+    v = [str(cfg.model_name), str(cfg.tp_rank), str(cfg.dcp_rank)]
+    for name, x in (("hits", d.hits), ("misses", d.misses), ("read_bytes", d.bytes_read),
+                    ("write_bytes", d.bytes_written), ("read_s", d.read_s),
+                    ("write_s", d.write_s)):
+        if x:
+            _PROM[name].labels(*v).inc(x)
+    for reason, n in d.errors.items():
+        _PROM["errors"].labels(*v, reason).inc(n)

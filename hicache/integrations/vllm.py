@@ -12,14 +12,21 @@ Turn it on with vLLM's own connector config, no patch to vLLM::
 Tier arguments: ``store`` (an LMDB directory, a Redis URL or a list of Redis Cluster node URLs),
 ``capacity_bytes`` (LMDB), ``timeout_s`` (Redis), ``mla`` (dedupe MLA copies; default: vLLM's
 ``use_mla`` when it can be read, else False), ``weights_signature`` (pins the weights when the
-model is a hub id), ``io_threads``, ``locality``.
+model is a hub id), ``quantization`` and ``revision`` (default: vLLM's model config when one is
+current), ``io_threads``, ``locality`` (default: REMOTE for a Redis URL, LOCAL for LMDB; a remote
+tier gets vLLM's network backpressure water marks), ``enable_kv_events`` (BlockStored events with
+medium STORAGE for what the tier stored, when vLLM's KV events are on).
 
 The tier runs in vLLM's scheduler process and sees, per chunk, one CPU row holding every worker's
 slot (:mod:`hicache.integrations.rows`). It stores each distinct shard once, under hicache's
 per-shard keys (``namespace | shard | hash of vLLM's OffloadKey``), and rebuilds the duplicate
 slots on load. Values carry hicache's checksums: a corrupt or foreign value is a miss, never
-loaded. The namespace signs vLLM's model, weights, KV dtype, parallel sizes, block sizes, KV groups
-and worker bytes, so a store written under another configuration never hits.
+loaded. The namespace signs what changes a shard's bytes: vLLM's model, weights, revision, weight
+quantization, KV dtype, block sizes, KV groups and worker bytes, and the parallel sizes only where
+they change a worker's bytes (an MLA latent is the same at TP=2 and TP=4: those share pages; a KV
+split by heads keeps every size). Lookups answer per key, in whatever order vLLM sends them.
+Stats: hits, misses, errors by reason, bytes, seconds and latency through ``get_stats`` (vLLM's
+offloading stats and Prometheus endpoint; names in docs/integrations.md).
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
-from vllm.v1.kv_offload.base import (Locality, LookupResult, Medium, OffloadKey, ReqContext,
+from vllm.v1.kv_offload.base import (Locality, LookupResult, Medium, OffloadingCounterMetadata,
+                                     OffloadingEvent, OffloadingHistogramMetadata,
+                                     OffloadingMetricMetadata, OffloadKey, ReqContext,
                                      RequestOffloadingContext, ScheduleEndContext)
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
@@ -42,7 +51,9 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from ..checks import check_int
 from ..errors import L3Error
 from ..l3 import Namespace
-from .common import open_stores, signature, store_keys, weights_signature
+from .common import (held, is_remote, kv_dtype_name, open_stores, signature, store_keys,
+                     weights_signature)
+from .health import REASONS, Health
 from .rows import RowLayout, row_layout
 
 if TYPE_CHECKING:
@@ -52,45 +63,66 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _current_model_config() -> Any:
+    """vLLM's ``model_config`` when a vLLM config is current, else None."""
+    try:
+        from vllm.config import get_current_vllm_config
+        return get_current_vllm_config().model_config
+    except Exception:
+        return None
+
+
 def _detect_mla() -> bool:
     """vLLM's ``model_config.use_mla`` when a vLLM config is current, else False (no dedupe:
     always correct, only larger)."""
-    try:
-        from vllm.config import get_current_vllm_config
-        mc = get_current_vllm_config().model_config
-        return bool(getattr(mc, "use_mla", False))
-    except Exception:
-        return False
+    return bool(getattr(_current_model_config(), "use_mla", False))
 
 
-def namespace_for(config: Any, layout: RowLayout, mla: bool, weights: str) -> Namespace:
-    """The L3 namespace of a vLLM ``OffloadingConfig``: one shard = one worker slot's bytes."""
+def namespace_for(config: Any, layout: RowLayout, mla: bool, weights: str, *,
+                  quantization: str | None = None, revision: str | None = None) -> Namespace:
+    """The L3 namespace of a vLLM ``OffloadingConfig``: one shard = one worker slot's bytes.
+
+    It signs everything that changes a shard's bytes (model weights and revision, weight
+    quantization, KV dtype, block and chunk sizes, groups, layout) and nothing that does not:
+    an MLA latent is the same on every TP rank, so a shard depends only on the pipeline stage
+    and the DCP split, and deployments at TP=2 and TP=4 (or vLLM's single-copy row) share pages;
+    a KV split by heads keeps every parallel size."""
     par, model, cache = config.parallel, config.model, config.cache
     groups = [(g.tokens_per_block, list(g.layer_names)) for g in config.groups]
     fields = {
-        "engine": "vllm", "model": model.name, "weights": weights, "kv_dtype": model.dtype,
-        "tp": par.tp_size, "pp": par.pp_size, "pcp": par.pcp_size, "dcp": par.dcp_size,
-        "world": par.world_size, "tokens_per_hash": cache.tokens_per_hash,
+        "engine": "vllm", "model": model.name, "weights": weights,
+        "revision": revision, "quantization": quantization,
+        "kv_dtype": kv_dtype_name(model.dtype),
+        "tokens_per_hash": cache.tokens_per_hash,
         "blocks_per_chunk": cache.blocks_per_chunk, "groups": groups,
         "worker_bytes_per_block": config.worker_kv_bytes_per_block, "mla": mla,
-        "single_copy": layout.slots == 1, "canonical": bool(config.canonical_layout),
-        "kv_layout": config.kv_cache_layout,
+        "canonical": bool(config.canonical_layout), "kv_layout": config.kv_cache_layout,
     }
+    if mla and par.pcp_size == 1:  # replicated latent: the shard is (PP stage, DCP rank)
+        fields.update(pp=par.pp_size, dcp=par.dcp_size)
+    else:
+        fields.update(tp=par.tp_size, pp=par.pp_size, pcp=par.pcp_size, dcp=par.dcp_size,
+                      world=par.world_size)
     return Namespace(model=signature(fields), num_layers=1, kv_dim=layout.worker_bytes,
                      dtype="uint8", page_size=1, dcp_size=layout.num_shards)
 
 
+def worker_bytes_of(config: Any) -> int:
+    """One worker's bytes of one offload chunk (from the config alone, whatever the spec)."""
+    return int(config.worker_kv_bytes_per_block) * int(config.cache.blocks_per_chunk)
+
+
 class _Lookup(AsyncLookupManager):
-    """vLLM's async lookup front end; a batch (one request's keys, in chunk order) is a hit up
-    to the shortest stored prefix over all shards."""
+    """vLLM's async lookup front end. A batch holds one scheduler step's keys in any order
+    (a sliding-window lookup sends a request's keys last first): one answer per key, a hit when
+    every shard holds it."""
 
     def __init__(self, tier: "HiCacheTier", tier_type: str) -> None:
         super().__init__(tier_type=tier_type)
         self._tier = tier
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        n = self._tier.stored_prefix(keys)
-        return [i < n for i in range(len(keys))]
+        return self._tier.held(keys)
 
 
 class HiCacheTier(SecondaryTierManager):
@@ -102,27 +134,39 @@ class HiCacheTier(SecondaryTierManager):
                  tier_type: str, store: Any = None, capacity_bytes: int | None = None,
                  timeout_s: float | None = None, mla: bool | None = None,
                  weights_signature: str | None = None, io_threads: int = 2,
-                 locality: str | None = None,
+                 locality: str | None = None, enable_kv_events: bool = False,
+                 quantization: str | None = None, revision: str | None = None,
                  backpressure_detector: "BackpressureDetector | None" = None) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if store is None:
             raise L3Error("the hicache tier needs 'store': an LMDB directory, a Redis URL or a "
                           "list of Redis Cluster node URLs")
         check_int(io_threads, "io_threads", error=L3Error)
-        self.locality = Locality(locality) if locality is not None else None
+        # A Redis store is remote: say so (KV events, and vLLM's backpressure water marks)
+        self.locality = Locality(locality if locality is not None else
+                                 ("REMOTE" if is_remote(store) else "LOCAL"))
+        if locality is None and backpressure_detector is not None:
+            remote_water_marks(backpressure_detector, tier_type, self.locality)
         config = offloading_spec.config
         par = config.parallel
         self.mla = _detect_mla() if mla is None else bool(mla)
-        single = bool(getattr(offloading_spec, "replicated_layout", False))
-        worker_bytes = int(getattr(offloading_spec, "cpu_page_size_per_worker", 0))
+        # Only what every spec has (the config and vLLM's row): never a CPU-spec attribute.
+        worker_bytes = worker_bytes_of(config)
+        single = bool(getattr(config, "replicated_layout", False))  # vLLM's one-copy row
         self.layout = row_layout(world_size=par.world_size, tp=par.tp_size, pp=par.pp_size,
                                  pcp=par.pcp_size, dcp=par.dcp_size, mla=self.mla,
                                  single_copy=single, worker_bytes=worker_bytes)
         if self.layout.used_bytes > self.block_size_bytes:
             raise L3Error(f"{self.layout.slots} worker slots of {worker_bytes} B do not fit the "
                           f"primary row of {self.block_size_bytes} B")
+        mc = _current_model_config()
+        if quantization is None:
+            quantization = getattr(mc, "quantization", None)
+        if revision is None:
+            revision = getattr(mc, "revision", None)
         self.namespace = namespace_for(config, self.layout, self.mla,
-                                       weights_signature_of(config, weights_signature))
+                                       weights_signature_of(config, weights_signature),
+                                       quantization=quantization, revision=revision)
         # [num_chunks, row_bytes] uint8 over vLLM's primary tier (no copy)
         self._rows = np.asarray(primary_kv_view).view(np.uint8).reshape(len(primary_kv_view), -1)
         self._shards = range(self.layout.num_shards)
@@ -134,10 +178,35 @@ class HiCacheTier(SecondaryTierManager):
         self._finished: list[JobResult] = []
         self._inflight: dict[int, Future] = {}
         self._load_keys: dict[int, list[OffloadKey]] = {}
+        self._store_keys: dict[int, list[OffloadKey]] = {}
+        self.events: list[OffloadingEvent] | None = None
+        if enable_kv_events:
+            if offloading_spec.kv_events_config.enable_kv_cache_events:
+                self.events = []
+            else:
+                log.warning("hicache tier: enable_kv_events is set but vLLM's KV cache events "
+                            "are off; the tier emits none")
+        self.health = Health()
+        self._latency: list[tuple[str, float]] = []
         self._lookup = _Lookup(self, tier_type)
         self._closed = False
 
     # ---- shard I/O (pool threads) ----------------------------------------------------------------
+    def held(self, keys: list[OffloadKey]) -> list[bool]:
+        """Per key (any order): held by every shard?"""
+        t0 = time.perf_counter()
+        ok = [True] * len(keys)
+        for s in self._shards:
+            idx = [i for i in range(len(keys)) if ok[i]]
+            if not idx:
+                break
+            got = held(self.stores[s], store_keys([keys[i] for i in idx], self.namespace, s))
+            for i, g in zip(idx, got):
+                ok[i] = g
+        self.health.outcome(hits=sum(ok), misses=len(ok) - sum(ok))
+        self._observe("lookup", time.perf_counter() - t0)
+        return ok
+
     def stored_prefix(self, keys: list[OffloadKey]) -> int:
         """Leading keys held by every shard."""
         n = len(keys)
@@ -146,6 +215,10 @@ class HiCacheTier(SecondaryTierManager):
                 break
             n = min(n, self.stores[s].exists_prefix(store_keys(keys[:n], self.namespace, s)))
         return n
+
+    def _observe(self, op: str, seconds: float) -> None:
+        with self._lock:
+            self._latency.append((op, seconds))
 
     def _slot(self, chunk: int, slot: int) -> torch.Tensor:
         """Worker slot ``slot`` of primary row ``chunk`` as a [1, 1, bytes] view."""
@@ -206,8 +279,13 @@ class HiCacheTier(SecondaryTierManager):
             log.exception("hicache tier: %s job %d failed", "load" if promotion else "store",
                           job.job_id)
             ok, part, nbytes = False, None, None
+        dt = time.perf_counter() - t0
+        self._observe("load" if promotion else "store", dt)
+        if promotion:
+            n_ok = len(keys) if ok else len(part or ())
+            self.health.outcome(misses=len(keys) - n_ok)
         res = JobResult(job_id=job.job_id, success=ok, successful_keys=part,
-                        transfer_time=time.perf_counter() - t0, transfer_bytes=nbytes)
+                        transfer_time=dt, transfer_bytes=nbytes)
         with self._lock:
             self._finished.append(res)
 
@@ -232,6 +310,8 @@ class HiCacheTier(SecondaryTierManager):
         return LookupResult.HIT if found else LookupResult.MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
+        if self.events is not None:
+            self._store_keys[job_metadata.job_id] = list(job_metadata.keys)
         self._submit(job_metadata, promotion=False)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
@@ -242,11 +322,51 @@ class HiCacheTier(SecondaryTierManager):
         with self._lock:
             done, self._finished = self._finished, []
         for r in done:
+            stored = self._store_keys.pop(r.job_id, None)
+            if stored and r.success and self.events is not None:
+                self.events.append(OffloadingEvent(keys=stored, medium=self.medium,
+                                                   removed=False, locality=self.locality))
             keys = self._load_keys.pop(r.job_id, None)
             if keys is not None and not r.success:  # stop re-promoting what is not there
                 kept = set(r.successful_keys or ())
                 self._lookup.mark_miss([k for k in keys if k not in kept])
         return done
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """KV events (``BlockStored`` with medium STORAGE) of the chunks this tier stored, so a
+        KV-event-aware router sees what is in hicache's L3 (``enable_kv_events``)."""
+        if self.events is None:
+            return ()
+        out, self.events = self.events, []
+        return out
+
+    # ---- stats through vLLM's offloading stats (its Prometheus endpoint) ---------------------
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]
+                                 ) -> dict[str, OffloadingMetricMetadata]:
+        return metric_definitions()
+
+    def get_stats(self):
+        """hicache's L3 health since the last call, as vLLM ``OffloadingConnectorStats``."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats)
+        d = self.health.take(self.stores.values())
+        with self._lock:
+            lat, self._latency = self._latency, []
+        if d.empty and not lat:
+            return None
+        st = OffloadingConnectorStats()
+        tier = (self.tier_type,)
+        for name, v in ((HITS, d.hits), (MISSES, d.misses), (READ_BYTES, d.bytes_read),
+                        (WRITE_BYTES, d.bytes_written), (READ_SECONDS, d.read_s),
+                        (WRITE_SECONDS, d.write_s), (PAGES_WRITTEN, d.pages_written)):
+            if v:
+                st.increase_counter(name, v, tier)
+        for reason, n in d.errors.items():
+            st.increase_counter(ERRORS, n, tier + (reason,))
+        for op, sec in lat:
+            st.observe_histogram(LATENCY, sec, tier + (op,))
+        return st
 
     def has_pending_work(self) -> bool:
         with self._lock:
@@ -279,6 +399,59 @@ class HiCacheTier(SecondaryTierManager):
         self._rows = None  # release vLLM's buffer (its region unmaps only when unexported)
         for s in self.stores.values():
             s.close()
+
+
+# hicache's L3 health in vLLM's offloading stats (Prometheus names; docs/integrations.md)
+HITS = "vllm:kv_offload_hicache_l3_hits"
+MISSES = "vllm:kv_offload_hicache_l3_misses"
+ERRORS = "vllm:kv_offload_hicache_l3_errors"
+READ_BYTES = "vllm:kv_offload_hicache_l3_read_bytes"
+WRITE_BYTES = "vllm:kv_offload_hicache_l3_write_bytes"
+READ_SECONDS = "vllm:kv_offload_hicache_l3_read_seconds"
+WRITE_SECONDS = "vllm:kv_offload_hicache_l3_write_seconds"
+PAGES_WRITTEN = "vllm:kv_offload_hicache_l3_pages_written"
+LATENCY = "vllm:kv_offload_hicache_l3_latency_seconds"
+LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+
+
+def metric_definitions() -> dict[str, "OffloadingMetricMetadata"]:
+    c = OffloadingCounterMetadata
+    return {
+        HITS: c(documentation="Chunks the hicache L3 tier answered as held (lookups).",
+                labelnames=("tier",)),
+        MISSES: c(documentation="Chunks the hicache L3 tier answered as missing (lookups and "
+                                "loads that fell short).", labelnames=("tier",)),
+        ERRORS: c(documentation="hicache L3 failures by reason (" + ", ".join(REASONS) + ").",
+                  labelnames=("tier", "reason")),
+        READ_BYTES: c(documentation="Bytes read from hicache's L3.", labelnames=("tier",)),
+        WRITE_BYTES: c(documentation="Bytes written to hicache's L3.", labelnames=("tier",)),
+        READ_SECONDS: c(documentation="Seconds inside hicache L3 reads.", labelnames=("tier",)),
+        WRITE_SECONDS: c(documentation="Seconds inside hicache L3 writes.",
+                         labelnames=("tier",)),
+        PAGES_WRITTEN: c(documentation="Shards newly written to hicache's L3.",
+                         labelnames=("tier",)),
+        LATENCY: OffloadingHistogramMetadata(
+            documentation="hicache L3 tier operation latency (lookup, load, store), seconds.",
+            labelnames=("tier", "op"), buckets=LATENCY_BUCKETS),
+    }
+
+
+def remote_water_marks(detector: Any, tier_type: str, locality: Locality) -> None:
+    """vLLM picks a tier's backpressure defaults by its type before the tier exists; a tier
+    whose store is remote (Redis) gets the network defaults, as vLLM's remote tiers do, unless
+    the config set its own."""
+    cls = type(detector)
+    local = cls.default_config(tier_type, locality=None) or {}
+    mine = cls.default_config(tier_type, locality=locality.value) or {}
+    for k, v in mine.items():
+        for attr in _DETECTOR_ATTRS.get(k, (k, "_" + k)):
+            if hasattr(detector, attr) and getattr(detector, attr) == local.get(k):
+                setattr(detector, attr, v)
+
+
+# where vLLM's EMABackpressureDetector keeps each default_config key
+_DETECTOR_ATTRS = {"high_water_s": ("_high", "high_water_s"),
+                   "low_water_s": ("_low", "low_water_s")}
 
 
 def weights_signature_of(config: Any, override: str | None) -> str:

@@ -125,21 +125,36 @@ def test_generic_path_with_flat_pages(tmp_path, layout):
     b.close()
 
 
-def test_read_stops_at_the_first_missing_page(where):
+def test_reads_answer_per_key(where):
+    """SGLang's interface answers per key: a missing page fails only itself (its own file
+    backend reads every key), the pages after it are served; nothing else is written."""
     src, dst = host_pool("page_first"), host_pool("page_first")
     fill(src, 4)
     b = backend(where, src)
     b.batch_set_v1(HASHES, indices(src, [0, 1, 2, 3]))
     assert b.store.delete(b._keys(HASHES[1:2])) == 1
     r = backend(where, dst)
-    assert r.batch_exists(HASHES) == 1
+    assert r.batch_exists(HASHES) == 1  # batch_exists counts the leading pages held
     fill(dst, 40)
-    before = pages_of(dst, [1, 2, 3])
-    assert r.batch_get_v1(HASHES, indices(dst, [0, 1, 2, 3])) == [True, False, False, False]
-    assert torch.equal(pages_of(dst, [0])[0], pages_of(src, [0])[0])
-    assert all(torch.equal(x, y) for x, y in zip(before, pages_of(dst, [1, 2, 3])))  # untouched
+    before = pages_of(dst, [1])[0]
+    assert r.batch_get_v1(HASHES, indices(dst, [0, 1, 2, 3])) == [True, False, True, True]
+    for p in (0, 2, 3):
+        assert torch.equal(pages_of(dst, [p])[0], pages_of(src, [p])[0])
+    assert torch.equal(pages_of(dst, [1])[0], before)  # untouched
     b.close()
     r.close()
+
+
+def test_generic_reads_answer_per_key(tmp_path):
+    src, dst = host_pool("layer_first"), host_pool("layer_first")
+    fill(src, 7)
+    b = backend(str(tmp_path / "l3"), src)
+    lp = src.page_size
+    assert b.batch_set([HASHES[0], HASHES[2]], [src.get_data_page(p * lp) for p in (0, 2)])
+    got = b.batch_get(HASHES[:3], [dst.get_dummy_flat_data_page() for _ in range(3)])
+    assert got[1] is None and got[0] is not None and got[2] is not None
+    assert torch.equal(got[2], src.get_data_page(2 * lp))
+    b.close()
 
 
 def test_corrupt_value_is_a_miss(where):
@@ -151,11 +166,15 @@ def test_corrupt_value_is_a_miss(where):
     r = backend(where, dst)
     fill(dst, 50)
     before = pages_of(dst, [1])[0]
-    assert r.batch_get_v1(HASHES[:3], indices(dst, [0, 1, 2])) == [True, False, False]
+    assert r.batch_get_v1(HASHES[:3], indices(dst, [0, 1, 2])) == [True, False, True]
     assert torch.equal(pages_of(dst, [0])[0], pages_of(src, [0])[0])
+    assert torch.equal(pages_of(dst, [2])[0], pages_of(src, [2])[0])
     assert torch.equal(pages_of(dst, [1])[0], before)  # the bad bytes never reached the pool
     assert r.store.stats.corrupt == 1
     assert r.batch_exists(HASHES[:3]) == 1  # deleted: later lookups stop before it
+    st = r.get_stats()
+    assert st.hicache.errors == {"corrupt": 1}
+    assert st.hicache.hits == 2 and st.hicache.misses == 1
     b.close()
     r.close()
 
@@ -177,7 +196,7 @@ def test_other_weights_or_model_never_hit(tmp_path):
 
 def test_dcp2_both_ranks_keep_their_own_shards(where):
     """DCP 2 (tp 4): each DCP rank stores and reads its own rows of the widened page under its
-    own keys; the writer is SGLang's pick (first DCP group), the other replica only reads."""
+    own keys; SGLang's writer pick (first DCP group) is its own, and any replica may write."""
     pools = {r: host_pool("page_first", dcp=2, rank=r % 2) for r in range(4)}
     for r in (0, 1):
         fill(pools[r], 10 + r)
@@ -185,12 +204,14 @@ def test_dcp2_both_ranks_keep_their_own_shards(where):
     assert [bs[r].writer for r in range(4)] == [True, True, False, False]
     for r in (0, 1):
         assert bs[r].batch_set_v1(HASHES, indices(pools[r], [0, 1, 2, 3])) == [True] * 4
-    # the non-writer replica of DCP rank 0 writes nothing, reads what rank 0 wrote
-    assert bs[2].batch_set_v1(HASHES, indices(pools[2], [0, 1, 2, 3])) == [False] * 4
+    # the other replica of DCP rank 0 holds the same rows: its pages are already stored
+    fill(pools[2], 10)
+    assert bs[2].batch_set_v1(HASHES, indices(pools[2], [0, 1, 2, 3])) == [True] * 4
     assert bs[2].store.stats.pages_written == 0
     assert bs[0]._keys(HASHES)[0] != bs[1]._keys(HASHES)[0]  # per-rank keys
     for r in (2, 3):  # replicas of DCP ranks 0 and 1 restore their own shard
         dst = pools[r]
+        fill(dst, 99)
         assert bs[r].batch_get_v1(HASHES, indices(dst, [4, 5, 6, 7])) == [True] * 4
         src = pools[r - 2]
         assert all(torch.equal(a, c) for a, c in
@@ -230,3 +251,112 @@ def test_bad_set_up_is_refused(tmp_path):
         b.batch_exists(HASHES)
     with pytest.raises(L3Error, match="DCP"):
         b.register_mem_pool_host(host_pool("page_first", dcp=2, rank=1))
+
+
+# ---- the contracts SGLang's own storage-backend test encodes (issue 28, point 7) ---------------
+def test_any_mla_rank_may_write(where):
+    """A rank that is not SGLang's designated writer stores too (SGLang's test writes from any
+    MLA rank; its file backend does), and the writer reads it back."""
+    src, dst = host_pool("page_first"), host_pool("page_first")
+    fill(src, 8)
+    other = backend(where, src, tp=2, tp_rank=1)
+    assert not other.writer
+    assert other.batch_set_v1(HASHES, indices(src, [0, 1, 2, 3])) == [True] * 4
+    assert other.store.stats.pages_written == 4
+    assert other.batch_set(HASHES[:1], [src.get_data_page(0)])  # generic path too
+    w = backend(where, dst, tp=2, tp_rank=0)
+    assert w.batch_get_v1(HASHES, indices(dst, [4, 5, 6, 7])) == [True] * 4
+    assert all(torch.equal(a, c) for a, c in
+               zip(pages_of(src, [0, 1, 2, 3]), pages_of(dst, [4, 5, 6, 7])))
+    other.close()
+    w.close()
+
+
+def test_clear_deletes_this_namespace_only(where):
+    src = host_pool("page_first")
+    fill(src, 9)
+    b = backend(where, src)
+    keep = backend(where, src, model="org/other-mla")
+    b.batch_set_v1(HASHES, indices(src, [0, 1, 2, 3]))
+    keep.batch_set_v1(HASHES[:2], indices(src, [0, 1]))
+    assert b.batch_exists(HASHES) == 4
+    b.clear()
+    assert b.batch_exists(HASHES) == 0 and not any(b.batch_get_v1(
+        HASHES, indices(src, [4, 5, 6, 7])))
+    assert keep.batch_exists(HASHES[:2]) == 2  # another model's pages stay
+    b.close()
+    keep.close()
+
+
+def test_get_stats_is_sglangs_storage_metrics_with_l3_health(where):
+    from prometheus_client import REGISTRY
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+    src, dst = host_pool("page_first"), host_pool("page_first")
+    fill(src, 11)
+    b = backend(where, src, model="org/stats-mla")
+    b.batch_set_v1(HASHES[:3], indices(src, [0, 1, 2]))
+    st = b.get_stats()
+    assert isinstance(st, StorageMetrics) and st.backup_pgs == [3] and st.prefetch_pgs == []
+    assert st.hicache.pages_written == 3 and st.hicache.bytes_written > 0
+    assert b.batch_get_v1(HASHES, indices(dst, [4, 5, 6, 7])) == [True] * 3 + [False]
+    st = b.get_stats()
+    assert st.prefetch_pgs == [4] and len(st.prefetch_bandwidth) == 1
+    assert st.hicache.hits == 3 and st.hicache.misses == 1
+    assert st.hicache.bytes_read == 3 * b.store.page_bytes
+    labels = {"model_name": "org/stats-mla", "tp_rank": "0", "dcp_rank": "0"}
+    assert REGISTRY.get_sample_value("hicache_l3_hits_total", labels) >= 3
+    assert REGISTRY.get_sample_value("hicache_l3_misses_total", labels) >= 1
+    b.close()
+
+
+def test_redis_outage_counts_refused(redis_factory):
+    from prometheus_client import REGISTRY
+    srv = redis_factory(unix=True, maxmemory=64 << 20)
+    src = host_pool("page_first")
+    fill(src, 12)
+    b = backend(srv.url, src, model="org/outage-mla", timeout_s=0.5)
+    b.batch_set_v1(HASHES[:2], indices(src, [0, 1]))
+    b.get_stats()
+    srv.stop()
+    assert b.batch_get_v1(HASHES[:2], indices(src, [4, 5])) == [False, False]
+    st = b.get_stats()
+    assert st.hicache.errors == {"refused": 1} and st.hicache.misses == 2
+    labels = {"model_name": "org/outage-mla", "tp_rank": "0", "dcp_rank": "0",
+              "reason": "refused"}
+    assert REGISTRY.get_sample_value("hicache_l3_errors_total", labels) == 1
+    b.close()
+
+
+# ---- point 4: the namespace names what changes the bytes -------------------------------------
+@pytest.mark.parametrize("field,a,b,same", [
+    ("quantization", None, "fp8", False), ("quantization", "fp8", "awq", False),
+    ("revision", "main", "v2", False),
+    ("kv_cache_dtype", "fp8_e4m3", "fp8_e5m2", False),
+    ("kv_cache_dtype", "fp8", "fp8_e4m3", True),
+    ("kv_cache_dtype", "auto", None, True),
+])
+def test_namespace_field(tmp_path, field, a, b, same):
+    """Two deployments differing only in ``field`` share pages exactly when the bytes are the
+    same (fp8 is e4m3 in both engines; e4m3 and e5m2 have one size and other bytes)."""
+    where = str(tmp_path / "l3")
+    src = host_pool("page_first")
+    fill(src, 13)
+    w = backend(where, src, **{field: a})
+    w.batch_set_v1(HASHES[:2], indices(src, [0, 1]))
+    r = backend(where, host_pool("page_first"), **{field: b})
+    assert r.batch_exists(HASHES[:2]) == (2 if same else 0)
+    w.close()
+    r.close()
+
+
+def test_tp_size_is_not_in_an_mla_namespace(tmp_path):
+    """An MLA latent is replicated over TP: TP=2 and TP=4 deployments share pages."""
+    where = str(tmp_path / "l3")
+    src = host_pool("page_first")
+    fill(src, 14)
+    w = backend(where, src, tp=2)
+    w.batch_set_v1(HASHES[:2], indices(src, [0, 1]))
+    r = backend(where, host_pool("page_first"), tp=4)
+    assert r.batch_exists(HASHES[:2]) == 2
+    w.close()
+    r.close()

@@ -5,6 +5,7 @@ shared-memory CPU tier); the tier is loaded by vLLM's factory from ``module_path
 The test stands in for the GPU workers only: it writes each worker's slot of a CPU row (MLA, tp=4,
 dcp=2: workers 0,2 hold DCP shard 0 and 1,3 shard 1) where vLLM's worker copy would."""
 
+import contextlib
 import hashlib
 import multiprocessing as mp
 import time
@@ -14,10 +15,12 @@ import numpy as np
 import pytest
 from engine_helpers import damage  # noqa: I001  first: before vLLM (see engine_helpers)
 
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+from vllm.v1.kv_offload.base import (Locality, LookupResult, Medium, OffloadingSpec, ReqContext,
+                                     ScheduleEndContext, make_offload_key)
 from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig,
                                        OffloadingGroupConfig, OffloadingModelConfig,
                                        OffloadingParallelConfig)
+from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from hicache.integrations.common import store_keys
@@ -41,27 +44,34 @@ def payload(key: bytes, shard: int) -> np.ndarray:
 class Tiered:
     """vLLM's tiering manager (CPU primary + the hicache tier) of one scheduler process."""
 
-    def __init__(self, where, *, tp=4, dcp=2, chunks=4, weights="w1", mla=True):
+    def __init__(self, where, *, tp=4, dcp=2, chunks=4, weights="w1", mla=True,
+                 kv_dtype="bfloat16", replicated=False, events=False, tier_extra=None,
+                 extra=None):
         tier = {"type": "HiCacheTier", "module_path": "hicache.integrations.vllm",
                 "store": where, "mla": mla, "weights_signature": weights,
-                "capacity_bytes": 32 << 20, "timeout_s": 5.0}
-        row = -(-WORKER_BYTES * tp // 4096) * 4096
+                "capacity_bytes": 32 << 20, "timeout_s": 5.0, **(tier_extra or {})}
+        if events:
+            tier["enable_kv_events"] = True
+        row = -(-WORKER_BYTES * (1 if replicated else tp) // 4096) * 4096
         config = OffloadingConfig(
             groups=(OffloadingGroupConfig(tokens_per_block=16,
                                           layer_names=("layers.0.attn", "layers.1.attn"),
                                           group_id=0),),
-            worker_kv_bytes_per_block=WORKER_BYTES, enable_kv_cache_events=False,
+            worker_kv_bytes_per_block=WORKER_BYTES, enable_kv_cache_events=events,
             extra_config={"cpu_bytes_to_use": chunks * row, "secondary_tiers": [tier],
-                          "tier_poll_interval_s": 0},
+                          "tier_poll_interval_s": 0, **(extra or {})},
             engine_id=f"hicache-test-{uuid.uuid4().hex[:12]}",
-            model=OffloadingModelConfig(name="tiny-mla", dtype="bfloat16"),
+            model=OffloadingModelConfig(name="tiny-mla", dtype=kv_dtype),
             cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
             parallel=OffloadingParallelConfig(
                 rank=0, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=dcp,
                 data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-                is_parallelism_agnostic=False))
+                is_parallelism_agnostic=False),
+            replicated_layout=replicated)
         self.spec = TieringOffloadingSpec(config)
         self.mgr = self.spec.get_manager()
+        # vLLM 0.33 serialises the scheduler's calls with the manager's lock; 0.32 has none
+        self.lock = getattr(self.mgr, "lock", contextlib.nullcontext())
         self.tier = self.mgr.secondary_tiers[0]
         assert isinstance(self.tier, HiCacheTier)
         self.rows = np.asarray(self.mgr.primary_tier.get_kv_memoryview()).view(np.uint8)
@@ -72,20 +82,20 @@ class Tiered:
 
     def step(self):
         self.tier.drain_jobs()
-        with self.mgr.lock:
+        with self.lock:
             self.mgr.on_schedule_end(END)
 
     def store(self, req: str, keys) -> list:
         """A request whose chunks the GPU workers wrote: prepare, write rows, complete (vLLM
         then cascades them to the hicache tier). Returns the keys vLLM evicted for room."""
         ctx = ReqContext(req_id=req)
-        with self.mgr.lock:
+        with self.lock:
             self.mgr.on_new_request(ctx)
             out = self.mgr.prepare_store(keys, ctx)
         assert out is not None and list(out.keys_to_store) == list(keys)
         for key, cid in zip(keys, out.store_spec.chunk_ids):
             self.rows[int(cid), :len(self.shard_of) * WORKER_BYTES] = self.expected(key)
-        with self.mgr.lock:
+        with self.lock:
             self.mgr.complete_store(keys, ctx)
             self.mgr.on_request_finished(ctx)
         self.step()
@@ -93,7 +103,7 @@ class Tiered:
         return list(out.evicted_keys)
 
     def lookups(self, ctx, keys) -> list:
-        with self.mgr.lock:
+        with self.lock:
             return [self.mgr.lookup(k, ctx) for k in keys]
 
     def until(self, ctx, keys, done, limit_s=30.0) -> list:
@@ -111,7 +121,7 @@ class Tiered:
 
     def read(self, ctx, keys) -> list:
         """The primary rows vLLM would load to the GPU for ``keys`` (copies)."""
-        with self.mgr.lock:
+        with self.lock:
             spec = self.mgr.prepare_load(keys, ctx)
             out = [self.rows[int(c), :len(self.shard_of) * WORKER_BYTES].copy()
                    for c in spec.chunk_ids]
@@ -120,7 +130,7 @@ class Tiered:
 
     def request(self, req: str) -> ReqContext:
         ctx = ReqContext(req_id=req)
-        with self.mgr.lock:
+        with self.lock:
             self.mgr.on_new_request(ctx)
         return ctx
 
@@ -145,7 +155,7 @@ def stored_and_evicted(t: Tiered, n: int = 3) -> list:
     assert t.store("a", a) == []
     evicted = t.store("b", [okey("b", i) for i in range(4)])  # the CPU tier holds 4 chunks
     assert set(a) <= set(evicted)
-    with t.mgr.lock:
+    with t.lock:
         assert all(t.mgr.primary_tier.lookup(k, ReqContext("x")) == MISS for k in a)
     return a
 
@@ -225,13 +235,13 @@ def test_differing_mla_copies_are_not_stored(tmp_path):
     try:
         ctx = ReqContext(req_id="a")
         keys = [okey("a", 0)]
-        with t.mgr.lock:
+        with t.lock:
             t.mgr.on_new_request(ctx)
             out = t.mgr.prepare_store(keys, ctx)
         cid = int(out.store_spec.chunk_ids[0])
         t.rows[cid, :4 * WORKER_BYTES] = t.expected(keys[0])
         t.rows[cid, 2 * WORKER_BYTES] ^= 1  # worker 2's copy of shard 0 differs: not MLA
-        with t.mgr.lock:
+        with t.lock:
             t.mgr.complete_store(keys, ctx)
         t.step()
         assert all(s.stats.pages_written == 0 for s in t.tier.stores.values())
@@ -272,3 +282,253 @@ def test_two_scheduler_processes_share_one_redis_l3(redis_url):
             if p.is_alive():
                 p.kill()
     assert got == [("x", ["HIT"] * 3, True), ("y", ["HIT"] * 3, True)]
+
+
+# ---- the contracts vLLM's own tier tests encode (issue 28, point 7) ----------------------------
+def test_lookup_answers_per_key_in_any_order(tiered):
+    """vLLM batches a step's lookups in any order (its sliding-window lookup sends a request's
+    keys last first): a missing chunk is a miss for itself only, not for the keys after it."""
+    t = tiered
+    a = stored_and_evicted(t)
+    never = okey("never", 0)
+    ctx = t.request("c")
+    assert t.resolve(ctx, [never, a[2], a[1], a[0]]) == [MISS, HIT, HIT, HIT]
+    assert t.tier.held([a[2], never, a[0]]) == [True, False, True]
+
+
+class _BareSpec(OffloadingSpec):
+    """A spec with only what vLLM's base OffloadingSpec has (no CPU-spec attributes)."""
+
+    def get_manager(self):
+        raise NotImplementedError
+
+    def get_worker(self, kv_caches):
+        raise NotImplementedError
+
+
+def _config(tp=2, dcp=1, chunks=4, replicated=False):
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers.0.attn",),
+                                      group_id=0),),
+        worker_kv_bytes_per_block=WORKER_BYTES, enable_kv_cache_events=False,
+        extra_config={}, engine_id=f"bare-{uuid.uuid4().hex[:8]}",
+        model=OffloadingModelConfig(name="tiny-mla", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=dcp,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=False),
+        replicated_layout=replicated)
+
+
+def test_tier_starts_from_any_spec(tmp_path):
+    """A tier built from a spec that is not vLLM's CPU spec (no cpu_page_size_per_worker, no
+    replicated_layout attribute) starts, and stores and loads a row exactly."""
+    spec = _BareSpec(_config(tp=2))
+    assert not hasattr(spec, "cpu_page_size_per_worker")
+    rows = np.zeros((4, 4096), dtype=np.uint8)
+    tier = HiCacheTier(spec, memoryview(rows), "HiCacheTier", store=str(tmp_path / "l3"),
+                       mla=True, weights_signature="w1")
+    try:
+        assert tier.layout.slots == 2 and tier.layout.num_shards == 1
+        key = okey("bare", 0)
+        rows[1, :2 * WORKER_BYTES] = np.tile(payload(key, 0), 2)
+        job = TransferJob(job_id=1, keys=[key], chunk_ids=np.array([1]), is_promotion=False,
+                          req_context=ReqContext(req_id="r"))
+        tier.submit_store(job)
+        tier.drain_jobs()
+        assert [r.success for r in tier.get_finished_jobs()] == [True]
+        load = TransferJob(job_id=2, keys=[key], chunk_ids=np.array([3]), is_promotion=True,
+                           req_context=ReqContext(req_id="r"))
+        tier.submit_load(load)
+        tier.drain_jobs()
+        assert [r.success for r in tier.get_finished_jobs()] == [True]
+        assert np.array_equal(rows[3], rows[1])
+    finally:
+        tier.shutdown()
+
+
+def test_stores_emit_kv_events_with_the_storage_medium(tmp_path):
+    t = Tiered(str(tmp_path / "l3"), events=True)
+    try:
+        a = [okey("a", i) for i in range(3)]
+        t.store("a", a)
+        with t.lock:
+            events = list(t.mgr.take_events())
+        mine = [e for e in events if e.medium == Medium.STORAGE]
+        assert len(mine) == 1 and list(mine[0].keys) == a and not mine[0].removed
+        assert mine[0].locality == Locality.LOCAL
+        with t.lock:  # taken once
+            assert [e for e in t.mgr.take_events() if e.medium == Medium.STORAGE] == []
+    finally:
+        t.close()
+
+
+def test_no_kv_events_unless_asked(tmp_path):
+    t = Tiered(str(tmp_path / "l3"))
+    try:
+        t.store("a", [okey("a", 0)])
+        with t.lock:
+            assert [e for e in t.mgr.take_events() if e.medium == Medium.STORAGE] == []
+    finally:
+        t.close()
+
+
+BP = {"backpressure": {"backpressure_cls": "EMABackpressureDetector"}}
+
+
+def test_a_redis_tier_is_remote_and_gets_network_backpressure(where):
+    t = Tiered(where, extra=BP)
+    try:
+        det = t.tier.bp_detector
+        remote = where.startswith(("redis", "unix"))
+        assert t.tier.locality == (Locality.REMOTE if remote else Locality.LOCAL)
+        cls = type(det)
+        assert det._high == (cls.NETWORK_HIGH_WATER_S if remote else cls.LOCAL_HIGH_WATER_S)
+        assert det._low == (cls.NETWORK_LOW_WATER_S if remote else cls.LOCAL_LOW_WATER_S)
+    finally:
+        t.close()
+
+
+def test_an_explicit_locality_or_water_mark_wins(redis_url):
+    t = Tiered(redis_url, tier_extra={"locality": "LOCAL"}, extra=BP)
+    try:
+        assert t.tier.locality == Locality.LOCAL
+        assert t.tier.bp_detector._high == type(t.tier.bp_detector).LOCAL_HIGH_WATER_S
+    finally:
+        t.close()
+    t = Tiered(redis_url, extra={"backpressure": {"backpressure_cls": "EMABackpressureDetector",
+                                                   "high_water_s": 0.5}})
+    try:
+        assert t.tier.bp_detector._high == 0.5
+    finally:
+        t.close()
+
+
+# ---- point 4: the namespace names what changes the bytes, and nothing else -------------------
+def _shared(where, first: dict, second: dict) -> bool:
+    """Chunks stored by a tier of ``first`` are hits, byte for byte, for one of ``second``."""
+    t1 = Tiered(where, **first)
+    try:
+        a = stored_and_evicted(t1)
+    finally:
+        t1.close()
+    t2 = Tiered(where, **second)
+    try:
+        ctx = t2.request("c")
+        res = t2.resolve(ctx, a)
+        if res == [MISS] * 3:
+            return False
+        assert res == [HIT] * 3, res
+        assert all(np.array_equal(r, t2.expected(k)) for k, r in zip(a, t2.read(ctx, a)))
+        return True
+    finally:
+        t2.close()
+
+
+def test_mla_tp_sizes_share_pages(where):
+    """An MLA latent is the same on every TP rank: TP=2 and TP=4 (DCP 1) share pages, and so
+    does vLLM's single-copy row."""
+    assert _shared(where, dict(tp=2, dcp=1), dict(tp=4, dcp=1))
+    assert _shared(where, dict(tp=4, dcp=1, replicated=True), dict(tp=2, dcp=1))
+
+
+def test_head_split_tp_sizes_do_not_share(tmp_path):
+    """A KV split by heads differs per TP size: no sharing."""
+    assert not _shared(str(tmp_path / "l3"), dict(tp=2, dcp=1, mla=False),
+                       dict(tp=4, dcp=1, mla=False))
+
+
+def test_dcp_sizes_do_not_share(tmp_path):
+    assert not _shared(str(tmp_path / "l3"), dict(tp=4, dcp=2), dict(tp=4, dcp=1))
+
+
+@pytest.mark.parametrize("a,b,same", [("fp8_e4m3", "fp8_e5m2", False), ("fp8", "fp8_e4m3", True),
+                                      ("bfloat16", "float16", False)])
+def test_kv_dtype(tmp_path, a, b, same):
+    assert _shared(str(tmp_path / "l3"), dict(kv_dtype=a), dict(kv_dtype=b)) is same
+
+
+@pytest.mark.parametrize("field,a,b", [("quantization", None, "fp8"),
+                                       ("quantization", "fp8", "awq"),
+                                       ("revision", "main", "v2")])
+def test_quantization_and_revision(tmp_path, field, a, b):
+    where = str(tmp_path / "l3")
+    assert not _shared(where, dict(tier_extra={field: a}), dict(tier_extra={field: b}))
+    assert _shared(where, dict(tier_extra={field: b}), dict(tier_extra={field: b}))
+
+
+# ---- point 3: L3 health through vLLM's own offloading stats ------------------------------------
+def _stats(t) -> dict:
+    with t.lock:
+        st = t.mgr.get_stats()
+    return {} if st is None else st.data["data"]
+
+
+def test_health_reaches_vllms_offloading_stats(where):
+    t = Tiered(where)
+    try:
+        a = stored_and_evicted(t)
+        _stats(t)  # the store phase, reported once
+        ctx = t.request("c")
+        assert t.resolve(ctx, a + [okey("never", 0)]) == [HIT] * 3 + [MISS]
+        t.read(ctx, a)
+        d = _stats(t)
+        tier = ("HiCacheTier",)
+        assert d["vllm:kv_offload_hicache_l3_hits"][tier] >= 3 and d["vllm:kv_offload_hicache_l3_misses"][tier] >= 1
+        assert d["vllm:kv_offload_hicache_l3_read_bytes"][tier] == 2 * 3 * WORKER_BYTES  # 2 shards x 3 chunks
+        assert {op for (_, op) in d["vllm:kv_offload_hicache_l3_latency_seconds"]} >= {"lookup", "load"}
+        assert "vllm:kv_offload_hicache_l3_errors" not in d
+        assert "vllm:kv_offload_hicache_l3_hits" not in _stats(t)  # reset once taken
+        defs = TieringOffloadingSpec.build_metric_definitions(
+            {"secondary_tiers": [{"type": "HiCacheTier",
+                                  "module_path": "hicache.integrations.vllm"}]})
+        assert defs["vllm:kv_offload_hicache_l3_errors"].labelnames == ("tier", "reason")
+    finally:
+        t.close()
+
+
+def test_corrupt_values_count_as_corrupt_errors(tiered):
+    t = tiered
+    a = stored_and_evicted(t)
+    _stats(t)
+    ctx = t.request("c")
+    t.until(ctx, a, lambda r: all(x == LookupResult.HIT_PENDING for x in r))
+    damage(t.tier.stores[0], t.shard_keys(a[1:2], 0)[0])
+    assert t.resolve(ctx, a) == [HIT, MISS, MISS]
+    assert _stats(t)["vllm:kv_offload_hicache_l3_errors"] == {("HiCacheTier", "corrupt"): 1}
+
+
+def _errors_until(t, keys, reason, limit_s=30.0) -> dict:
+    """Look keys up (fresh requests) until an error of ``reason`` is reported (bounded)."""
+    deadline, seen, i = time.monotonic() + limit_s, {}, 0
+    while time.monotonic() < deadline:
+        i += 1
+        t.resolve(t.request(f"probe-{reason}-{i}"), [okey(f"{reason}-{i}", 0)] + keys)
+        for k, v in _stats(t).get("vllm:kv_offload_hicache_l3_errors", {}).items():
+            seen[k[1]] = seen.get(k[1], 0) + v
+        if reason in seen:
+            return seen
+        time.sleep(0.2)
+    return seen
+
+
+def test_redis_timeouts_and_refusals_count_by_reason(redis_factory):
+    import os
+    import signal
+    srv = redis_factory(unix=True, maxmemory=64 << 20)
+    t = Tiered(srv.url, tier_extra={"timeout_s": 0.5})
+    try:
+        a = stored_and_evicted(t)
+        _stats(t)
+        os.kill(srv.proc.pid, signal.SIGSTOP)  # a hung server: calls time out
+        try:
+            seen = _errors_until(t, a, "timeout")
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        assert set(seen) == {"timeout"}
+        srv.stop()  # gone: connections are refused
+        seen = _errors_until(t, a, "refused")
+        assert set(seen) == {"refused"}
+    finally:
+        t.close()
