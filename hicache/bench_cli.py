@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from . import preflight
+from .bench_model import engine_model, l3_backend
 from .cli import number, run_guarded
 from .config import HiCacheConfig, load_config
 from .controller.policy import WRITE_POLICIES
@@ -103,16 +104,6 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
                    prefill_tokens=prefill[0], prefill_s=prefill[1])
     out["results"] = [(r.request_id, r.prompt_len, r.output, r.ttft_s, r.hit) for r in results]
     return out
-
-
-def engine_model(cfg: HiCacheConfig, seed: int = 0):
-    """The policy's checkpoint (``[model] path``) or the built-in seeded model."""
-    if cfg.model.path:
-        from .checkpoints.hf import load_model
-        return load_model(cfg.model.path)
-    from .engine.model import MLAModel
-    from .serving import model_config
-    return MLAModel(model_config(cfg, seed=seed))
 
 
 @contextmanager
@@ -496,11 +487,6 @@ def check_destination(flag: str, path: str, suffixes: tuple[str, ...] = ()) -> P
     return p
 
 
-def _l3_backend(cfg: HiCacheConfig):
-    from .l3 import registry
-    return registry.get(cfg.l3.backend)
-
-
 def _l3_at(cfg: HiCacheConfig, where, flag: str) -> HiCacheConfig:
     """``--l3-path DIR`` (the default backend's directory) / ``--l3-url URL[,URL...]`` (the
     registered backend that claims the URL)."""
@@ -549,7 +535,7 @@ def _resolve(args) -> tuple[HiCacheConfig, list[Variant], list[str]]:
         if heads % cfg.parallel.dcp:
             raise UsageError(f"dcp {cfg.parallel.dcp} does not divide the {heads} attention heads "
                              f"of {cfg.model.path}")
-    if args.cold_l3 and _l3_backend(cfg).scratch is None:
+    if args.cold_l3 and l3_backend(cfg).scratch is None:
         raise UsageError(f"--cold-l3 needs an L3 backend that can make an empty store per run "
                          f"(lmdb: a directory); l3.backend is {cfg.l3.backend!r}")
     if "l1+l2+l3" in modes and not cfg.l3.enabled:

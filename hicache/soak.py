@@ -30,6 +30,7 @@ import tempfile
 import time
 from dataclasses import replace
 
+from .bench_model import engine_model, l3_backend
 from .config import HiCacheConfig
 from .errors import TransferError
 from .faults import FaultConfig, FaultInjector, KINDS, L3_KINDS, OPT_IN
@@ -46,7 +47,6 @@ def run_soak_rank(rank: int, world: int, cfg_dict: dict, jobs: list, opts: dict)
     import torch
     import torch.distributed as dist
 
-    from .bench_cli import engine_model
     from .metrics import HiCacheMetrics
     from .serving import Server
     from .service import HiCache
@@ -222,18 +222,13 @@ class SharedServer:
 
 
 # ---- the parent ------------------------------------------------------------------------------
-def _l3_backend(cfg: HiCacheConfig):
-    from .l3 import registry
-    return registry.get(cfg.l3.backend)
-
-
 def run_soak(cfg: HiCacheConfig, jobs: list, opts: dict) -> dict:
     """Spawn the ranks, run the soak, return the ``"faults"`` report (see ``verdict``)."""
     from .distributed import launch
     l3 = tempfile.mkdtemp(prefix="hicache-soak-l3-")
     server = None
     try:
-        backend = _l3_backend(cfg)
+        backend = l3_backend(cfg)
         if backend.shared:  # a server the ranks share: started (and killed) here
             from .l3.localserver import free_port
             server = SharedServer(l3, free_port(), 256 << 20)
