@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from . import preflight
+from .bench_model import engine_model, l3_backend
 from .cli import number, run_guarded
 from .config import HiCacheConfig, load_config
 from .controller.policy import WRITE_POLICIES
@@ -64,14 +65,8 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
         server = Server(model, cache, group=group, backend=opts["backend"],
                         chunk_tokens=opts["chunk"], max_running=opts["max_running"],
                         max_overtakes=opts.get("max_overtakes", 4), probe=probe)
-        bar = None
-        if rank == 0 and opts["progress"]:
-            from tqdm import tqdm
-            # a thread lock: tqdm's default makes a named semaphore, which a rank (it exits
-            # without interpreter teardown) would leave to the parent's resource tracker
-            tqdm.set_lock(threading.RLock())
-            bar = tqdm(total=len(jobs), desc=f"{opts['workload']}:{mode}", unit="req",
-                       leave=False, file=sys.stderr)
+        bar = _progress_bar(len(jobs), f"{opts['workload']}:{mode}") \
+            if rank == 0 and opts["progress"] else None
         t0 = time.perf_counter()
         results = server.run(jobs, on_done=(lambda r: bar.update(1)) if bar else None)
         wall = time.perf_counter() - t0
@@ -80,12 +75,7 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
             server.probe = None  # the soak's further passes are not compared
         cache.drain()  # every rank: apply the last transfers and L3 writes before counting
         first = cache.stats()  # the figures of the first pass; the soak only watches for leaks
-        first["serving"] = {"preemptions": server.preemptions,
-                            "blocked_steps": server.blocked_steps,
-                            "longest_stall": server.longest_stall,
-                            "overtakes": server.overtakes, "rematches": server.rematches,
-                            "probes_returned": server.probes_returned,
-                            "cache_s": dict(server.cache_s), "prefill_s": server.prefill_s}
+        first["serving"] = _serving_figures(server)
         prefill = (server.prefill_tokens, server.prefill_s)
         passes, soak = 1, []
         while _agree_continue(opts["duration"] > time.perf_counter() - t0, group):
@@ -103,16 +93,6 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
                    prefill_tokens=prefill[0], prefill_s=prefill[1])
     out["results"] = [(r.request_id, r.prompt_len, r.output, r.ttft_s, r.hit) for r in results]
     return out
-
-
-def engine_model(cfg: HiCacheConfig, seed: int = 0):
-    """The policy's checkpoint (``[model] path``) or the built-in seeded model."""
-    if cfg.model.path:
-        from .checkpoints.hf import load_model
-        return load_model(cfg.model.path)
-    from .engine.model import MLAModel
-    from .serving import model_config
-    return MLAModel(model_config(cfg, seed=seed))
 
 
 @contextmanager
@@ -133,6 +113,23 @@ def _serve_metrics(cache, rank: int, opts: dict):
         yield metrics
     finally:
         metrics.close()
+
+
+def _progress_bar(total: int, desc: str):
+    """Rank 0's progress bar (tqdm), on stderr."""
+    from tqdm import tqdm
+    # a thread lock: tqdm's default makes a named semaphore, which a rank (it exits
+    # without interpreter teardown) would leave to the parent's resource tracker
+    tqdm.set_lock(threading.RLock())
+    return tqdm(total=total, desc=desc, unit="req", leave=False, file=sys.stderr)
+
+
+def _serving_figures(server) -> dict:
+    """The serving loop's counters after a pass (``stall_summary`` reads them)."""
+    return {"preemptions": server.preemptions, "blocked_steps": server.blocked_steps,
+            "longest_stall": server.longest_stall, "overtakes": server.overtakes,
+            "rematches": server.rematches, "probes_returned": server.probes_returned,
+            "cache_s": dict(server.cache_s), "prefill_s": server.prefill_s}
 
 
 def _agree_continue(local: bool, group) -> bool:
@@ -381,6 +378,16 @@ def _soak_verdict(per_rank: list[list[dict]]) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hicache-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_run_options(p)
+    _add_comparison_options(p)
+    _add_output_options(p)
+    _add_soak_options(p)
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    """What runs: the policy file and its overrides, the trace, the requests."""
     p.add_argument("--workload", default="chat,agentic",
                    help="chat, agentic, or both comma-separated (default: both)")
     p.add_argument("--config", default=str(EXAMPLE), help="policy file (default: the example)")
@@ -400,6 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-output", type=int, default=24,
                    help="cap generated tokens per request (0 = as the trace says)")
     p.add_argument("--max-running", type=int, default=4, help="requests in flight")
+
+
+def _add_comparison_options(p: argparse.ArgumentParser) -> None:
+    """The rows compared: write policies, admission, reps, L3 state, engine, verify."""
     p.add_argument("--write", help="compare L2 write policies: comma-separated, any of "
                    + ", ".join(WRITE_POLICIES) + " (one row per policy for each mode with L2; "
                    "default: the policy file's)")
@@ -422,9 +433,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="token ids of every mode must equal recompute's (run for the purpose "
                         "when recompute is not among --modes); exit 1 otherwise")
+
+
+def _add_output_options(p: argparse.ArgumentParser) -> None:
+    """Where the report goes."""
     p.add_argument("--out", help="write the JSON here")
     p.add_argument("--json", action="store_true", help="print the JSON instead of the table")
     p.add_argument("--plot", help="TTFT distribution and hit ratio by tier (needs matplotlib)")
+
+
+def _add_soak_options(p: argparse.ArgumentParser) -> None:
+    """The soak, the fault soak and the live metrics."""
     p.add_argument("--duration", type=float, default=0.0,
                    help="soak: keep replaying for this many seconds, fail on a leak")
     p.add_argument("--faults", type=int, metavar="SEED", default=None,
@@ -439,8 +458,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus /metrics on 127.0.0.1: rank r of each mode on PORT+r "
                         "while it runs (0 = off)")
-    p.add_argument("--no-progress", action="store_true")
-    return p
 
 
 def _jobs(args, workload: str, cfg: HiCacheConfig) -> list:
@@ -496,11 +513,6 @@ def check_destination(flag: str, path: str, suffixes: tuple[str, ...] = ()) -> P
     return p
 
 
-def _l3_backend(cfg: HiCacheConfig):
-    from .l3 import registry
-    return registry.get(cfg.l3.backend)
-
-
 def _l3_at(cfg: HiCacheConfig, where, flag: str) -> HiCacheConfig:
     """``--l3-path DIR`` (the default backend's directory) / ``--l3-url URL[,URL...]`` (the
     registered backend that claims the URL)."""
@@ -516,6 +528,29 @@ def _l3_at(cfg: HiCacheConfig, where, flag: str) -> HiCacheConfig:
 
 
 def _resolve(args) -> tuple[HiCacheConfig, list[Variant], list[str]]:
+    cfg = _policy(args)
+    modes = _names("--modes", args.modes, CACHE_MODES)
+    writes = _names("--write", args.write, WRITE_POLICIES) if args.write is not None else None
+    overtakes = _overtakes(args.max_overtakes)
+    number("--reps", args.reps, 1, 1000)
+    cfg = _checked_stores(args, cfg, modes)
+    if args.trace:
+        workloads = [Path(args.trace).stem]
+    else:
+        workloads = _names("--workload", args.workload, WORKLOADS)
+    _check_numbers(args, cfg)
+    if args.faults is not None:
+        _check_faults(args, cfg)
+    _check_outputs(args)
+    tiers = tuple(sorted({t for m in modes for t in CACHE_MODES[m]}))
+    for w in preflight.validate(cfg, tiers=tiers):  # before any rank is spawned
+        print(f"warning: {w}", file=sys.stderr)
+    return cfg, variants(cfg, modes, writes, overtakes), workloads
+
+
+def _policy(args) -> HiCacheConfig:
+    """The policy file with the command line's overrides: --model, --l3-path / --l3-url,
+    --dcp."""
     cfg = load_config(args.config)
     if args.model:  # the checkpoint sets the KV shape: the file's model keys give way
         d = cfg.to_dict()
@@ -534,30 +569,39 @@ def _resolve(args) -> tuple[HiCacheConfig, list[Variant], list[str]]:
         if not 1 <= args.dcp <= 4096:
             raise UsageError(f"--dcp must be in [1, 4096], got {args.dcp}")
         cfg = cfg.replace(parallel={"dcp": args.dcp})
-    modes = _names("--modes", args.modes, CACHE_MODES)
-    writes = _names("--write", args.write, WRITE_POLICIES) if args.write is not None else None
+    return cfg
+
+
+def _overtakes(text) -> list[int]:
+    """--max-overtakes N[,N...]: each an integer in [0, 65536]."""
     overtakes = []
-    for x in str(args.max_overtakes).split(","):
+    for x in str(text).split(","):
         try:
             overtakes.append(int(x))
         except ValueError:
             raise UsageError(f"--max-overtakes: {x.strip()!r} is not an integer") from None
         number("--max-overtakes", overtakes[-1], 0, 1 << 16)
-    number("--reps", args.reps, 1, 1000)
+    return overtakes
+
+
+def _checked_stores(args, cfg: HiCacheConfig, modes: list[str]) -> HiCacheConfig:
+    """The checkpoint's heads split over the ranks, --cold-l3's backend can make an empty
+    store, and L3 is on when a mode uses it."""
     if cfg.model.path:  # every tensor's name and shape checked here, before any rank starts
         heads = engine_model(cfg).cfg.num_heads
         if heads % cfg.parallel.dcp:
             raise UsageError(f"dcp {cfg.parallel.dcp} does not divide the {heads} attention heads "
                              f"of {cfg.model.path}")
-    if args.cold_l3 and _l3_backend(cfg).scratch is None:
+    if args.cold_l3 and l3_backend(cfg).scratch is None:
         raise UsageError(f"--cold-l3 needs an L3 backend that can make an empty store per run "
                          f"(lmdb: a directory); l3.backend is {cfg.l3.backend!r}")
     if "l1+l2+l3" in modes and not cfg.l3.enabled:
         cfg = cfg.replace(l3={"enabled": True})
-    if args.trace:
-        workloads = [Path(args.trace).stem]
-    else:
-        workloads = _names("--workload", args.workload, WORKLOADS)
+    return cfg
+
+
+def _check_numbers(args, cfg: HiCacheConfig) -> None:
+    """Every numeric flag within its range; --metrics-port's ports free."""
     for name, hi in (("max_running", 1 << 16), ("chunk", MAX_REQUEST_TOKENS)):
         number(f"--{name.replace('_', '-')}", getattr(args, name), 1, hi)
     number("--max-output", args.max_output, 0, MAX_REQUEST_TOKENS)
@@ -567,26 +611,34 @@ def _resolve(args) -> tuple[HiCacheConfig, list[Variant], list[str]]:
         number("--scale", args.scale, 0, SCALE_MAX, lo_open=True)
     if args.metrics_port:
         _check_ports(args.metrics_port, cfg.parallel.dcp)
-    if args.faults is not None:
-        if args.duration <= 0:
-            raise UsageError("--faults needs --duration SECONDS > 0 (how long to soak)")
-        if cfg.parallel.dcp < 2:
-            raise UsageError(f"--faults needs 2 or more ranks (--dcp), got {cfg.parallel.dcp}")
-        number("--faults (seed)", args.faults, 0, SEED_MAX)
-        number("--fault-every", args.fault_every, 2, 1 << 20)
-        if args.fault_kinds is not None:
-            from .faults import KINDS
-            kinds = tuple(k.strip() for k in args.fault_kinds.split(",") if k.strip())
-            bad = [k for k in kinds if k not in KINDS or k == "l3_restart"]
-            if bad or not kinds:
-                raise UsageError(f"--fault-kinds: unknown kind {(bad or [''])[0]!r}; expected "
-                                 f"some of {', '.join(k for k in KINDS if k != 'l3_restart')}")
-            args.fault_kinds = kinds
-        given = [f for f, on in (("--write", args.write is not None),
-                                 ("--max-overtakes", str(args.max_overtakes) != "4"),
-                                 ("--reps", args.reps != 1), ("--cold-l3", args.cold_l3)) if on]
-        if given:
-            raise UsageError(f"{', '.join(given)}: not used by the fault soak (--faults)")
+
+
+def _check_faults(args, cfg: HiCacheConfig) -> None:
+    """--faults: a duration, 2+ ranks, known kinds (``args.fault_kinds`` becomes a tuple), and
+    none of the flags the fault soak does not use."""
+    if args.duration <= 0:
+        raise UsageError("--faults needs --duration SECONDS > 0 (how long to soak)")
+    if cfg.parallel.dcp < 2:
+        raise UsageError(f"--faults needs 2 or more ranks (--dcp), got {cfg.parallel.dcp}")
+    number("--faults (seed)", args.faults, 0, SEED_MAX)
+    number("--fault-every", args.fault_every, 2, 1 << 20)
+    if args.fault_kinds is not None:
+        from .faults import KINDS
+        kinds = tuple(k.strip() for k in args.fault_kinds.split(",") if k.strip())
+        bad = [k for k in kinds if k not in KINDS or k == "l3_restart"]
+        if bad or not kinds:
+            raise UsageError(f"--fault-kinds: unknown kind {(bad or [''])[0]!r}; expected "
+                             f"some of {', '.join(k for k in KINDS if k != 'l3_restart')}")
+        args.fault_kinds = kinds
+    given = [f for f, on in (("--write", args.write is not None),
+                             ("--max-overtakes", str(args.max_overtakes) != "4"),
+                             ("--reps", args.reps != 1), ("--cold-l3", args.cold_l3)) if on]
+    if given:
+        raise UsageError(f"{', '.join(given)}: not used by the fault soak (--faults)")
+
+
+def _check_outputs(args) -> None:
+    """--plot and --out: files the run can write (and matplotlib for --plot)."""
     if args.plot:
         from .plot import FORMATS
         check_destination("--plot", args.plot, FORMATS)
@@ -594,10 +646,6 @@ def _resolve(args) -> tuple[HiCacheConfig, list[Variant], list[str]]:
             raise UsageError("--plot needs matplotlib: pip install 'hicache[plot]'")
     if args.out is not None:
         check_destination("--out", args.out)
-    tiers = tuple(sorted({t for m in modes for t in CACHE_MODES[m]}))
-    for w in preflight.validate(cfg, tiers=tiers):  # before any rank is spawned
-        print(f"warning: {w}", file=sys.stderr)
-    return cfg, variants(cfg, modes, writes, overtakes), workloads
 
 
 def check_fit(jobs: list, cfg: HiCacheConfig, source: str) -> None:

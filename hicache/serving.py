@@ -142,8 +142,8 @@ class Server:
             raise
 
     def _run(self, jobs: Sequence, on_done, active: list) -> list[Result]:
-        cache, page_tokens = self.cache, self.cache.page_tokens
-        capacity = cache.config.l1.num_pages * page_tokens
+        cache = self.cache
+        capacity = cache.config.l1.num_pages * cache.page_tokens
         waiting = deque(jobs)
         results: list[Result] = []
         finished: list[Result] = []  # returned once the next step's agreement is healthy
@@ -158,85 +158,125 @@ class Server:
                 cache.observe_step(now - t_step)
             t_step = now
             if waiting and len(active) < self.max_running:
-                # A request waits for L1 room: admit nobody until it got it, except a request
-                # that overtakes it (see the module docstring). Every input is replicated.
-                waiters = [a for a in room if a in active]
-                if not waiters:
-                    self._admit(waiting, active, admitted_at, capacity)
-                elif self.inserted > probed and all(a.overtaken < self.max_overtakes
-                                                    for a in waiters):
-                    probed = self.inserted
-                    if self._fits(waiting[0]):
-                        self._admit(waiting, active, admitted_at, capacity)
-                        self.overtakes += 1
-                        for a in waiters:
-                            a.overtaken += 1
-                    else:  # it would take room by eviction: it stays at the head of the queue
-                        self.probes_returned += 1
+                probed = self._admit_next(waiting, active, admitted_at, capacity, room, probed)
             # The step's one collective right after admission: a request whose L3 lookup found
             # nothing on any rank is ready in this same iteration. It raises on every rank if
             # any rank failed, before the tokens finished in the last iteration are returned.
             self._timed("step")
-            emitted = len(finished)
-            for r in finished:
-                results.append(r)
-                if on_done is not None:
-                    on_done(r)
+            emitted = self._release(finished, results, on_done)
             finished = []
-            started, room = 0, []
-            for a in [a for a in active if a.state is None and a.prefix.ready]:
-                if a.stale_at is not None and self.inserted > a.stale_at and not self._rematch(a):
-                    continue  # matched afresh: its new hit waits on L3
-                if self._prefill(a):
-                    started += 1
-                else:
-                    room.append(a)  # no L1 pages for its suffix
-            for a in active:
-                if not a.prefix.ready and a.prefix.room_wait > a.room_seen:
-                    room.append(a)  # its agreed L3 restore found no L1 room this step
-                a.room_seen = a.prefix.room_wait
+            room = []
+            started = self._start_ready(active, room)
             decoding = [a for a in active if a.state is not None and len(a.output) < a.job.output_len]
             if room and not started and not decoding:
                 self._preempt(active, waiting)
             if decoding:
-                logits = self.runner.extend_batch([a.state for a in decoding],
-                                                  [[a.output[-1]] for a in decoding])
-                for a, lg in zip(decoding, logits):
-                    a.output.append(int(lg[-1].argmax()))
-            for a in [a for a in active if a.state is not None
-                      and len(a.output) >= a.job.output_len]:
-                active.remove(a)
-                fed = np.concatenate([a.job.tokens, np.asarray(a.output[:-1], dtype=np.int64)])
-                self._timed("finish", a.job.request_id, fed)
-                self.inserted += 1
-                p = a.prefix
-                finished.append(Result(a.job.request_id, len(a.job.tokens), a.output, a.ttft,
-                                       {"l1": p.device_len, "l2": p.host_len,
-                                        "l3": p.storage_len}))
+                self._decode(decoding)
+            self._finish_done(active, finished)
             if finished:
-                # What they inserted may be in L1 now what a request still waiting on L3 (its
-                # read, or room for its restore) is about to restore or read: match it again
-                # before the next step restores it (evicting that very prefix to make room).
-                for a in [a for a in active if not a.prefix.ready]:
-                    if self._hit_grew(a):
-                        self._rematch(a)
+                self._rematch_waiters(active)
             progress = started or decoding or emitted or finished
-            if room and not progress:
-                self.blocked_steps += 1
-                run += 1
-                self.longest_stall = max(self.longest_stall, run)
-            else:
-                run = 0
-            # A request still reading its L3 hit waits on the store (bounded by the prefetch
-            # policy and the store's timeouts), not on L1: no stall. The readiness it waits for
-            # is agreed, so every rank sees the same. Counted in steps, not seconds, so every
-            # rank gives up at the same step.
-            reading = any(not a.prefix.ready and a not in room for a in active)
-            stalled = 0 if (progress or reading) else stalled + 1
-            if stalled > self.stall_steps:
-                raise ConfigError("no request can get L1 pages: l1.num_pages is too small "
-                                  f"for {len(active)} concurrent requests")
+            run = self._count_blocked(room, progress, run)
+            stalled = self._count_stalled(active, room, progress, stalled)
         return results
+
+    def _admit_next(self, waiting: deque, active: list, admitted_at: dict, capacity: int,
+                    room: list, probed: int) -> int:
+        """Admit the head of the queue, unless a request waits for L1 room: then admit nobody
+        until it got it, except a request that overtakes it (see the module docstring). Every
+        input is replicated. Returns ``probed`` (``self.inserted`` when the head was last
+        tried past a waiting request)."""
+        waiters = [a for a in room if a in active]
+        if not waiters:
+            self._admit(waiting, active, admitted_at, capacity)
+        elif self.inserted > probed and all(a.overtaken < self.max_overtakes for a in waiters):
+            probed = self.inserted
+            if self._fits(waiting[0]):
+                self._admit(waiting, active, admitted_at, capacity)
+                self.overtakes += 1
+                for a in waiters:
+                    a.overtaken += 1
+            else:  # it would take room by eviction: it stays at the head of the queue
+                self.probes_returned += 1
+        return probed
+
+    @staticmethod
+    def _release(finished: list, results: list, on_done) -> int:
+        """Return the requests finished in the last iteration (the step's agreement since
+        succeeded); how many."""
+        for r in finished:
+            results.append(r)
+            if on_done is not None:
+                on_done(r)
+        return len(finished)
+
+    def _start_ready(self, active: list, room: list) -> int:
+        """Prefill every request whose prefix is ready; add to ``room`` those that found no L1
+        room (for their suffix, or for their agreed L3 restore). Returns how many started."""
+        started = 0
+        for a in [a for a in active if a.state is None and a.prefix.ready]:
+            if a.stale_at is not None and self.inserted > a.stale_at and not self._rematch(a):
+                continue  # matched afresh: its new hit waits on L3
+            if self._prefill(a):
+                started += 1
+            else:
+                room.append(a)  # no L1 pages for its suffix
+        for a in active:
+            if not a.prefix.ready and a.prefix.room_wait > a.room_seen:
+                room.append(a)  # its agreed L3 restore found no L1 room this step
+            a.room_seen = a.prefix.room_wait
+        return started
+
+    def _decode(self, decoding: list) -> None:
+        """One token for every decoding request (one batched extend)."""
+        logits = self.runner.extend_batch([a.state for a in decoding],
+                                          [[a.output[-1]] for a in decoding])
+        for a, lg in zip(decoding, logits):
+            a.output.append(int(lg[-1].argmax()))
+
+    def _finish_done(self, active: list, finished: list) -> None:
+        """Finish the requests that emitted all their tokens (insert, unlock, back up) and add
+        their results to ``finished``."""
+        for a in [a for a in active if a.state is not None
+                  and len(a.output) >= a.job.output_len]:
+            active.remove(a)
+            fed = np.concatenate([a.job.tokens, np.asarray(a.output[:-1], dtype=np.int64)])
+            self._timed("finish", a.job.request_id, fed)
+            self.inserted += 1
+            p = a.prefix
+            finished.append(Result(a.job.request_id, len(a.job.tokens), a.output, a.ttft,
+                                   {"l1": p.device_len, "l2": p.host_len, "l3": p.storage_len}))
+
+    def _rematch_waiters(self, active: list) -> None:
+        """What finished requests inserted may be in L1 now what a request still waiting on L3
+        (its read, or room for its restore) is about to restore or read: match it again before
+        the next step restores it (evicting that very prefix to make room)."""
+        for a in [a for a in active if not a.prefix.ready]:
+            if self._hit_grew(a):
+                self._rematch(a)
+
+    def _count_blocked(self, room: list, progress, run: int) -> int:
+        """Count a step in which a request waited for room and nothing progressed; returns the
+        current run of such steps."""
+        if room and not progress:
+            self.blocked_steps += 1
+            run += 1
+            self.longest_stall = max(self.longest_stall, run)
+            return run
+        return 0
+
+    def _count_stalled(self, active: list, room: list, progress, stalled: int) -> int:
+        """Steps in a row without progress; past ``stall_steps`` no request can get L1 pages.
+        A request still reading its L3 hit waits on the store (bounded by the prefetch policy
+        and the store's timeouts), not on L1: no stall. The readiness it waits for is agreed,
+        so every rank sees the same. Counted in steps, not seconds, so every rank gives up at
+        the same step."""
+        reading = any(not a.prefix.ready and a not in room for a in active)
+        stalled = 0 if (progress or reading) else stalled + 1
+        if stalled > self.stall_steps:
+            raise ConfigError("no request can get L1 pages: l1.num_pages is too small "
+                              f"for {len(active)} concurrent requests")
+        return stalled
 
     def _admit(self, waiting: deque, active: list, admitted_at: dict, capacity: int) -> _Active:
         job = waiting.popleft()

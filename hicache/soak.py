@@ -30,6 +30,7 @@ import tempfile
 import time
 from dataclasses import replace
 
+from .bench_model import engine_model, l3_backend
 from .config import HiCacheConfig
 from .errors import TransferError
 from .faults import FaultConfig, FaultInjector, KINDS, L3_KINDS, OPT_IN
@@ -42,125 +43,161 @@ RSS_SLACK = 64 << 20     # resident memory may grow this much (+10%) once warm
 
 
 def run_soak_rank(rank: int, world: int, cfg_dict: dict, jobs: list, opts: dict) -> dict:
-    import psutil
     import torch
     import torch.distributed as dist
-
-    from .bench_cli import engine_model
-    from .metrics import HiCacheMetrics
-    from .serving import Server
-    from .service import HiCache
 
     torch.manual_seed(0)
     cfg = HiCacheConfig.from_dict(cfg_dict)
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(
         seconds=opts.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S)))
     model = engine_model(cfg, seed=opts["seed"])  # [model] path, or the built-in seeded model
+    return _RankSoak(rank, world, cfg, group, model, opts).run(jobs)
 
-    def server(cache, probe=None):
-        return Server(model, cache, group=group, backend=opts["backend"],
-                      chunk_tokens=opts["chunk"], max_running=opts["max_running"], probe=probe)
 
-    sig = model.weights_signature()  # the built-in model's digest names its weights in L3 keys
-    with HiCache(cfg, rank, group, mode="recompute") as ref_cache:
-        model.to(ref_cache.kv.device)  # the engine computes where its KV port lives
-        # the reference rows of every prompt page and first-token logits (hicache.kvcheck)
-        ref_probe = KVProbe(ref_cache.kv, ref_cache.page_tokens, all_pages=True)
-        ref = {r.request_id: r.output for r in server(ref_cache, ref_probe).run(jobs)}
-    ref_kv = ref_probe.result()
-    kv = Comparison()
+# the metrics' counters summed in a rank's report: report key -> metric name
+_TOTALS = (("hit_tokens", "hicache_hit_tokens_total"), ("prefetch", "hicache_prefetch_total"),
+           ("failed_copies", "hicache_failed_copies_total"),
+           ("l3_errors", "hicache_l3_errors_total"), ("bytes", "hicache_transfer_bytes_total"))
 
-    every = opts.get("fault_every", 40)
-    l3srv = SharedServer(**opts["server"]) if opts.get("server") else None
-    kinds = tuple(opts.get("fault_kinds") or FaultConfig(0).kinds) + (
-        ("l3_restart",) if l3srv else ())
-    inj = FaultInjector(FaultConfig(opts["faults"], gap_steps=(max(1, every // 2),
-                                                               max(1, every * 3 // 2)),
-                                    kinds=kinds), rank, world, server=l3srv)
-    metrics = HiCacheMetrics(rank=rank)
-    if opts.get("metrics_port"):
-        metrics.serve(opts["metrics_port"] + rank)
-    proc = psutil.Process()
-    out = {"rank": rank, "wrong_tokens": 0, "completed": 0, "restarts": 0, "failures": [],
-           "quiet": [], "hung": 0, "error": None, "corrupt": 0, "outputs_checked": 0}
 
-    def fresh():
-        c = HiCache(cfg, rank, group, mode="l1+l2+l3", weights_signature=sig)
-        inj.install(c)
-        metrics.attach(c)
-        return c, server(c, KVProbe(c.kv, c.page_tokens))
+class _RankSoak:
+    """One rank's soak: the recompute reference, then faulted batches until rank 0's clock
+    says stop. ``out`` is what the rank reports (see ``verdict``)."""
 
-    def compared(s):
+    def __init__(self, rank: int, world: int, cfg: HiCacheConfig, group, model,
+                 opts: dict) -> None:
+        self.rank, self.world, self.cfg, self.group, self.model = rank, world, cfg, group, model
+        self.opts = opts
+        self.sig = model.weights_signature()  # the built-in model's digest names its weights
+        self.kv = Comparison()
+
+    def server(self, cache, probe=None):
+        from .serving import Server
+        o = self.opts
+        return Server(self.model, cache, group=self.group, backend=o["backend"],
+                      chunk_tokens=o["chunk"], max_running=o["max_running"], probe=probe)
+
+    def reference(self, jobs: list) -> None:
+        """Recompute's tokens of every request, the rows of every prompt page and the
+        first-token logits (hicache.kvcheck)."""
+        from .service import HiCache
+        with HiCache(self.cfg, self.rank, self.group, mode="recompute") as ref_cache:
+            self.model.to(ref_cache.kv.device)  # the engine computes where its KV port lives
+            probe = KVProbe(ref_cache.kv, ref_cache.page_tokens, all_pages=True)
+            self.ref = {r.request_id: r.output for r in self.server(ref_cache, probe).run(jobs)}
+        self.ref_kv = probe.result()
+
+    def arm(self) -> None:
+        """The seeded injector (with the shared L3 server it kills, if any), the metrics, the
+        rank's report."""
+        import psutil
+
+        from .metrics import HiCacheMetrics
+        opts = self.opts
+        every = opts.get("fault_every", 40)
+        self.l3srv = SharedServer(**opts["server"]) if opts.get("server") else None
+        kinds = tuple(opts.get("fault_kinds") or FaultConfig(0).kinds) + (
+            ("l3_restart",) if self.l3srv else ())
+        self.inj = FaultInjector(FaultConfig(opts["faults"], gap_steps=(max(1, every // 2),
+                                                                        max(1, every * 3 // 2)),
+                                             kinds=kinds), self.rank, self.world,
+                                 server=self.l3srv)
+        self.metrics = HiCacheMetrics(rank=self.rank)
+        if opts.get("metrics_port"):
+            self.metrics.serve(opts["metrics_port"] + self.rank)
+        self.proc = psutil.Process()
+        self.out = {"rank": self.rank, "wrong_tokens": 0, "completed": 0, "restarts": 0,
+                    "failures": [], "quiet": [], "hung": 0, "error": None, "corrupt": 0,
+                    "outputs_checked": 0}
+
+    def fresh(self) -> None:
+        """A new service on the soak's L3 store, faults installed, and its server."""
+        from .service import HiCache
+        self.cache = HiCache(self.cfg, self.rank, self.group, mode="l1+l2+l3",
+                             weights_signature=self.sig)
+        self.inj.install(self.cache)
+        self.metrics.attach(self.cache)
+        self.srv = self.server(self.cache, KVProbe(self.cache.kv, self.cache.page_tokens))
+
+    def compared(self) -> None:
         """The rows and logits the server's requests were served, against the reference."""
-        kv.add(compare(ref_kv, s.probe.result(), key=lambda rid: rid[1]))
-        s.probe.pages.clear()
-        s.probe.logits.clear()
+        probe = self.srv.probe
+        self.kv.add(compare(self.ref_kv, probe.result(), key=lambda rid: rid[1]))
+        probe.pages.clear()
+        probe.logits.clear()
 
-    def retire(c):
+    def retire(self) -> None:
         # a batch that failed is not compared: what a failed copy left in its pages was
         # agreed as a failure, and no token computed from it was returned
-        srv.probe.pages.clear()
-        srv.probe.logits.clear()
-        metrics.detach()
-        out["corrupt"] += c.stats()["corrupt"]
-        c.close(flush=False)
+        self.srv.probe.pages.clear()
+        self.srv.probe.logits.clear()
+        self.metrics.detach()
+        self.out["corrupt"] += self.cache.stats()["corrupt"]
+        self.cache.close(flush=False)
         gc.collect()  # the injector's wrappers make a cycle through the cache: free its pools
 
-    cache, srv = fresh()
-    batches = [jobs[i:i + BATCH] for i in range(0, len(jobs), BATCH)]
-    t0 = time.monotonic()
-    n = 0
-    try:
-        while _agree(time.monotonic() - t0 < opts["duration"], group):
-            pending = {j.request_id: j for j in
-                       (replace(j, request_id=(n, j.request_id)) for j in batches[n % len(batches)])}
-            n += 1
+    def done(self, r, pending: dict) -> None:
+        """A request returned: its tokens against the reference."""
+        out = self.out
+        pending.pop(r.request_id, None)
+        want = self.ref[r.request_id[1]]
+        out["wrong_tokens"] += sum(a != b for a, b in zip(r.output, want)) + abs(
+            len(r.output) - len(want))
+        out["completed"] += 1
+        out["outputs_checked"] += len(r.output)
 
-            def done(r, pending=pending):
-                pending.pop(r.request_id, None)
-                want = ref[r.request_id[1]]
-                out["wrong_tokens"] += sum(a != b for a, b in zip(r.output, want)) + abs(
-                    len(r.output) - len(want))
-                out["completed"] += 1
-                out["outputs_checked"] += len(r.output)
+    def serve_batch(self, pending: dict) -> None:
+        """Serve ``pending`` to a quiet point. A failed copy raises on every rank at the same
+        step: the service restarts and re-runs the requests that did not finish."""
+        while True:
+            try:
+                if pending:
+                    self.srv.run(list(pending.values()),
+                                 on_done=lambda r: self.done(r, pending))
+                self.cache.drain()  # a quiet point: nothing active, transfers applied
+                self.compared()
+                return
+            except TransferError as e:  # raised on every rank at the same step
+                self.out["failures"].append((self.inj.steps, _first_line(e)))
+                self.out["restarts"] += 1
+                self.retire()
+                self.fresh()
 
-            while True:
-                try:
-                    if pending:
-                        srv.run(list(pending.values()), on_done=done)
-                    cache.drain()  # a quiet point: nothing active, transfers applied
-                    compared(srv)
-                    break
-                except TransferError as e:  # raised on every rank at the same step
-                    out["failures"].append((inj.steps, _first_line(e)))
-                    out["restarts"] += 1
-                    retire(cache)
-                    cache, srv = fresh()
-            out["quiet"].append(_quiet_point(cache, proc.memory_info().rss))
-        soak_s = time.monotonic() - t0
-        retire(cache)
-        inj.close()
-    except RuntimeError as e:  # a collective that timed out: counted, the run stops here
-        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
-            raise
-        out["hung"] += 1
-        out["error"] = _first_line(e)
-        soak_s = time.monotonic() - t0
-    finally:
-        # the metrics' counters run on across restarts: the whole soak's figures
-        vals = metrics.values()
-        out["totals"] = {key: {lab: v for (name, lab), v in vals.items() if name == metric}
-                         for key, metric in (("hit_tokens", "hicache_hit_tokens_total"),
-                                      ("prefetch", "hicache_prefetch_total"),
-                                      ("failed_copies", "hicache_failed_copies_total"),
-                                      ("l3_errors", "hicache_l3_errors_total"),
-                                      ("bytes", "hicache_transfer_bytes_total"))}
-        metrics.close()
-    out.update(soak_s=soak_s, batches=n, faults=inj.report(), plan=inj.events,
-               kv=kv.as_dict())
-    if l3srv is not None:
-        out["server"] = True
-    return out
+    def run(self, jobs: list) -> dict:
+        self.reference(jobs)
+        self.arm()
+        out = self.out
+        self.fresh()
+        batches = [jobs[i:i + BATCH] for i in range(0, len(jobs), BATCH)]
+        t0 = time.monotonic()
+        n = 0
+        try:
+            while _agree(time.monotonic() - t0 < self.opts["duration"], self.group):
+                pending = {j.request_id: j for j in (replace(j, request_id=(n, j.request_id))
+                                                     for j in batches[n % len(batches)])}
+                n += 1
+                self.serve_batch(pending)
+                out["quiet"].append(_quiet_point(self.cache, self.proc.memory_info().rss))
+            soak_s = time.monotonic() - t0
+            self.retire()
+            self.inj.close()
+        except RuntimeError as e:  # a collective that timed out: counted, the run stops here
+            if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+                raise
+            out["hung"] += 1
+            out["error"] = _first_line(e)
+            soak_s = time.monotonic() - t0
+        finally:
+            # the metrics' counters run on across restarts: the whole soak's figures
+            vals = self.metrics.values()
+            out["totals"] = {key: {lab: v for (name, lab), v in vals.items() if name == metric}
+                             for key, metric in _TOTALS}
+            self.metrics.close()
+        out.update(soak_s=soak_s, batches=n, faults=self.inj.report(), plan=self.inj.events,
+                   kv=self.kv.as_dict())
+        if self.l3srv is not None:
+            out["server"] = True
+        return out
 
 
 def _first_line(e: BaseException) -> str:
@@ -222,18 +259,13 @@ class SharedServer:
 
 
 # ---- the parent ------------------------------------------------------------------------------
-def _l3_backend(cfg: HiCacheConfig):
-    from .l3 import registry
-    return registry.get(cfg.l3.backend)
-
-
 def run_soak(cfg: HiCacheConfig, jobs: list, opts: dict) -> dict:
     """Spawn the ranks, run the soak, return the ``"faults"`` report (see ``verdict``)."""
     from .distributed import launch
     l3 = tempfile.mkdtemp(prefix="hicache-soak-l3-")
     server = None
     try:
-        backend = _l3_backend(cfg)
+        backend = l3_backend(cfg)
         if backend.shared:  # a server the ranks share: started (and killed) here
             from .l3.localserver import free_port
             server = SharedServer(l3, free_port(), 256 << 20)
@@ -260,7 +292,9 @@ def run_soak(cfg: HiCacheConfig, jobs: list, opts: dict) -> dict:
         shutil.rmtree(l3, ignore_errors=True)
 
 
-def verdict(ranks: list[dict], duration: float, wall_s: float, seed: int) -> dict:
+def _injected(ranks: list[dict]) -> dict:
+    """Faults injected per kind over the ranks: every default kind (0 when none took effect),
+    and the opt-in kinds that were planned (``l3_restart`` when the soak had a server)."""
     planned = {k for r in ranks for k in r["faults"]["planned"]}
     injected: dict = {k: 0 for k in KINDS
                       if k not in OPT_IN or k in planned or (k == "l3_restart"
@@ -268,15 +302,37 @@ def verdict(ranks: list[dict], duration: float, wall_s: float, seed: int) -> dic
     for r in ranks:
         for k, v in r["faults"]["injected"].items():
             injected[k] += v
-    leaked_pages = max((sum(q["leaked_pages"].values()) for r in ranks for q in r["quiet"]),
-                       default=0)
-    leaked_locks = max((q["leaked_locks"] for r in ranks for q in r["quiet"]), default=0)
-    steps = [[f[0] for f in r["failures"]] for r in ranks]
+    return injected
+
+
+def _rss_warm_last(ranks: list[dict]) -> list[list[int]]:
+    """Resident MiB per rank once warm (the third quiet point) and at the last one."""
     rss = []
     for r in ranks:
         q = r["quiet"]
         warm = q[min(2, len(q) - 1)]["rss"] if q else 0
         rss.append([warm >> 20, (q[-1]["rss"] >> 20) if q else 0])
+    return rss
+
+
+def _kv_figures(ranks: list[dict]) -> dict:
+    """The served KV rows and first-token logits against recompute's, over the ranks."""
+    kv = Comparison()
+    for r in ranks:
+        kv.add(Comparison(**r["kv"]))
+    return dict(kv_pages_checked=kv.pages, kv_pages_bit_identical=kv.bitwise,
+                kv_max_abs_diff=kv.kv_max_abs_diff, kv_corrupt_pages=kv.bad_pages,
+                logits_checked=kv.requests, logits_max_abs_diff=kv.logits_max_abs_diff,
+                logits_differ=kv.bad_logits)
+
+
+def verdict(ranks: list[dict], duration: float, wall_s: float, seed: int) -> dict:
+    injected = _injected(ranks)
+    leaked_pages = max((sum(q["leaked_pages"].values()) for r in ranks for q in r["quiet"]),
+                       default=0)
+    leaked_locks = max((q["leaked_locks"] for r in ranks for q in r["quiet"]), default=0)
+    steps = [[f[0] for f in r["failures"]] for r in ranks]
+    rss = _rss_warm_last(ranks)
     rss_flat = all(last <= warm * 1.1 + (RSS_SLACK >> 20) for warm, last in rss)
     soak_s = max(r["soak_s"] for r in ranks)
     f = {
@@ -311,13 +367,7 @@ def verdict(ranks: list[dict], duration: float, wall_s: float, seed: int) -> dic
         "rss_flat": rss_flat,
         "errors": [r["error"] for r in ranks if r["error"]],
     }
-    kv = Comparison()
-    for r in ranks:
-        kv.add(Comparison(**r["kv"]))
-    f.update(kv_pages_checked=kv.pages, kv_pages_bit_identical=kv.bitwise,
-             kv_max_abs_diff=kv.kv_max_abs_diff, kv_corrupt_pages=kv.bad_pages,
-             logits_checked=kv.requests, logits_max_abs_diff=kv.logits_max_abs_diff,
-             logits_differ=kv.bad_logits)
+    f.update(_kv_figures(ranks))
     f["problems"] = problems(f)
     f["notes"] = notes(f)
     return f

@@ -153,3 +153,10 @@ def test_pcp_imports_no_cli():
 def test_checkpoint_config_reading_needs_no_engine():
     # config.json -> fields is pure (the policy file reads it for model.path)
     assert reaches("checkpoints/hf_config", "hicache.engine") == []
+
+
+def test_the_soak_never_imports_the_bench_command():
+    # bench_cli runs the soak; what both need (the engine's model, the L3 backend) is in the
+    # neutral hicache.bench_model, so the arrow runs one way only
+    assert reaches("soak", "hicache.bench_cli") == []
+    assert reaches("bench_model", "hicache.bench_cli", "hicache.soak") == []
