@@ -123,7 +123,7 @@ def _checkpoint(d: Path) -> Path:
 
 
 def test_weights_signature_cache_is_in_the_user_cache_dir(tmp_path, monkeypatch):
-    from hicache.engine import hf
+    from hicache.checkpoints import hf
     model = _checkpoint(tmp_path / "model")
     before = sorted(p.name for p in model.iterdir())
     os.chmod(model, 0o555)  # a read-only model directory
@@ -148,7 +148,7 @@ def test_weights_signature_cache_is_in_the_user_cache_dir(tmp_path, monkeypatch)
 
 
 def test_an_unwritable_cache_dir_only_costs_rehashing(tmp_path, monkeypatch):
-    from hicache.engine import hf
+    from hicache.checkpoints import hf
     model = _checkpoint(tmp_path / "model")
     blocked = tmp_path / "file"
     blocked.write_text("not a directory")
