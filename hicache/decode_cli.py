@@ -304,6 +304,51 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def spec_from_args(args) -> DecodeSpec:
     """Validate the arguments; every problem is a one-line UsageError."""
     from hicache.topology import validate
+    _check_ranges(args)
+    prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else ()
+    tp = args.tp if args.tp is not None else args.dcp
+    try:
+        validate(tp, args.dcp, 1)
+    except TopologyError as exc:
+        raise UsageError(f"--dcp {args.dcp} with --tp {tp}: {exc}") from None
+    spec_settings = _spec_settings(args)
+    spec = DecodeSpec(dcp=args.dcp, backend=args.backend, replicate_q=args.replicate_q,
+                      prompt_len=len(prompt_ids) or args.prompt_len,
+                      new_tokens=args.new_tokens, seed=args.seed,
+                      page_size=args.page_size, model_path=args.model, device=args.device,
+                      pcp=args.pcp, pcp_mode=args.pcp_mode, prompt_ids=prompt_ids,
+                      spec=spec_settings.method, draft_model=args.draft_model,
+                      num_draft_tokens=spec_settings.num_draft_tokens)
+    model = _checked_model(spec, args, prompt_ids)
+    if spec_settings.enabled:  # load the draft once here: its errors are one line, exit 2
+        from hicache.checkpoints.drafter import make_drafter
+        make_drafter(spec_settings, model, spec.model_path, 1, [], 1)
+    return spec
+
+
+def _checked_model(spec: DecodeSpec, args, prompt_ids: tuple[int, ...]):
+    """The model ``spec`` names, built once here so that a bad checkpoint, a prompt id out of
+    its vocabulary or a head count ``--dcp`` does not divide is a one-line UsageError."""
+    try:
+        model = build_model(spec)
+    except ValueError as exc:  # CheckpointError / ConfigError / CheckpointError
+        raise UsageError(f"--model: {exc}") from None
+    if getattr(model, "hybrid", None) is not None and args.pcp > 1:
+        raise UsageError("--pcp: PCP prefill does not run hybrid (MLA + KDA) models; "
+                         "use --pcp 1")
+    bad = [t for t in prompt_ids if t >= model.cfg.vocab_size]
+    if bad:
+        raise UsageError(f"--prompt-ids: {bad[0]} is not a token id of the model "
+                         f"(vocab_size {model.cfg.vocab_size})")
+    if model.cfg.num_heads % args.dcp:
+        raise UsageError(
+            f"--dcp {args.dcp} does not divide the model's {model.cfg.num_heads} attention heads")
+    return model
+
+
+def _check_ranges(args) -> None:
+    """UsageError unless every plain argument is one of its choices or in its range, and the
+    GPUs the ranks need are visible."""
     if args.backend not in DCP_BACKENDS:
         raise UsageError(
             f"--backend must be one of {', '.join(DCP_BACKENDS)}, got {args.backend!r}")
@@ -332,12 +377,11 @@ def spec_from_args(args) -> DecodeSpec:
         if gpus < world:
             raise UsageError(f"--device cuda needs one GPU per rank: --dcp {args.dcp} "
                              f"--pcp {args.pcp} launch {world} but {gpus} GPU(s) visible")
-    prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else ()
-    tp = args.tp if args.tp is not None else args.dcp
-    try:
-        validate(tp, args.dcp, 1)
-    except TopologyError as exc:
-        raise UsageError(f"--dcp {args.dcp} with --tp {tp}: {exc}") from None
+
+
+def _spec_settings(args):
+    """The speculative-decoding settings (``SpecSettings``) of ``--spec``, ``--draft-model``
+    and ``--num-draft-tokens``."""
     from hicache.engine.spec import MAX_DRAFT_TOKENS, METHODS, SpecSettings
     if args.spec not in METHODS:
         raise UsageError(f"--spec must be one of {', '.join(METHODS)}, got {args.spec!r}")
@@ -346,32 +390,7 @@ def spec_from_args(args) -> DecodeSpec:
                          f"{args.num_draft_tokens}")
     if (args.spec == "draft") != bool(args.draft_model):
         raise UsageError("--draft-model DIR is needed with --spec draft, and only there")
-    spec_settings = SpecSettings(args.spec, args.draft_model or "", args.num_draft_tokens)
-    spec = DecodeSpec(dcp=args.dcp, backend=args.backend, replicate_q=args.replicate_q,
-                      prompt_len=len(prompt_ids) or args.prompt_len,
-                      new_tokens=args.new_tokens, seed=args.seed,
-                      page_size=args.page_size, model_path=args.model, device=args.device,
-                      pcp=args.pcp, pcp_mode=args.pcp_mode, prompt_ids=prompt_ids,
-                      spec=spec_settings.method, draft_model=args.draft_model,
-                      num_draft_tokens=spec_settings.num_draft_tokens)
-    try:
-        model = build_model(spec)
-    except ValueError as exc:  # CheckpointError / ConfigError / CheckpointError
-        raise UsageError(f"--model: {exc}") from None
-    if getattr(model, "hybrid", None) is not None and args.pcp > 1:
-        raise UsageError("--pcp: PCP prefill does not run hybrid (MLA + KDA) models; "
-                         "use --pcp 1")
-    bad = [t for t in prompt_ids if t >= model.cfg.vocab_size]
-    if bad:
-        raise UsageError(f"--prompt-ids: {bad[0]} is not a token id of the model "
-                         f"(vocab_size {model.cfg.vocab_size})")
-    if model.cfg.num_heads % args.dcp:
-        raise UsageError(
-            f"--dcp {args.dcp} does not divide the model's {model.cfg.num_heads} attention heads")
-    if spec_settings.enabled:  # load the draft once here: its errors are one line, exit 2
-        from hicache.checkpoints.drafter import make_drafter
-        make_drafter(spec_settings, model, spec.model_path, 1, [], 1)
-    return spec
+    return SpecSettings(args.spec, args.draft_model or "", args.num_draft_tokens)
 
 
 def _parse_ids(text: str) -> tuple[int, ...]:

@@ -143,58 +143,90 @@ def launch(world_size: int, fn: Callable, *args: Any, backend: str | None = None
                                                queue), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
-    errors: dict[int, tuple] = {}  # rank -> (line, traceback, pickled exception), arrival order
-    deaths: dict[int, int] = {}    # rank -> exit code of a rank that left without reporting
+    reports = _Reports(queue)
+    timed_out = _watch(procs, reports, world_size, timeout_s, grace_s)
+    _stop(procs, kill=bool(reports.errors or reports.deaths or timed_out))
+    reports.drain()
+    return _results_or_raise(reports, world_size, timeout_s)
 
-    def drain() -> None:
-        while not queue.empty():
-            rank, ok, payload = queue.get()
+
+class _Reports:
+    """What the ranks of one ``launch`` reported so far, by rank."""
+
+    def __init__(self, queue) -> None:
+        self.queue = queue
+        self.results: dict[int, Any] = {}
+        # rank -> (line, traceback, pickled exception), in arrival order
+        self.errors: dict[int, tuple] = {}
+        # rank -> exit code of a rank that left without reporting
+        self.deaths: dict[int, int] = {}
+
+    def drain(self) -> None:
+        """Take every message the ranks have sent."""
+        while not self.queue.empty():
+            rank, ok, payload = self.queue.get()
             if ok:
-                results[rank] = pickle.loads(payload)
+                self.results[rank] = pickle.loads(payload)
             else:
-                errors[rank] = payload
+                self.errors[rank] = payload
 
+    def heard_from(self, rank: int) -> bool:
+        return rank in self.results or rank in self.errors or rank in self.deaths
+
+
+def _watch(procs: list, reports: _Reports, world_size: int, timeout_s: float,
+           grace_s: float) -> bool:
+    """Collect the ranks' reports until each has reported or died, ``grace_s`` after the
+    first failure, or past the timeout; True when it timed out."""
     start = time.monotonic()
     failed_at = None
-    timed_out = False
-    while len(results) + len(errors) + len(deaths) < world_size:
-        drain()
-        exited = [r for r, p in enumerate(procs) if p.exitcode is not None
-                  and r not in results and r not in errors and r not in deaths]
+    while len(reports.results) + len(reports.errors) + len(reports.deaths) < world_size:
+        reports.drain()
+        exited = [r for r, p in enumerate(procs)
+                  if p.exitcode is not None and not reports.heard_from(r)]
         if exited:
-            drain()  # a message sent just before exiting
+            reports.drain()  # a message sent just before exiting
             for r in exited:
-                if r not in results and r not in errors:
-                    deaths[r] = procs[r].exitcode
-        if (errors or deaths) and failed_at is None:
+                if r not in reports.results and r not in reports.errors:
+                    reports.deaths[r] = procs[r].exitcode
+        if (reports.errors or reports.deaths) and failed_at is None:
             failed_at = time.monotonic()
         now = time.monotonic()
         if failed_at is not None and now - failed_at > grace_s:
             break
         if now - start > timeout_s + 60.0:
-            timed_out = True
-            break
+            return True
         time.sleep(0.01)
-    for p in procs:  # stop the survivors: they would wait on a dead peer until the timeout
-        if p.is_alive() and (errors or deaths or timed_out):
+    return False
+
+
+def _stop(procs: list, kill: bool) -> None:
+    """Join every rank; ``kill``: first stop the survivors (they would wait on a dead peer
+    until the timeout)."""
+    for p in procs:
+        if p.is_alive() and kill:
             p.kill()
         p.join(timeout=10)
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
-    drain()
-    if deaths:
-        rank = min(deaths)
-        raise RankError(rank, _how_it_died(deaths[rank]))
-    if errors:
-        rank = next(iter(errors))
-        line, detail, cause = errors[rank]
+
+
+def _results_or_raise(reports: _Reports, world_size: int, timeout_s: float) -> list:
+    """The results by rank, or RankError for the rank that failed first (a death before an
+    error, an error before a missing result)."""
+    if reports.deaths:
+        rank = min(reports.deaths)
+        raise RankError(rank, _how_it_died(reports.deaths[rank]))
+    if reports.errors:
+        rank = next(iter(reports.errors))
+        line, detail, cause = reports.errors[rank]
         try:
             exc = pickle.loads(cause) if cause else None
         except Exception:
             exc = None
         raise RankError(rank, f"failed: {line}", detail, exc)
+    results = reports.results
     if len(results) != world_size:
         missing = sorted(set(range(world_size)) - set(results))
         raise RankError(missing[0], f"returned no result within {timeout_s:g} s (timed out); "

@@ -21,6 +21,7 @@ every rank raise at the same point instead of leaving them in a collective.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import time
@@ -147,6 +148,31 @@ class HiCache:
                weights_signature: str | None) -> None:
         """This rank's part of the construction (no collective): checks, pools, controller,
         transfers and L3 store."""
+        mode, weights_signature = self._check_args(config, world, mode, replica,
+                                                   weights_signature)
+        self.weights_signature = weights_signature
+        self.config, self.rank, self.group, self.mode = config, rank, group, mode
+        # (id, count) among the TP replicas of this shard that share this rank's L3 store (one
+        # writer per page per store: l3.store_replica computes it from the ranks' nodes)
+        self.replica = replica
+        self.tiers = CACHE_MODES[mode]
+        host_pages = self._build_pools(config, rank, device)
+        self.ctrl = CacheController(self.page_tokens, config.l1.num_pages, host_pages,
+                                    policy=config.policy)
+        self._init_request_state(config)
+        # the bytes: transfers, L3 store, writer, prefetcher, restores (hicache/tier_io.py)
+        self.io = TierIO(config, rank, self.l1, self.l2, self.page_tokens, self._record,
+                         replica=replica, l3="l3" in self.tiers,
+                         weights_signature=weights_signature)
+        self.transfer = self.io.transfer
+        self.namespace = self.io.namespace
+
+    @staticmethod
+    def _check_args(config: HiCacheConfig, world: int, mode: str | None,
+                    replica: tuple[int, int], weights_signature: str | None
+                    ) -> tuple[str, str]:
+        """The constructor's arguments checked against the config (UsageError, ConfigError):
+        the mode and weights signature, defaults filled in."""
         if mode is None:
             mode = "l1+l2+l3" if config.l3.enabled else "l1+l2"
         if mode not in CACHE_MODES:
@@ -160,17 +186,16 @@ class HiCache:
                 "model.signature: L3 is enabled but no weights signature is set, so another "
                 "checkpoint of the same shapes could be served this one's KV; set [model] "
                 "signature (a checkpoint hash or revision) or pass HiCache(weights_signature=...)")
-        self.weights_signature = weights_signature
         if world != config.parallel.dcp:
             raise UsageError(f"the process group has {world} ranks but parallel.dcp is "
                              f"{config.parallel.dcp}: one HiCache per DCP rank")
-        self.config, self.rank, self.group, self.mode = config, rank, group, mode
         if not (len(replica) == 2 and 0 <= replica[0] < replica[1]):
             raise UsageError(f"replica must be (id, count) with 0 <= id < count, got {replica}")
-        # (id, count) among the TP replicas of this shard that share this rank's L3 store (one
-        # writer per page per store: l3.store_replica computes it from the ranks' nodes)
-        self.replica = replica
-        self.tiers = CACHE_MODES[mode]
+        return mode, weights_signature
+
+    def _build_pools(self, config: HiCacheConfig, rank: int, device) -> int:
+        """Preflight checks, then this rank's L1 and L2 pools; the L2 pages the controller
+        manages (0 without an L2 tier)."""
         # the checks check-config and hicache-bench run (engine needs aside); this rank's pools
         machine = preflight.Machine.detect()
         preflight.validate(config, tiers=self.tiers, ranks=1, engine=False, machine=machine)
@@ -186,11 +211,10 @@ class HiCache:
         self.l1 = DeviceKVPool.for_format(self.layout, fmt, config.l1.num_pages, device=device)
         self.l2 = HostKVPool.for_format(self.layout, fmt, max(host_pages, 1),
                                         layout_kind=config.l2.layout, pin=config.l2.pin)
-        p = config.policy
-        self.ctrl = CacheController(self.page_tokens, config.l1.num_pages, host_pages,
-                                    write=p.write, eviction=p.eviction,
-                                    selective_threshold=p.selective_threshold,
-                                    load_back_threshold=p.load_back_threshold)
+        return host_pages
+
+    def _init_request_state(self, config: HiCacheConfig) -> None:
+        """Empty request bookkeeping, statistics and failure state."""
         self._reqs: dict[object, _Request] = {}
         self._pending: list[_Request] = []                   # requests waiting on L3
         self._stats = TierStats()
@@ -203,12 +227,6 @@ class HiCache:
         self._released = 0  # times owned pages were released (ends a remembered write check)
         self._writable: np.ndarray | None = None  # the last write's pages found owned ...
         self._writable_at = -1                     # ... at this count of releases
-        # the bytes: transfers, L3 store, writer, prefetcher, restores (hicache/tier_io.py)
-        self.io = TierIO(config, rank, self.l1, self.l2, self.page_tokens, self._record,
-                         replica=replica, l3="l3" in self.tiers,
-                         weights_signature=weights_signature)
-        self.transfer = self.io.transfer
-        self.namespace = self.io.namespace
 
     def _settings_digest(self) -> int:
         """A 60-bit hash of what the replicated controller depends on (equal on every rank)."""
@@ -256,12 +274,14 @@ class HiCache:
         self._reqs[request_id] = req
         self._stats.requests += 1
         if self.tiers:
-            m = self._ctl(functools.partial(self.ctrl.match, lock=True), arr[:-1])
+            with self._timed():
+                m = self.ctrl.match(arr[:-1], lock=True)
             req.lock = m.lock
             prefix.device_len = m.device_len
             prefix.page_table = m.device_pages.tolist()
             if m.host_len and "l2" in self.tiers:
-                op = self._ctl(self.ctrl.load_back, m)
+                with self._timed():
+                    op = self.ctrl.load_back(m)
                 if op is not None:
                     prefix.host_len = m.host_len
                     prefix.page_table += list(op.device_pages)
@@ -310,7 +330,8 @@ class HiCache:
         arr = as_tokens(tokens)
         if not self.tiers or arr.size == 0:
             return 0, 0
-        dev, host = self._ctl(self.ctrl.peek, arr[:-1])
+        with self._timed():
+            dev, host = self.ctrl.peek(arr[:-1])
         return dev, (host if "l2" in self.tiers else 0)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
@@ -337,7 +358,8 @@ class HiCache:
         if need <= 0:
             self._note("alloc", request_id, None, n_tokens, 0)
             return []
-        pages = self._ctl(self.ctrl.alloc_device, need)
+        with self._timed():
+            pages = self.ctrl.alloc_device(need)
         self.io.unmap(pages)
         self.kv.forget(pages)
         self.io.launch(self.ctrl.take_ops())
@@ -431,15 +453,16 @@ class HiCache:
         table = req.prefix.page_table
         whole = min(arr.size // self.page_tokens, len(table))
         if self._failed is not None:  # stopped: insert nothing, only release
-            if req.lock is not None:
-                self._ctl(self.ctrl.unlock, req.lock)
-            if req.own_pages:
-                self._ctl(self.ctrl.free_device, req.own_pages)
+            with self._timed():
+                if req.lock is not None:
+                    self.ctrl.unlock(req.lock)
+                if req.own_pages:
+                    self.ctrl.free_device(req.own_pages)
             return
         if self.tiers:
             end = whole * self.page_tokens  # the insert releases the lock (walks on from it)
-            res = self._ctl(functools.partial(self.ctrl.insert, after=req.lock), arr[:end],
-                            table[:whole])
+            with self._timed():
+                res = self.ctrl.insert(arr[:end], table[:whole], after=req.lock)
             self.io.map_chains(res.device_pages.tolist(), arr[:end])
             own = set(req.own_pages)
             tail = [p for p in table[whole:] if p in own]
@@ -447,7 +470,8 @@ class HiCache:
         else:
             tail = req.own_pages
         if tail:
-            self._ctl(self.ctrl.free_device, tail)
+            with self._timed():
+                self.ctrl.free_device(tail)
 
     def _check_finish(self, request_id, req: _Request, arr: np.ndarray) -> None:
         """UsageError (the request stays admitted, nothing changed) unless ``arr`` may be
@@ -650,11 +674,12 @@ class HiCache:
         return True
 
     # ---- internals ----------------------------------------------------------------------------
-    def _ctl(self, fn, *args):
-        """Call the controller, timing it (the figure hicache-bench reports per request)."""
+    @contextlib.contextmanager
+    def _timed(self):
+        """Time the controller calls inside (the figure hicache-bench reports per request)."""
         t0 = time.perf_counter()
         try:
-            return fn(*args)
+            yield
         finally:
             self._stats.controller_s += time.perf_counter() - t0
 
@@ -705,7 +730,8 @@ class HiCache:
         instead. Both decisions follow the replicated controller state."""
         prefix = req.prefix
         try:
-            dev = self._ctl(self.ctrl.alloc_device, pages)
+            with self._timed():
+                dev = self.ctrl.alloc_device(pages)
             self.io.unmap(dev)
         except DeviceFullError:
             req.restore_tries += 1

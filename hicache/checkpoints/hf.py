@@ -182,7 +182,6 @@ def load_checkpoint(directory: str | os.PathLike, device: Optional[str | torch.d
     """Build an ``MLAModel`` from a Hugging Face DeepSeek-V2/V3 checkpoint directory. Every
     weight is checked finite (a tensor holding NaN or inf is refused by name; the check reads
     every weight once: ``check_finite=False`` skips it, see docs/trust.md for its cost)."""
-    from safetensors import safe_open
     d = Path(directory)
     if _is_kimi_dir(d):  # hybrid MLA + KDA (hicache.checkpoints.kimi_hf)
         from hicache.checkpoints.kimi_hf import load_kimi
@@ -193,11 +192,22 @@ def load_checkpoint(directory: str | os.PathLike, device: Optional[str | torch.d
     except CheckpointError as e:
         _raise(e)
     # every header first: names and shapes are checked before any weight is read
-    handles, where = [], {}
+    where = open_headers(d, files)
+    _bound(cfg, where, d)  # what config.json claims, against the files, before building on it
+    want = expected_tensors(cfg)
+    _check_names_and_shapes(d, cfg, want, where)
+    state = _engine_state(d, cfg, want, where, check_finite)
+    return _assemble(d, cfg, state, device)
+
+
+def open_headers(d: Path, files) -> dict:
+    """Every tensor name of the safetensors ``files`` -> (open file, path); CheckpointError for
+    a name stored twice or an unreadable file."""
+    from safetensors import safe_open
+    where = {}
     try:
         for f in files:
             st = safe_open(str(f), framework="pt", device="cpu")
-            handles.append(st)
             for k in st.keys():
                 if k in where:
                     raise CheckpointError(f"{d}: tensor {k} is stored twice "
@@ -207,8 +217,12 @@ def load_checkpoint(directory: str | os.PathLike, device: Optional[str | torch.d
         raise
     except Exception as e:  # a corrupt or foreign file
         raise CheckpointError(f"{d}: cannot read safetensors file: {e}") from None
-    _bound(cfg, where, d)  # what config.json claims, against the files, before building on it
-    want = expected_tensors(cfg)
+    return where
+
+
+def _check_names_and_shapes(d: Path, cfg: ModelConfig, want: dict, where: dict) -> None:
+    """CheckpointError unless the files hold exactly the tensors ``cfg`` implies (ignored ones
+    aside), each of the implied shape."""
     missing = sorted(set(want) - set(where))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -224,6 +238,12 @@ def load_checkpoint(directory: str | os.PathLike, device: Optional[str | torch.d
         if got != shape:
             raise CheckpointError(f"{d}: tensor {k} ({where[k][1].name}) has shape "
                                   f"{list(got)}, config.json implies {list(shape)}")
+
+
+def _engine_state(d: Path, cfg: ModelConfig, want: dict, where: dict,
+                  check_finite: bool) -> dict:
+    """The engine's state dict: each wanted tensor read (memory-mapped), checked float and
+    finite, cast to the model dtype (the router to fp32), ``kv_b_proj`` split per head."""
     dtype = cfg.torch_dtype
     h, dn = cfg.num_heads, cfg.qk_nope_head_dim
     state = {}
@@ -245,6 +265,13 @@ def load_checkpoint(directory: str | os.PathLike, device: Optional[str | torch.d
             state[name.replace("kv_b_proj", "w_uv")] = per_head[:, dn:]
         else:
             state[name] = t
+    return state
+
+
+def _assemble(d: Path, cfg: ModelConfig, state: dict,
+              device: Optional[str | torch.device]) -> MLAModel:
+    """An ``MLAModel`` built on the meta device and given ``state``'s tensors, then moved to
+    ``device`` (when given)."""
     with torch.device("meta"):
         model = MLAModel(cfg, init=False)
     own = set(model.state_dict())

@@ -169,6 +169,31 @@ def parse_kimi_config(raw: dict, src: str = "config.json",
                       weight_dtype: str | None = None) -> tuple[dict, dict]:
     """``config.json`` contents -> (``ModelConfig`` kwargs of the MLA part, ``HybridConfig``
     kwargs). See the module doc."""
+    _check_supported(raw, src)
+    layers = _int(raw, "num_hidden_layers", src)
+    heads = _int(raw, "num_attention_heads", src)
+    if raw.get("num_key_value_heads") not in (None, heads):
+        raise CheckpointError(f"{src}: num_key_value_heads {raw['num_key_value_heads']!r} is "
+                              f"not supported; MLA needs it equal to num_attention_heads "
+                              f"({heads})")
+    lin, shape = _linear_shape(raw, src)
+    kinds = _layer_types(raw, layers, lin, src)
+    mlps = _mlp_types(raw, layers, src)
+    mla_layers = sum(k == "full_attention" for k in kinds)
+    if not mla_layers:
+        raise CheckpointError(f"{src}: no full_attention layer; the engine needs at least one "
+                              "MLA layer (its KV is what the cache holds)")
+    name = _dtype_name(raw, src, weight_dtype)
+    mla = _mla_kwargs(raw, src, heads, mla_layers, name, "sparse" in mlps)
+    hybrid = {"layer_types": kinds, "mlp_layer_types": mlps, "kda_heads": shape["num_heads"],
+              "kda_head_dim": shape["head_dim"],
+              "conv_kernel": shape["short_conv_kernel_size"]}
+    return mla, hybrid
+
+
+def _check_supported(raw: dict, src: str) -> None:
+    """CheckpointError for a config that is not Kimi Linear or uses a feature the engine does
+    not run (quantization, another activation, attention bias, RoPE or an output gate in MLA)."""
     if not is_kimi(raw):
         raise CheckpointError(f"{src}: architectures {raw.get('architectures')!r} is not "
                               f"[{ARCHITECTURE!r}]")
@@ -184,12 +209,10 @@ def parse_kimi_config(raw: dict, src: str = "config.json",
                               "(Kimi Linear's MLA layers run without RoPE)")
     if raw.get("mla_use_output_gate"):
         raise CheckpointError(f"{src}: mla_use_output_gate is not supported")
-    layers = _int(raw, "num_hidden_layers", src)
-    heads = _int(raw, "num_attention_heads", src)
-    if raw.get("num_key_value_heads") not in (None, heads):
-        raise CheckpointError(f"{src}: num_key_value_heads {raw['num_key_value_heads']!r} is "
-                              f"not supported; MLA needs it equal to num_attention_heads "
-                              f"({heads})")
+
+
+def _linear_shape(raw: dict, src: str) -> tuple[dict, dict]:
+    """(``linear_attn_config``, the KDA layers' integer shape fields with their defaults)."""
     lin = raw.get("linear_attn_config") or {}
     if not isinstance(lin, dict):
         raise CheckpointError(f"{src}: linear_attn_config must be an object, got {lin!r:.60}")
@@ -201,12 +224,11 @@ def parse_kimi_config(raw: dict, src: str = "config.json",
     for key, default in _LINEAR_DEFAULTS.items():
         v = lin.get(key, raw.get(_LINEAR_TOP[key], default))
         shape[key] = check_int(v, f"{src}: linear_attn_config.{key}", error=CheckpointError)
-    kinds = _layer_types(raw, layers, lin, src)
-    mlps = _mlp_types(raw, layers, src)
-    mla_layers = sum(k == "full_attention" for k in kinds)
-    if not mla_layers:
-        raise CheckpointError(f"{src}: no full_attention layer; the engine needs at least one "
-                              "MLA layer (its KV is what the cache holds)")
+    return lin, shape
+
+
+def _dtype_name(raw: dict, src: str, weight_dtype: str | None) -> str:
+    """The weights' dtype name (a key of ``_DTYPES``): the config's, else the files'."""
     name = raw.get("dtype") or raw.get("torch_dtype") or weight_dtype or "float32"
     if isinstance(name, str):
         name = name.removeprefix("torch.")
@@ -214,6 +236,12 @@ def parse_kimi_config(raw: dict, src: str = "config.json",
     if name not in _DTYPES:
         raise CheckpointError(f"{src}: dtype {name!r} is not supported; expected float32, "
                               "bfloat16 or float16")
+    return name
+
+
+def _mla_kwargs(raw: dict, src: str, heads: int, mla_layers: int, dtype_name: str,
+                moe: bool) -> dict:
+    """``ModelConfig`` kwargs of the MLA part (``moe``: some layer has a sparse MLP)."""
     eps = _get(raw, "rms_norm_eps")
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
         raise CheckpointError(f"{src}: rms_norm_eps must be a positive number, got {eps!r}")
@@ -221,7 +249,7 @@ def parse_kimi_config(raw: dict, src: str = "config.json",
     if rope_dim % 2:
         raise CheckpointError(f"{src}: qk_rope_head_dim must be even, got {rope_dim}")
     q_lora = raw.get("q_lora_rank")
-    mla = {
+    return {
         "vocab_size": _int(raw, "vocab_size", src),
         "hidden_size": _int(raw, "hidden_size", src),
         "num_layers": mla_layers,
@@ -232,12 +260,8 @@ def parse_kimi_config(raw: dict, src: str = "config.json",
         "v_head_dim": _int(raw, "v_head_dim", src),
         "q_lora_rank": None if q_lora is None else _int(raw, "q_lora_rank", src),
         "intermediate_size": _int(raw, "intermediate_size", src),
-        "dtype": _DTYPES[name],
+        "dtype": _DTYPES[dtype_name],
         "rms_eps": float(eps),
-        "moe": _moe(raw, src) if "sparse" in mlps else None,
+        "moe": _moe(raw, src) if moe else None,
         "tie_word_embeddings": bool(raw.get("tie_word_embeddings")),
     }
-    hybrid = {"layer_types": kinds, "mlp_layer_types": mlps, "kda_heads": shape["num_heads"],
-              "kda_head_dim": shape["head_dim"],
-              "conv_kernel": shape["short_conv_kernel_size"]}
-    return mla, hybrid

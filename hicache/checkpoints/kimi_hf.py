@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from hicache.checkpoints.hf import open_headers
 from hicache.checkpoints.hf_config import load_json, weight_files
 from hicache.engine.kimi import HybridConfig, KimiLinearModel
 from hicache.checkpoints.kimi_config import parse_kimi_config
@@ -119,24 +120,29 @@ def _check_kinds(d: Path, hyb: HybridConfig, names: set) -> None:
 
 def load_kimi(directory: str | Path, device=None) -> KimiLinearModel:
     """Build a ``KimiLinearModel`` from a Kimi Linear checkpoint directory."""
-    from safetensors import safe_open
     d = Path(directory)
     cfg, hyb = read_kimi_config(d)
     files, _ = weight_files(d)
-    where = {}
-    try:
-        for f in files:
-            st = safe_open(str(f), framework="pt", device="cpu")
-            for k in st.keys():
-                if k in where:
-                    raise CheckpointError(f"{d}: tensor {k} is stored twice "
-                                          f"({where[k][1].name} and {f.name})")
-                where[k] = (st, f)
-    except CheckpointError:
-        raise
-    except Exception as e:  # a corrupt or foreign file
-        raise CheckpointError(f"{d}: cannot read safetensors file: {e}") from None
+    where = open_headers(d, files)
     _check_kinds(d, hyb, set(where))
+    want = _wanted_tensors(cfg, hyb, where)
+    _check_names_and_shapes(d, want, where)
+    state = _engine_state(d, cfg, want, where)
+    with torch.device("meta"):
+        model = KimiLinearModel(cfg, hyb)
+    own = set(model.state_dict())
+    if own != set(state):  # a mapping bug, not a user error
+        raise CheckpointError(f"{d}: internal name mapping mismatch: "
+                              f"{sorted(own ^ set(state))[:5]}")
+    model.load_state_dict(state, strict=True, assign=True)
+    if device is not None:
+        model.to(device)
+    return model
+
+
+def _wanted_tensors(cfg: ModelConfig, hyb: HybridConfig, where: dict) -> dict:
+    """Checkpoint name -> (shape, engine name) of every tensor the config implies (a layer's
+    MLP is sparse when the files hold its ``block_sparse_moe`` tensors)."""
     want = {"model.embed_tokens.weight": ((cfg.vocab_size, cfg.hidden_size), "embed_tokens"),
             "model.norm.weight": ((cfg.hidden_size,), "norm")}
     if not cfg.tie_word_embeddings:
@@ -144,6 +150,12 @@ def load_kimi(directory: str | Path, device=None) -> KimiLinearModel:
     for i in range(hyb.num_layers):
         sparse_names = any(k.startswith(f"model.layers.{i}.block_sparse_moe.") for k in where)
         want.update(_layer_tensors(cfg, hyb, i, "block_sparse_moe" if sparse_names else "mlp"))
+    return want
+
+
+def _check_names_and_shapes(d: Path, want: dict, where: dict) -> None:
+    """CheckpointError unless the files hold exactly the wanted tensors (rotary caches aside),
+    each of the implied shape (``A_log``: of the implied size)."""
     missing = sorted(set(want) - set(where))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -161,6 +173,11 @@ def load_kimi(directory: str | Path, device=None) -> KimiLinearModel:
         if not ok:
             raise CheckpointError(f"{d}: tensor {k} ({where[k][1].name}) has shape "
                                   f"{list(got)}, config.json implies {list(shape)}")
+
+
+def _engine_state(d: Path, cfg: ModelConfig, want: dict, where: dict) -> dict:
+    """The engine's state dict: each wanted tensor read, checked float, cast (the router and
+    KDA decay parameters to fp32), ``kv_b_proj`` split per head, q/k/v conv kernels joined."""
     dtype, h, dn = cfg.torch_dtype, cfg.num_heads, cfg.qk_nope_head_dim
     fp32 = ("moe.gate", "moe.e_bias", "a_log", "dt_bias")  # kept in fp32 (as transformers)
     state, convs = {}, {}
@@ -181,13 +198,4 @@ def load_kimi(directory: str | Path, device=None) -> KimiLinearModel:
             state[name] = t
     for name, parts in convs.items():  # q | k | v depthwise kernels [3D, K]
         state[name] = torch.cat([parts["q_conv1d"], parts["k_conv1d"], parts["v_conv1d"]])
-    with torch.device("meta"):
-        model = KimiLinearModel(cfg, hyb)
-    own = set(model.state_dict())
-    if own != set(state):  # a mapping bug, not a user error
-        raise CheckpointError(f"{d}: internal name mapping mismatch: "
-                              f"{sorted(own ^ set(state))[:5]}")
-    model.load_state_dict(state, strict=True, assign=True)
-    if device is not None:
-        model.to(device)
-    return model
+    return state

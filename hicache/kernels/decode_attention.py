@@ -40,6 +40,79 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
+    def _load_queries(q_lat_ptr, q_pe_ptr, t, s_qt, s_qh, s_pt, s_ph, offs_h, offs_r, offs_d,
+                      hmask, rmask, dmask, DOT_FP32: tl.constexpr):
+        """Token ``t``'s queries of the block's heads: latent [BLOCK_H, BLOCK_R] and rotary
+        [BLOCK_H, BLOCK_DR] (in fp32 with ``DOT_FP32``)."""
+        q = tl.load(q_lat_ptr + t * s_qt + offs_h[:, None] * s_qh + offs_r[None, :],
+                    mask=hmask[:, None] & rmask[None, :], other=0.0)
+        qp = tl.load(q_pe_ptr + t * s_pt + offs_h[:, None] * s_ph + offs_d[None, :],
+                     mask=hmask[:, None] & dmask[None, :], other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+            qp = qp.to(tl.float32)
+        return q, qp
+
+    @triton.jit
+    def _load_keys(kv_ptr, rows_ptr, offs_n, nmask, s_kn, offs_r, offs_d, rmask, dmask,
+                   R: tl.constexpr, DOT_FP32: tl.constexpr, INDIRECT: tl.constexpr):
+        """Keys ``offs_n``'s latent [BLOCK_N, BLOCK_R] and rotary [BLOCK_N, BLOCK_DR] parts (in
+        fp32 with ``DOT_FP32``); ``INDIRECT``: key n is row rows[n] of the pool layer."""
+        if INDIRECT:  # no gathered copy
+            krow = tl.load(rows_ptr + offs_n, mask=nmask, other=0).to(tl.int64)
+        else:
+            krow = offs_n
+        c = tl.load(kv_ptr + krow[:, None] * s_kn + offs_r[None, :],
+                    mask=nmask[:, None] & rmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
+        kp = tl.load(kv_ptr + krow[:, None] * s_kn + R + offs_d[None, :],
+                     mask=nmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_DR]
+        if DOT_FP32:
+            c = c.to(tl.float32)
+            kp = kp.to(tl.float32)
+        return c, kp
+
+    @triton.jit
+    def _scores(q, qp, c, kp, scale, allowed, DOT_FP32: tl.constexpr):
+        """Scaled scores [BLOCK_H, BLOCK_N] of the heads against the keys (-inf where not
+        ``allowed``)."""
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(c), input_precision="ieee")
+            s += tl.dot(qp, tl.trans(kp), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(c))
+            s += tl.dot(qp, tl.trans(kp))
+        s = s * scale
+        return tl.where(allowed[None, :], s, float("-inf"))
+
+    @triton.jit
+    def _online_softmax_step(s, c, m_i, l_i, acc, DOT_FP32: tl.constexpr):
+        """One key block folded into the running max ``m_i``, sum ``l_i`` and output
+        ``acc``; the new (m_i, l_i, acc)."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_FP32:
+            pv = tl.dot(p, c, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(c.dtype), c)
+        acc = acc * alpha[:, None] + pv
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _store_split(o_ptr, lse_ptr, sp, t, s_os, s_ot, s_oh, s_ls, s_lt, offs_h, offs_r,
+                     hmask, rmask, m_i, l_i, acc):
+        """The split's normalized output and log-sum-exp (-inf for a head with no key)."""
+        has = l_i > 0.0
+        m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+        lse = tl.where(has, m_fin + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        tl.store(o_ptr + sp * s_os + t * s_ot + offs_h[:, None] * s_oh + offs_r[None, :], o,
+                 mask=hmask[:, None] & rmask[None, :])
+        tl.store(lse_ptr + sp * s_ls + t * s_lt + offs_h, lse, mask=hmask)
+
+    @triton.jit
     def _latent_attn_kernel(
         q_lat_ptr, q_pe_ptr, kv_ptr, rows_ptr, q_pos_ptr, kv_pos_ptr, o_ptr, lse_ptr,
         N, H, scale,
@@ -62,14 +135,8 @@ if triton is not None:
         rmask = offs_r < R
         dmask = offs_d < DR
 
-        # q [BLOCK_H, BLOCK_R], qp [BLOCK_H, BLOCK_DR]
-        q = tl.load(q_lat_ptr + t * s_qt + offs_h[:, None] * s_qh + offs_r[None, :],
-                    mask=hmask[:, None] & rmask[None, :], other=0.0)
-        qp = tl.load(q_pe_ptr + t * s_pt + offs_h[:, None] * s_ph + offs_d[None, :],
-                     mask=hmask[:, None] & dmask[None, :], other=0.0)
-        if DOT_FP32:
-            q = q.to(tl.float32)
-            qp = qp.to(tl.float32)
+        q, qp = _load_queries(q_lat_ptr, q_pe_ptr, t, s_qt, s_qh, s_pt, s_ph, offs_h, offs_r,
+                              offs_d, hmask, rmask, dmask, DOT_FP32)
         qpos = tl.load(q_pos_ptr + t)
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -89,43 +156,13 @@ if triton is not None:
             nmask = offs_n < end
             kpos = tl.load(kv_pos_ptr + offs_n, mask=nmask, other=0)
             allowed = nmask & (kpos <= qpos)
-            if INDIRECT:  # key n is row rows[n] of the pool layer: no gathered copy
-                krow = tl.load(rows_ptr + offs_n, mask=nmask, other=0).to(tl.int64)
-            else:
-                krow = offs_n
-            c = tl.load(kv_ptr + krow[:, None] * s_kn + offs_r[None, :],
-                        mask=nmask[:, None] & rmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
-            kp = tl.load(kv_ptr + krow[:, None] * s_kn + R + offs_d[None, :],
-                         mask=nmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_DR]
-            if DOT_FP32:
-                c = c.to(tl.float32)
-                kp = kp.to(tl.float32)
-                s = tl.dot(q, tl.trans(c), input_precision="ieee")
-                s += tl.dot(qp, tl.trans(kp), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(c))
-                s += tl.dot(qp, tl.trans(kp))
-            s = s * scale
-            s = tl.where(allowed[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N]
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if DOT_FP32:
-                pv = tl.dot(p, c, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(c.dtype), c)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            c, kp = _load_keys(kv_ptr, rows_ptr, offs_n, nmask, s_kn, offs_r, offs_d, rmask,
+                               dmask, R, DOT_FP32, INDIRECT)
+            s = _scores(q, qp, c, kp, scale, allowed, DOT_FP32)
+            m_i, l_i, acc = _online_softmax_step(s, c, m_i, l_i, acc, DOT_FP32)
 
-        has = l_i > 0.0
-        m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
-        lse = tl.where(has, m_fin + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-        o = acc / tl.where(has, l_i, 1.0)[:, None]
-        tl.store(o_ptr + sp * s_os + t * s_ot + offs_h[:, None] * s_oh + offs_r[None, :], o,
-                 mask=hmask[:, None] & rmask[None, :])
-        tl.store(lse_ptr + sp * s_ls + t * s_lt + offs_h, lse, mask=hmask)
+        _store_split(o_ptr, lse_ptr, sp, t, s_os, s_ot, s_oh, s_ls, s_lt, offs_h, offs_r,
+                     hmask, rmask, m_i, l_i, acc)
 
 
 _LAST: dict[bool, object] = {}  # DOT_FP32 -> the compiled kernel last launched

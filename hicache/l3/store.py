@@ -350,40 +350,7 @@ class PageStore(L3Store):
         touch = self._take_touches()
 
         def fn(txn):
-            used = self._meta_get(txn, b"used")
-            clock = self._meta_get(txn, b"clock")
-            fresh, existing = [], []
-            for k, payload, head in items:
-                held = txn.get(k, db=self._head)
-                if held is not None and not self._head_ok(held):  # another writer's value
-                    used -= self._remove(txn, k)  # replaced, never kept (no NX for it)
-                    held = None
-                (existing if held is not None else fresh).append((k, payload, head))
-            clock = self._touch(txn, _dedupe([k for k, _, _ in existing] + touch), clock)
-            # Refuse what cannot fit at all: keep the leading pages (prefixes are worth more).
-            need, keep = 0, []
-            for item in fresh:
-                sz = item[1].nbytes + len(item[2])
-                if need + sz > self.capacity_bytes:
-                    break
-                keep.append(item)
-                need += sz
-            dropped = len(fresh) - len(keep)
-            target = min(self.capacity_bytes, self._soft_cap) - need
-            used, evicted = self._evict(txn, used, max(target, 0))
-            base = max(clock, time.time_ns()) + 1
-            n = len(keep)
-            for i, (k, payload, head) in enumerate(keep):
-                stamp = _b64(base + n - 1 - i)
-                txn.put(k, payload, db=self._data)
-                txn.put(k, head, db=self._head)
-                txn.put(k, stamp, db=self._atime)
-                txn.put(stamp + k, b"", db=self._lru)
-            txn.put(b"used", _b64(used + need), db=self._meta)
-            txn.put(b"clock", _b64(base + n), db=self._meta)
-            return (len(keep), len(existing), dropped, evicted,
-                    sum(it[1].nbytes for it in keep),
-                    [it[0] for it in keep] + [it[0] for it in existing])
+            return self._write_txn(txn, items, touch)
 
         need = sum(it[1].nbytes + len(it[2]) for it in items)
         extra = 0
@@ -407,6 +374,45 @@ class PageStore(L3Store):
         self._bump(pages_written=written, pages_skipped=skipped, pages_dropped=dropped,
                    evictions=evicted + extra, bytes_written=nbytes)
         return written, held
+
+    def _write_txn(self, txn, items: list, touch: list):
+        """The body of ``_put_batch``'s transaction: store the fresh items that fit (evicting
+        for room), touch the existing ones and ``touch``; (written, skipped, dropped, evicted,
+        bytes written, keys held afterwards)."""
+        used = self._meta_get(txn, b"used")
+        clock = self._meta_get(txn, b"clock")
+        fresh, existing = [], []
+        for k, payload, head in items:
+            held = txn.get(k, db=self._head)
+            if held is not None and not self._head_ok(held):  # another writer's value
+                used -= self._remove(txn, k)  # replaced, never kept (no NX for it)
+                held = None
+            (existing if held is not None else fresh).append((k, payload, head))
+        clock = self._touch(txn, _dedupe([k for k, _, _ in existing] + touch), clock)
+        # Refuse what cannot fit at all: keep the leading pages (prefixes are worth more).
+        need, keep = 0, []
+        for item in fresh:
+            sz = item[1].nbytes + len(item[2])
+            if need + sz > self.capacity_bytes:
+                break
+            keep.append(item)
+            need += sz
+        dropped = len(fresh) - len(keep)
+        target = min(self.capacity_bytes, self._soft_cap) - need
+        used, evicted = self._evict(txn, used, max(target, 0))
+        base = max(clock, time.time_ns()) + 1
+        n = len(keep)
+        for i, (k, payload, head) in enumerate(keep):
+            stamp = _b64(base + n - 1 - i)
+            txn.put(k, payload, db=self._data)
+            txn.put(k, head, db=self._head)
+            txn.put(k, stamp, db=self._atime)
+            txn.put(stamp + k, b"", db=self._lru)
+        txn.put(b"used", _b64(used + need), db=self._meta)
+        txn.put(b"clock", _b64(base + n), db=self._meta)
+        return (len(keep), len(existing), dropped, evicted,
+                sum(it[1].nbytes for it in keep),
+                [it[0] for it in keep] + [it[0] for it in existing])
 
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys``, from the first, are stored (stops at the first absent one)."""
