@@ -5,6 +5,7 @@ tests/engines/ needs the real vLLM / SGLang packages: only ``make test-engines``
 HICACHE_ENGINE_TESTS=1 in its own environment) collects it."""
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -13,6 +14,10 @@ from hypothesis import settings
 torch.set_num_threads(1)
 settings.register_profile("hicache", deadline=None, print_blob=True)
 settings.load_profile("hicache")
+
+# weights signatures are cached in hicache's user cache directory: the tests' own, never the
+# user's (inherited by every rank and CLI process a test starts)
+os.environ.setdefault("HICACHE_CACHE_DIR", tempfile.mkdtemp(prefix="hicache-test-cache-"))
 
 collect_ignore = [] if os.environ.get("HICACHE_ENGINE_TESTS") == "1" else ["engines"]
 

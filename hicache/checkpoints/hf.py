@@ -309,6 +309,8 @@ def signature_cache_path(directory: str | os.PathLike) -> Path:
     from ..paths import cache_dir
     key = hashlib.blake2b(str(Path(directory).resolve()).encode(), digest_size=12).hexdigest()
     return cache_dir() / "weights-signatures" / f"{key}.json"
+
+
 _CHUNK = 16 << 20
 
 
