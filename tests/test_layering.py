@@ -160,3 +160,12 @@ def test_the_soak_never_imports_the_bench_command():
     # neutral hicache.bench_model, so the arrow runs one way only
     assert reaches("soak", "hicache.bench_cli") == []
     assert reaches("bench_model", "hicache.bench_cli", "hicache.soak") == []
+
+
+def test_the_policy_file_imports_nothing_heavier_than_itself():
+    # config.py may name the L3 registry (names only) and read config.json (pure): never the
+    # engine, a tier, the controller, the service or an L3 backend's module
+    assert reaches("config", "hicache.engine", "hicache.l1", "hicache.l2", "hicache.controller",
+                   "hicache.service", "hicache.l3.store", "hicache.l3.redis_store",
+                   "hicache.l3.lmdb_backend", "hicache.l3.redis_backend",
+                   "hicache.checkpoints.hf") == []
