@@ -197,7 +197,7 @@ def load_checkpoint(directory: str | os.PathLike, device: Optional[str | torch.d
     want = expected_tensors(cfg)
     _check_names_and_shapes(d, cfg, want, where)
     state = _engine_state(d, cfg, want, where, check_finite)
-    return _assemble(d, cfg, state, device)
+    return assemble(d, lambda: MLAModel(cfg, init=False), state, device)
 
 
 def open_headers(d: Path, files) -> dict:
@@ -268,12 +268,11 @@ def _engine_state(d: Path, cfg: ModelConfig, want: dict, where: dict,
     return state
 
 
-def _assemble(d: Path, cfg: ModelConfig, state: dict,
-              device: Optional[str | torch.device]) -> MLAModel:
-    """An ``MLAModel`` built on the meta device and given ``state``'s tensors, then moved to
-    ``device`` (when given)."""
+def assemble(d: Path, make, state: dict, device: Optional[str | torch.device]):
+    """The model ``make()`` builds on the meta device, given ``state``'s tensors (its names
+    exactly), then moved to ``device`` (when given)."""
     with torch.device("meta"):
-        model = MLAModel(cfg, init=False)
+        model = make()
     own = set(model.state_dict())
     if own != set(state):  # a mapping bug, not a user error
         raise CheckpointError(f"{d}: internal name mapping mismatch: "

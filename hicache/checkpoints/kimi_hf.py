@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hicache.checkpoints.hf import open_headers
+from hicache.checkpoints.hf import assemble, open_headers
 from hicache.checkpoints.hf_config import load_json, weight_files
 from hicache.engine.kimi import HybridConfig, KimiLinearModel
 from hicache.checkpoints.kimi_config import parse_kimi_config
@@ -128,16 +128,7 @@ def load_kimi(directory: str | Path, device=None) -> KimiLinearModel:
     want = _wanted_tensors(cfg, hyb, where)
     _check_names_and_shapes(d, want, where)
     state = _engine_state(d, cfg, want, where)
-    with torch.device("meta"):
-        model = KimiLinearModel(cfg, hyb)
-    own = set(model.state_dict())
-    if own != set(state):  # a mapping bug, not a user error
-        raise CheckpointError(f"{d}: internal name mapping mismatch: "
-                              f"{sorted(own ^ set(state))[:5]}")
-    model.load_state_dict(state, strict=True, assign=True)
-    if device is not None:
-        model.to(device)
-    return model
+    return assemble(d, lambda: KimiLinearModel(cfg, hyb), state, device)
 
 
 def _wanted_tensors(cfg: ModelConfig, hyb: HybridConfig, where: dict) -> dict:

@@ -34,6 +34,7 @@ Drafters:
 
 from __future__ import annotations
 
+import abc
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -116,7 +117,7 @@ def replicated_runner(model, page_tokens: int, num_pages: int, attn_backend: str
                      attn_backend=attn_backend)
 
 
-class Drafter:
+class Drafter(abc.ABC):
     """A draft source over a replicated runner; its request shares the target's page table."""
 
     def __init__(self, runner, page_table: list) -> None:
@@ -124,20 +125,20 @@ class Drafter:
         self.runner = runner
         self.state = RequestState(page_table=page_table)
 
+    @abc.abstractmethod
     def observe(self, hidden: Optional[torch.Tensor], start: int, end: int) -> None:
         """The target committed positions [start, end) (``hidden``: its last-layer output
         there, or None when not known); positions >= end are not committed."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def propose(self, seq: Sequence[int], k: int) -> list[int]:
         """Up to k draft tokens after ``seq`` (the committed tokens; the last not yet in the
         target's KV)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def catch_up(self, seq: Sequence[int]) -> None:
         """Run the draft over what is committed, but the last position ``propose`` starts
         from (the draft's prefill, outside the decode rounds)."""
-        raise NotImplementedError
 
 
 class DraftModelDrafter(Drafter):
