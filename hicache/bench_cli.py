@@ -24,6 +24,7 @@ import numpy as np
 
 from . import preflight
 from .bench_model import engine_model, l3_backend
+from .checks import regular_file, system_dir
 from .cli import number, run_guarded
 from .config import HiCacheConfig, load_config
 from .controller.policy import WRITE_POLICIES
@@ -491,12 +492,13 @@ def check_destination(flag: str, path: str, suffixes: tuple[str, ...] = ()) -> P
     if not path or "\0" in path:
         raise UsageError(f"{flag}: {path!r} is not a file name")
     p = Path(path)
-    real = os.path.realpath(p)
-    for d in preflight.SYSTEM_DIRS:
-        if real == d or real.startswith(d + "/"):
-            raise UsageError(f"{flag}: {path!r} is under {d}; give a file in a normal directory")
+    d = system_dir(p)
+    if d is not None:
+        raise UsageError(f"{flag}: {path!r} is under {d}; give a file in a normal directory")
     if p.is_dir() or path.endswith(("/", os.sep)):
         raise UsageError(f"{flag}: {path!r} is a directory; give a file name")
+    if p.exists():  # a FIFO would block the final write until a reader comes
+        regular_file(p, f"the {flag} file", UsageError)
     if suffixes and p.suffix.lower().lstrip(".") not in suffixes:
         raise UsageError(f"{flag}: {path!r} has no supported extension; use one of "
                          f"{', '.join('.' + s for s in suffixes)}")

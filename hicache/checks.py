@@ -8,6 +8,9 @@ bool, which Python counts as one) in ``[lo, hi]``; otherwise ``error`` with one 
 ``regular_file(path, what, error=OSError)``: ``stat`` before ``open``. True for a regular file,
 False when nothing is there; a FIFO, socket, device or directory is ``error`` with one line
 (opening a FIFO blocks until a writer comes, a device may never end: never a hang).
+
+``system_dir(path)``: the pseudo-filesystem (``/proc``, ``/sys``, ``/dev``) ``path`` resolves
+into, or None: no store or report is ever written there.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import os
 import stat
 from typing import Any
+
+SYSTEM_DIRS = ("/proc", "/sys", "/dev")
 
 
 def int_range(lo: int = 1, hi: int | None = None) -> str:
@@ -56,3 +61,9 @@ def regular_file(path: str | os.PathLike, what: str,
         raise error(f"{path}: {what} must be a regular file, but this is "
                     f"{file_kind(st.st_mode)}")
     return True
+
+
+def system_dir(path: str | os.PathLike) -> str | None:
+    """The system directory ``path`` resolves into (symlinks followed), or None."""
+    real = os.path.realpath(path)
+    return next((d for d in SYSTEM_DIRS if real == d or real.startswith(d + "/")), None)

@@ -24,8 +24,6 @@ from .errors import ConfigError, HostMemoryError
 MEMORY_FRACTION = 0.9  # of available memory a node's pools may take
 
 
-SYSTEM_DIRS = ("/proc", "/sys", "/dev")
-
 
 @dataclass(frozen=True)
 class Machine:

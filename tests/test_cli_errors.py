@@ -109,6 +109,8 @@ CASES = [
     (bench("--out", "{tmp}"), 2, "--out: '{tmp}' is a directory"),
     (bench("--out", "/proc/x.json"), 2, "--out: '/proc/x.json' is under /proc"),
     (bench("--out", "{a_file}/x.json"), 2, "--out: cannot create directory"),
+    (bench("--out", "{fifo}"), 2, "the --out file must be a regular file, but this is a FIFO"),
+    (bench("--plot", "{fifo}"), 2, "the --plot file must be a regular file, but this is a FIFO"),
     (bench("--trace", "{latin1_jsonl}"), 2, "latin1.jsonl:2: not UTF-8 text"),
     (bench("--trace", "/dev/zero"), 2, "a trace must be a regular file, but this is a device"),
     (bench("--trace", "{fifo}"), 2, "a trace must be a regular file, but this is a FIFO"),

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import registry
+from ..checks import system_dir
 from ..config import opt
 from ..errors import ConfigError, L3CorruptError, L3Error, L3ForeignError
 
-SYSTEM_DIRS = ("/proc", "/sys", "/dev")
 DEFAULT_CAPACITY = 1 << 30
 
 
@@ -44,11 +44,10 @@ def check_path(path: str) -> None:
         raise ConfigError(f"{key}: is empty; give the LMDB directory")
     if "\0" in path:
         raise ConfigError(f"{key}: {path!r} contains a NUL character")
-    real = os.path.realpath(path)
-    for d in SYSTEM_DIRS:
-        if real == d or real.startswith(d + "/"):
-            raise ConfigError(f"{key}: {path!r} is under {d}, not a place for a store")
-    p = Path(real)
+    d = system_dir(path)
+    if d is not None:
+        raise ConfigError(f"{key}: {path!r} is under {d}, not a place for a store")
+    p = Path(os.path.realpath(path))
     if p.exists():
         if not p.is_dir():
             raise ConfigError(f"{key}: {path!r} exists and is not a directory")
