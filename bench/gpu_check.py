@@ -576,7 +576,7 @@ def check_serving(sz: Sizes, dev) -> str:
                   "rope_dim": 64 if big else 8, "hidden_size": 256 if big else 64,
                   "num_heads": 16 if big else 4, "vocab_size": 1024},
         "cache": {"page_size": 16 if big else 4}, "l1": {"num_pages": 48}, "l2": {"ratio": 1.0},
-        "l3": {"enabled": with_l3, "path": store, "size_bytes": 1 << 30},
+        "l3": {"enabled": with_l3, "lmdb": {"path": store, "size_bytes": 1 << 30}},
         "policy": {"prefetch": "wait_complete"}, "io": {"backend": "kernel"},
     })
     rng = np.random.default_rng(0)
