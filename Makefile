@@ -19,8 +19,11 @@ $(STAMP): pyproject.toml
 	  || (apt-get update -q && apt-get install -y -q redis-server)
 	touch $(STAMP)
 
+# One pytest worker per core the job may use, 2 to 4 (each worker holds torch and a model).
+JOBS    ?= $(shell python3 -c "import os; print(max(2, min(4, len(os.sched_getaffinity(0)))))")
+
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -p no:cacheprovider tests
+	$(PY) -m pytest -n $(JOBS) -p no:cacheprovider tests
 
 # The engine adapters' tests run against the real vLLM and SGLang in their own environment:
 # CPU torch, the package, then the two engines WITHOUT their (CUDA) dependencies, plus only what
