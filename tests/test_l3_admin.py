@@ -132,7 +132,8 @@ def test_purge_of_one_rank_keeps_the_others_and_the_record(kind, tmp_path, redis
         assert s.exists_prefix(keys[1]) == 3
     with open_store(where, NS, 0, secrets=None) as s:
         assert s.exists_prefix(keys[0]) == 0
-    assert registry.purge(where, NS.digest.hex()).keys == 3  # the whole namespace
+    whole = registry.purge(where, NS.digest.hex())  # the whole namespace
+    assert (whole.keys, whole.ranks, whole.namespace) == (3, (1,), NS)
     assert registry.namespaces(where) == []  # its record too
 
 

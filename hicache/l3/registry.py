@@ -274,14 +274,14 @@ def purge(where: Any, namespace: Any, rank: Optional[int] = None) -> NamespaceIn
     if backend.purge is None:
         raise L3Error(f"the {backend.name} backend cannot purge a namespace")
     digest = getattr(namespace, "digest", None)
-    ns = namespace if digest is not None else None
+    ns, ranks = (namespace if digest is not None else None), ()
     if digest is None:
         found = _find(namespace, namespaces(where))
-        digest, ns = bytes.fromhex(found.digest), found.namespace
+        digest, ns, ranks = bytes.fromhex(found.digest), found.namespace, found.ranks
     if rank is not None and (not isinstance(rank, int) or rank < 0):
         raise L3Error(f"rank must be an int >= 0, got {rank!r}")
     n, nbytes = backend.purge(section, bytes(digest), rank)
-    return NamespaceInfo(bytes(digest).hex(), n, nbytes, () if rank is None else (rank,), ns)
+    return NamespaceInfo(bytes(digest).hex(), n, nbytes, ranks if rank is None else (rank,), ns)
 
 
 def usage(store: Any) -> Optional[Usage]:
