@@ -196,3 +196,20 @@ def test_localserver_cluster_uses_consecutive_ports_and_prints_the_l3_url(tmp_pa
         proc.wait(timeout=60)
     assert proc.returncode == 0
     assert all(port_free(p + i) for i in range(3))  # the servers are stopped by PID
+
+
+def test_ls_on_a_password_protected_server(tmp_path, redis_factory, capsys):
+    srv = redis_factory(maxmemory=64 << 20)
+    with redis.Redis(port=srv.port) as c:
+        c.config_set("requirepass", "right-password-123")
+    good = f"redis://:right-password-123@127.0.0.1:{srv.port}/0"
+    _three_pages(good, 1)
+    rc, out, err = run_cli(capsys, "l3", "ls", "--url", good, "--json")
+    assert rc == 0, err
+    assert [(r["model"], r["keys"], r["ranks"]) for r in json.loads(out)] == [
+        ("admin-test", 3, [1])]
+    bad = f"redis://:wrong-password-456@127.0.0.1:{srv.port}/0"
+    rc, out, err = run_cli(capsys, "l3", "purge", "--url", bad, "--namespace", NS.digest.hex())
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert ": auth: " in err and "wrong-password-456" not in err and "***" in err, err
+    assert registry.namespaces(good)[0].keys == 3  # nothing deleted

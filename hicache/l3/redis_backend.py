@@ -228,9 +228,10 @@ def admin_client(section: RedisSection):
     url = list(section.url) if isinstance(section.url, tuple) else section.url
     kw = dict(socket_timeout=section.timeout_s, socket_connect_timeout=section.timeout_s)
     try:
-        if isinstance(url, list):
-            p = urlsplit(url[0])
-            client = redis.RedisCluster(host=p.hostname, port=p.port or 6379, **kw)
+        if isinstance(url, list):  # the first node's URL carries credentials and TLS
+            nodes = [redis.cluster.ClusterNode(p.hostname, p.port or 6379)
+                     for p in map(urlsplit, url[1:])]
+            client = redis.RedisCluster.from_url(url[0], startup_nodes=nodes or None, **kw)
         else:
             client = redis.Redis.from_url(url, **kw)
         client.ping()
