@@ -217,6 +217,53 @@ def _l3_check(args) -> int:
     return 0 if report.get("ok") else 1
 
 
+def _l3_where(args, what: str):
+    """The store an ``l3 ls`` / ``l3 purge`` names: ``--url URL[,URL...]`` (a backend that
+    claims URLs) or an LMDB directory that holds a store; UsageError (exit 2) otherwise."""
+    import os
+    from .l3 import registry
+    if (args.url is None) == (args.path is None):
+        raise UsageError(f"l3 {what}: give a store: --url URL (Redis / Valkey) or an LMDB PATH")
+    if args.url is not None:
+        urls = [u.strip() for u in args.url.split(",") if u.strip()]
+        where = urls if len(urls) > 1 else (urls[0] if urls else "")
+        b = registry.for_where(where) if where else None
+        if b is None or not b.claims(where) or b.name == registry.DEFAULT:
+            raise UsageError(f"l3 {what}: --url {args.url!r} is not a URL that a registered "
+                             f"L3 backend ({', '.join(registry.names())}) takes")
+        return where
+    if not os.path.isdir(args.path) or not os.path.exists(os.path.join(args.path, "data.mdb")):
+        raise UsageError(f"l3 {what}: {args.path!r} holds no LMDB store (no data.mdb)")
+    return args.path
+
+
+def _l3_ls(args) -> int:
+    """List the namespaces of an L3 store: model, layout, ranks, keys, bytes."""
+    from .l3 import registry
+    rows = registry.namespaces(_l3_where(args, "ls"))
+    if args.json:
+        print(json.dumps([r.as_dict() for r in rows]))
+        return 0
+    if not rows:
+        print("no namespaces")
+        return 0
+    print(table([[r.digest, r.model, r.layout, ",".join(map(str, r.ranks)), r.keys, r.bytes]
+                 for r in rows], ["namespace", "model", "layout", "ranks", "keys", "bytes"]))
+    return 0
+
+
+def _l3_purge(args) -> int:
+    """Delete one namespace (every rank's pages and its record); nothing interactive."""
+    from .l3 import registry
+    gone = registry.purge(_l3_where(args, "purge"), args.namespace)
+    if args.json:
+        print(json.dumps(gone.as_dict()))
+    else:
+        print(f"deleted namespace {gone.digest} ({gone.model}, {gone.layout}): {gone.keys} "
+              f"keys, {gone.bytes} bytes")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hicache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -251,6 +298,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the secret before a rotation (its MACs are accepted too)")
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=_l3_check)
+    for name, func, help_ in (
+            ("ls", _l3_ls, "list an L3 store's namespaces (model, layout, ranks, keys, bytes)"),
+            ("purge", _l3_purge, "delete one namespace of an L3 store (prints what it deleted)")):
+        c = l3.add_parser(name, help=help_)
+        c.add_argument("path", nargs="?", default=None, help="an LMDB store's directory")
+        c.add_argument("--url", default=None,
+                       help="a Redis / Valkey store: redis://host:port/db, rediss://..., "
+                            "unix:///path.sock, or cluster node URLs joined by commas")
+        if name == "purge":
+            c.add_argument("--namespace", required=True,
+                           help="the namespace `hicache l3 ls` prints (or a unique prefix of "
+                                "8+ hex digits)")
+        c.add_argument("--json", action="store_true")
+        c.set_defaults(func=func)
     from . import decode_cli as engine_cli
     engine_cli.add_parser(sub)
     return parser

@@ -57,7 +57,7 @@ def run_soak_rank(rank: int, world: int, cfg_dict: dict, jobs: list, opts: dict)
 # the metrics' counters summed in a rank's report: report key -> metric name
 _TOTALS = (("hit_tokens", "hicache_hit_tokens_total"), ("prefetch", "hicache_prefetch_total"),
            ("failed_copies", "hicache_failed_copies_total"),
-           ("l3_errors", "hicache_l3_errors_total"), ("bytes", "hicache_transfer_bytes_total"))
+           ("l3_errors", "hicache_l3_failures_total"), ("bytes", "hicache_transfer_bytes_total"))
 
 
 class _RankSoak:
@@ -353,7 +353,9 @@ def verdict(ranks: list[dict], duration: float, wall_s: float, seed: int) -> dic
                        for t in ("l1", "l2", "l3")},
         "prefetch": {o: sum(r["totals"]["prefetch"].get(o, 0) for r in ranks)
                      for o in ranks[0]["totals"]["prefetch"]},
-        "l3_errors": sum(r["totals"]["l3_errors"].get("", 0) for r in ranks),
+        # the store was unavailable (value failures are counted as corrupt above)
+        "l3_errors": sum(v for r in ranks for k, v in r["totals"]["l3_errors"].items()
+                         if k not in ("corrupt", "auth")),
         "bytes": {d: sum(r["totals"]["bytes"].get(d, 0) for r in ranks)
                   for d in ranks[0]["totals"]["bytes"]},
         "requests_completed": ranks[0]["completed"],

@@ -199,7 +199,8 @@ def test_the_service_counts_auth_failures_in_stats_and_metrics(tmp_path):
         assert cache.l3.get(keys[:1], dst) == 0
         assert cache.stats()["l3_auth_failures"] == 1
         text = generate_latest(HiCacheMetrics(cache).registry).decode()
-        assert re.search(r'hicache_l3_auth_failures_total\{[^}]*\} 1\.0', text), text
+        assert re.search(r'hicache_l3_failures_total\{[^}]*reason="auth"[^}]*\} 1\.0', text), text
+        assert re.search(r'hicache_l3_failures_total\{[^}]*reason="corrupt"[^}]*\} 0\.0', text)
 
 
 def test_l3_check_verifies_macs_with_the_secret(tmp_path):

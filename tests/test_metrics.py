@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.engine.model import MLAModel
+from hicache.l3.registry import KINDS
 from hicache.metrics import HISTOGRAMS, SERIES, HiCacheMetrics, describe
 from hicache.serving import Server, model_config
 from hicache.service import HiCache
@@ -25,11 +26,19 @@ def scrape(port: int) -> dict:
     return parse(text)
 
 
-def parse(text: str) -> dict:
+def parse(text: str, models: set | None = None) -> dict:
+    """Samples keyed without their ``model`` label (every hicache series has one: its values
+    are added to ``models``)."""
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            out[(s.name, frozenset(s.labels.items()))] = s.value
+            labels = dict(s.labels)
+            if s.name.startswith("hicache_"):
+                assert "model" in labels, s
+                m = labels.pop("model")
+                if models is not None:
+                    models.add(m)
+            out[(s.name, frozenset(labels.items()))] = s.value
     return out
 
 
@@ -41,6 +50,8 @@ def expected_from_stats(s: dict, rank: str = "0") -> dict:
     """The scrape a stats() dict implies (label spread per SERIES)."""
     exp = {}
     for name, (_k, _h, label, path) in SERIES.items():
+        if path[0] not in s:  # derived at scrape time (capacity, L3 store, failure reasons)
+            continue
         v = s
         for k in path:
             v = v[k]
@@ -74,8 +85,24 @@ def test_scrape_equals_stats_and_moves_with_the_run(tmp_path):
                 for key, v in exp.items():
                     assert now[key] == v, key  # the scrape IS stats(), series by series
                 # L3 pages: the whole store, also read at scrape time
+                store = cache.l3._store  # LMDB behind the service guard
                 assert value(now, "hicache_pages_used", rank="0", tier="l3") == \
-                    cache.l3._store.num_pages()  # LMDB behind the service guard
+                    store.num_pages() > 0
+                assert value(now, "hicache_bytes_used", rank="0", tier="l3") == \
+                    store.used_bytes() > 0
+                assert value(now, "hicache_bytes_capacity", rank="0", tier="l3") == \
+                    store.capacity_bytes
+                # L1 / L2: capacity in pages and bytes, so usage ratios can be computed
+                for tier, pool in (("l1", cache.l1), ("l2", cache.l2)):
+                    n = cfg.l1.num_pages if tier == "l1" else cfg.l2_num_pages
+                    assert value(now, "hicache_pages_capacity", rank="0", tier=tier) == n
+                    assert value(now, "hicache_bytes_capacity", rank="0", tier=tier) == \
+                        pool.nbytes // pool.num_pages * n
+                    assert value(now, "hicache_bytes_used", rank="0", tier=tier) == \
+                        pool.nbytes // pool.num_pages * st["pages"][tier]
+                assert value(now, "hicache_l3_enabled", rank="0") == 1
+                assert {r: value(now, "hicache_l3_failures_total", rank="0", reason=r)
+                        for r in KINDS} == dict.fromkeys(KINDS, 0.0)
                 seen.append(now)
             first, second = seen
             assert value(first, "hicache_requests_total", rank="0") == 6

@@ -106,28 +106,6 @@ def is_remote(where: Any) -> bool:
     return isinstance(where, str) and "://" in where and not where.startswith("file://")
 
 
-def clear_namespace(store: L3Store) -> int:
-    """Delete every page of the store's namespace and rank (other namespaces are untouched);
-    returns how many were deleted."""
-    prefix = store.namespace.digest + store.rank.to_bytes(2, "big")
-    keys: list[bytes]
-    if hasattr(store, "lru_order"):  # LMDB: the keys of the whole environment
-        keys = [k for k in store.lru_order() if k.startswith(prefix)]
-    else:  # Redis: SCAN this namespace's key range
-        client = store.raw_client()
-        if client is None:
-            raise L3Error(f"cannot clear the L3 namespace: the store is unavailable "
-                          f"({getattr(store, 'last_error', None)})")
-        pre = store.key_prefix + prefix
-        pattern = b"".join(b"\\" + bytes([c]) if c in b"*?[]\\" else bytes([c]) for c in pre)
-        keys = [bytes(k)[len(store.key_prefix):] for k in client.scan_iter(match=pattern + b"*",
-                                                                          count=1000)]
-    n = 0
-    for i in range(0, len(keys), 512):
-        n += store.delete(keys[i:i + 512])
-    return n
-
-
 def signature(fields: dict[str, Any]) -> str:
     """A stable text of the fields that sign a namespace (sorted ``k=v``; order-free)."""
     return ",".join(f"{k}={fields[k]}" for k in sorted(fields))

@@ -41,7 +41,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from ..errors import L3Error
 from ..l3 import L3Store, Namespace, open_store
-from .common import (clear_namespace, get_each, kv_dtype_name, require_client, signature,
+from .common import (get_each, kv_dtype_name, require_client, signature,
                      store_keys, weights_signature)
 from .health import REASONS, Health
 
@@ -234,7 +234,8 @@ class HiCacheL3Storage(HiCacheStorage):
         layouts and ranks sharing the store are untouched)."""
         if self.store is None:
             raise L3Error("register_mem_pool_host was not called")
-        clear_namespace(self.store)
+        from ..l3 import registry
+        registry.purge(self.where, self.namespace, rank=self.rank)
 
     def get_stats(self):
         """SGLang's ``StorageMetrics`` (pages and GB/s per prefetch / backup), with hicache's

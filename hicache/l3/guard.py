@@ -113,6 +113,25 @@ class GuardedStore:
                     self.failures += 1
             return default
 
+    def failure_reasons(self) -> dict[str, int]:
+        """This rank's L3 failures by reason (``registry.KINDS``), one count per event: values
+        rejected (``auth`` when their MAC failed, else ``corrupt``), calls that found the store
+        unavailable (by what the backend says each error meant; ``other`` where it does not
+        say), and store errors raised here (the kind of the first, which turned L3 off)."""
+        from .registry import KINDS
+        out = dict.fromkeys(KINDS, 0)
+        st = self.stats
+        out["auth"] += st.auth_failures
+        out["corrupt"] += max(st.corrupt - st.auth_failures, 0)
+        store = self._store if self._store is not None else self._dead
+        by = dict(getattr(store, "error_reasons", None) or {}) if store is not None else {}
+        for k, v in by.items():
+            out[k if k in out else "other"] += v
+        out["other"] += max(st.errors - sum(by.values()), 0)
+        if self.failures:
+            out[self.failure_kind if self.failure_kind in out else "other"] += self.failures
+        return out
+
     # ---- the L3Store surface the service, the writer and the prefetcher use ------------------
     def check_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         store = self._store

@@ -111,6 +111,27 @@ class Namespace:
                    page_size=page_size, dcp_size=dcp_size, interleave=interleave,
                    kind=fmt.kind.value, name=fmt.name, rows=fmt.rows, encoding=fmt.encoding)
 
+    # ---- the namespace record (what ``hicache l3 ls`` shows) ---------------------------------
+    RECORD_FIELDS = ("model", "num_layers", "kv_dim", "dtype", "page_size", "dcp_size",
+                     "interleave", "format_version", "kind", "name", "rows", "encoding")
+
+    def record(self) -> bytes:
+        """The fields that make this namespace, as stored beside its pages (msgpack). A record
+        proves itself: :meth:`from_record` rebuilds the namespace and compares the digest, so no
+        secret is needed to trust what it says about the keys under its digest."""
+        return msgpack.packb({k: getattr(self, k) for k in self.RECORD_FIELDS})
+
+    @classmethod
+    def from_record(cls, raw: bytes, digest: bytes | None = None) -> "Namespace | None":
+        """The namespace a :meth:`record` describes; None when it is unreadable or (given
+        ``digest``) names another digest."""
+        try:
+            fields = msgpack.unpackb(bytes(raw))
+            ns = cls(**{k: fields[k] for k in cls.RECORD_FIELDS})
+        except Exception:
+            return None
+        return ns if digest is None or ns.digest == bytes(digest) else None
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return self.format.dtype

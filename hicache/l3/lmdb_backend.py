@@ -170,8 +170,118 @@ def claims(where) -> bool:
     return isinstance(where, os.PathLike) or (isinstance(where, str) and "://" not in where)
 
 
+RECORD = b"ns:"  # meta sub-database: RECORD + namespace digest -> Namespace.record()
+_PREFIX = 18  # namespace digest (16 B) | rank (2 B): the part of a key no secret changes
+_PURGE_BATCH = 4096  # keys deleted per write transaction
+
+
+@contextmanager
+def _env(path: str, writer: bool):
+    """The environment on an existing store (this process's shared one when a store is open
+    on it); L3Error when ``path`` holds none."""
+    from .store import _acquire_env, _release_env
+    data = os.path.join(os.fspath(path), "data.mdb")
+    if not os.path.isfile(data):
+        raise L3Error(f"{path!r} holds no LMDB store (no data.mdb)")
+    size = os.path.getsize(data)
+    shared = _acquire_env(os.fspath(path), max(size, 1 << 20), max(size, 1 << 20), writer,
+                          True)
+    try:
+        yield shared
+    finally:
+        _release_env(shared)
+
+
+def _txn(shared, fn, write: bool):
+    import lmdb
+    for _ in range(4):
+        with shared.gate.shared():
+            try:
+                with shared.env.begin(write=write, buffers=True) as txn:
+                    return fn(txn)
+            except lmdb.MapResizedError:
+                pass
+        with shared.gate.exclusive():
+            shared.env.set_mapsize(0)  # adopt the size another process set
+    raise L3Error(f"L3 store {shared.path!r} keeps being resized by other processes")
+
+
+def scan(section: LmdbSection) -> registry.Scan:
+    """Walk the keys (not the values) of the store: pages and bytes per namespace and rank,
+    and the namespace records. Costs one read transaction over the ``head`` index."""
+    def fn(txn):
+        sh = shared
+        pages: dict = {}
+        cur = txn.cursor(db=sh.head)
+        for k, head in cur:
+            k = bytes(k)
+            data = txn.get(k, db=sh.data)
+            key = (k[:16], int.from_bytes(k[16:_PREFIX], "big"))
+            n, b = pages.get(key, (0, 0))
+            pages[key] = (n + 1, b + len(head) + (len(data) if data is not None else 0))
+        records = {}
+        cur = txn.cursor(db=sh.meta)
+        if cur.set_range(RECORD):
+            for k, v in cur:
+                k = bytes(k)
+                if not k.startswith(RECORD):
+                    break
+                records[k[len(RECORD):]] = bytes(v)
+        return registry.Scan(pages, records)
+
+    with _env(section.path, writer=False) as shared:
+        return _txn(shared, fn, write=False)
+
+
+def purge(section: LmdbSection, digest: bytes, rank: int | None) -> tuple[int, int]:
+    """Delete the pages under ``digest`` (and ``rank``), in write transactions of a few
+    thousand keys (ranks writing meanwhile wait for each), then the record."""
+    prefix = digest + (rank.to_bytes(2, "big") if rank is not None else b"")
+    total = [0, 0]
+
+    def fn(txn):
+        sh = shared
+        cur = txn.cursor(db=sh.head)
+        keys = []
+        if cur.set_range(prefix):
+            for k in cur.iternext(keys=True, values=False):
+                k = bytes(k)
+                if not k.startswith(prefix) or len(keys) >= _PURGE_BATCH:
+                    break
+                keys.append(k)
+        freed = 0
+        for k in keys:
+            for db in (sh.data, sh.head):
+                v = txn.get(k, db=db)
+                if v is not None:
+                    freed += len(v)
+                    txn.delete(k, db=db)
+            stamp = txn.get(k, db=sh.atime)
+            if stamp is not None:
+                txn.delete(bytes(stamp) + k, db=sh.lru)
+                txn.delete(k, db=sh.atime)
+        used = int.from_bytes(bytes(txn.get(b"used", db=sh.meta) or b""), "big")
+        txn.put(b"used", max(used - freed, 0).to_bytes(8, "big"), db=sh.meta)
+        if rank is None and len(keys) < _PURGE_BATCH:
+            txn.delete(RECORD + digest, db=sh.meta)
+        total[0] += len(keys)
+        total[1] += freed
+        return len(keys)
+
+    with _env(section.path, writer=True) as shared:
+        while _txn(shared, fn, write=True) >= _PURGE_BATCH:
+            pass
+    return total[0], total[1]
+
+
+def usage(store) -> registry.Usage:
+    """The whole environment: pages (entries of its ``head`` index), bytes held (the
+    environment's own ``used`` counter) and capacity (``size_bytes``); two read transactions."""
+    return registry.Usage(store.num_pages(), store.used_bytes(), store.capacity_bytes)
+
+
 BACKEND = registry.register(registry.Backend(
     name="lmdb", section=LmdbSection, open=open_store, preflight=preflight, errors=errors,
     classify=classify, fixture=fixture, shared=False, describe=lambda s: str(s.path),
     claims=claims, section_of=lambda where: {"path": os.fspath(where)},
-    before_open=before_open, scratch=scratch))
+    before_open=before_open, scratch=scratch, scan=scan, purge=purge, usage=usage))

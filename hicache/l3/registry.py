@@ -61,6 +61,13 @@ class Backend:
       reports and logs;
     - ``scratch(section)``: a context manager yielding the keys of an empty store of its own
       (a cold run), removed afterwards; None: unsupported.
+    - ``scan(section)`` -> :class:`Scan` of the whole store (keys and bytes per namespace digest
+      and rank, and the namespace records the writers left); None: listing unsupported;
+    - ``purge(section, digest, rank)`` -> ``(keys, bytes)`` deleted: every page of one namespace
+      (of one rank when ``rank`` is given) and, for a whole namespace, its record; None:
+      unsupported;
+    - ``usage(store)`` -> :class:`Usage` of the store an open ``store`` is on (pages, bytes,
+      capacity; None where unknown), cheap enough for a metrics scrape; None: unsupported.
     """
 
     name: str
@@ -78,7 +85,60 @@ class Backend:
     before_open: Optional[Callable[[Any], Optional[str]]] = None
     scratch: Optional[Callable[[Any], AbstractContextManager]] = None
     public: Callable[[dict], dict] = lambda table: table
+    scan: Optional[Callable[[Any], "Scan"]] = None
+    purge: Optional[Callable[[Any, bytes, Optional[int]], tuple]] = None
+    usage: Optional[Callable[[Any], "Usage"]] = None
     extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What a backend's ``scan`` found: ``pages[(digest, rank)] = (keys, bytes)`` and
+    ``records[digest] = raw namespace record`` (``hicache.l3.keys.Namespace.record``)."""
+
+    pages: dict
+    records: dict
+
+
+@dataclass(frozen=True)
+class Usage:
+    """The whole store an open store is on: pages held, bytes held, capacity in bytes (None
+    where the backend cannot tell cheaply)."""
+
+    pages: Optional[int] = None
+    bytes: Optional[int] = None
+    capacity_bytes: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class NamespaceInfo:
+    """One namespace held in a store (:func:`namespaces`). ``digest``: 32 hex digits (what
+    ``hicache l3 purge --namespace`` takes, or a unique prefix of at least 8); ``namespace``:
+    the :class:`hicache.l3.keys.Namespace` its record describes (verified against the digest),
+    None when no valid record is held (pages written before records existed, or a forged one)."""
+
+    digest: str
+    keys: int
+    bytes: int
+    ranks: tuple
+    namespace: Any = None
+
+    @property
+    def model(self) -> str:
+        return self.namespace.model if self.namespace is not None else "?"
+
+    @property
+    def layout(self) -> str:
+        ns = self.namespace
+        if ns is None:
+            return "?"
+        return (f"{ns.name}:{ns.kind} L={ns.num_layers} rows={ns.rows} width={ns.kv_dim} "
+                f"{ns.dtype} P={ns.page_size} dcp={ns.dcp_size} I={ns.interleave}"
+                + (f" {ns.encoding}" if ns.encoding != "raw" else ""))
+
+    def as_dict(self) -> dict:
+        return {"namespace": self.digest, "model": self.model, "layout": self.layout,
+                "keys": self.keys, "bytes": self.bytes, "ranks": list(self.ranks)}
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -155,3 +215,83 @@ def for_where(where: Any) -> Backend:
         if b.claims(where):
             return b
     return get(DEFAULT)
+
+
+# ---- operator tools: list and purge namespaces (``hicache l3 ls`` / ``hicache l3 purge``) --------
+def _section(where: Any):
+    from .backends import resolve
+    return resolve(where)
+
+
+def namespaces(where: Any) -> list[NamespaceInfo]:
+    """Every namespace held in the store on ``where`` (a URL, a list of cluster node URLs, an
+    LMDB directory or a policy ``[l3]`` section), the largest first. Keys are grouped by their
+    ``namespace digest | rank`` prefix, which a fleet secret leaves readable (it keys only the
+    chain part), and described by the namespace records the writers keep beside the pages."""
+    from .keys import Namespace
+    backend, section = _section(where)
+    if backend.scan is None:
+        raise L3Error(f"the {backend.name} backend cannot list its namespaces")
+    found = backend.scan(section)
+    per: dict[bytes, list] = {}
+    for (digest, rank), (n, nbytes) in found.pages.items():
+        e = per.setdefault(digest, [0, 0, set()])
+        e[0] += n
+        e[1] += nbytes
+        e[2].add(rank)
+    for digest in found.records:
+        per.setdefault(digest, [0, 0, set()])
+    out = []
+    for digest, (n, nbytes, ranks) in per.items():
+        raw = found.records.get(digest)
+        ns = Namespace.from_record(raw, digest) if raw is not None else None
+        out.append(NamespaceInfo(digest.hex(), n, nbytes, tuple(sorted(ranks)), ns))
+    return sorted(out, key=lambda i: (-i.bytes, i.digest))
+
+
+def _find(name: Any, held: list[NamespaceInfo]) -> NamespaceInfo:
+    if isinstance(name, (bytes, bytearray)):
+        name = bytes(name).hex()
+    if not isinstance(name, str) or not re.fullmatch(r"[0-9a-fA-F]{8,32}", name or ""):
+        raise L3Error(f"namespace {name!r}: give the 32 hex digits `hicache l3 ls` prints "
+                      "(or a unique prefix of at least 8)")
+    name = name.lower()
+    hits = [i for i in held if i.digest.startswith(name)]
+    if not hits:
+        raise L3Error(f"no namespace {name} in this store (`hicache l3 ls` lists them)")
+    if len(hits) > 1:
+        raise L3Error(f"namespace prefix {name} is ambiguous: "
+                      f"{', '.join(i.digest for i in hits)}")
+    return hits[0]
+
+
+def purge(where: Any, namespace: Any, rank: Optional[int] = None) -> NamespaceInfo:
+    """Delete every page of one namespace (a digest, its hex or a unique hex prefix, or a
+    ``Namespace``) from the store on ``where``; only ``rank``'s pages when given (the record
+    stays then). Other namespaces are untouched. Returns what was deleted (keys, bytes);
+    L3Error naming the namespace when the store holds none of it."""
+    backend, section = _section(where)
+    if backend.purge is None:
+        raise L3Error(f"the {backend.name} backend cannot purge a namespace")
+    digest = getattr(namespace, "digest", None)
+    ns, ranks = (namespace if digest is not None else None), ()
+    if digest is None:
+        found = _find(namespace, namespaces(where))
+        digest, ns, ranks = bytes.fromhex(found.digest), found.namespace, found.ranks
+    if rank is not None and (not isinstance(rank, int) or rank < 0):
+        raise L3Error(f"rank must be an int >= 0, got {rank!r}")
+    n, nbytes = backend.purge(section, bytes(digest), rank)
+    return NamespaceInfo(bytes(digest).hex(), n, nbytes, ranks if rank is None else (rank,), ns)
+
+
+def usage(store: Any) -> Optional[Usage]:
+    """The whole store an open store (guarded or keyed wrappers included) is on, or None where
+    its backend does not say."""
+    inner = store
+    for attr in ("_store", "inner"):  # GuardedStore, KeyedStore
+        inner = getattr(inner, attr, None) or inner
+    backend = getattr(inner, "backend_name", None)
+    if backend is None:
+        return None
+    b = get(backend)
+    return b.usage(inner) if b.usage is not None else None

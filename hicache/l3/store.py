@@ -9,7 +9,8 @@ Sub-databases of the environment:
            seeded with a hash of the key (8 B), so a value copied under another key fails
     atime  key -> 8-byte stamp of the last access
     lru    stamp (8 B big endian) | key -> b""   (ordered: the oldest first)
-    meta   b"used" -> bytes held (data + head), b"clock" -> last stamp issued
+    meta   b"used" -> bytes held (data + head), b"clock" -> last stamp issued,
+           b"ns:" | namespace digest -> the namespace's record (``hicache l3 ls``)
 
 A value whose header or checksum does not match is a counted miss: it is deleted (when this
 process is a writer) and never served. The header of a valid value is byte-for-byte the one this
@@ -177,6 +178,8 @@ class PageStore(L3Store):
     """Persistent page store of this rank's shards (LMDB). Thread-safe; several ranks in one
     process and several processes may open one path."""
 
+    backend_name = "lmdb"
+
     def __init__(self, path: str | os.PathLike, namespace: Namespace, rank: int,
                  capacity_bytes: int, map_size: int | None = None, writer: bool = True,
                  max_map_size: int | None = None, sync: bool = True,
@@ -203,6 +206,8 @@ class PageStore(L3Store):
         self._pending_touch: list[list[bytes]] = []  # served key batches, oldest batch first
         self._pending_count = 0
         self._soft_cap = capacity_bytes  # lowered when the map fills before the capacity
+        self._record_key = b"ns:" + namespace.digest  # lmdb_backend.RECORD: the namespace record
+        self.error_reasons: dict[str, int] = {}  # failed writes by registry.KINDS reason
         self._closed = False
 
     @property
@@ -361,6 +366,8 @@ class PageStore(L3Store):
                 if not _write_failure(e):
                     raise
                 self._bump(pages_dropped=len(items), errors=1)  # reads go on
+                with self._lock:
+                    self.error_reasons["full"] = self.error_reasons.get("full", 0) + 1
                 return 0, []
             if res is not _FULL:
                 break
@@ -410,6 +417,8 @@ class PageStore(L3Store):
             txn.put(stamp + k, b"", db=self._lru)
         txn.put(b"used", _b64(used + need), db=self._meta)
         txn.put(b"clock", _b64(base + n), db=self._meta)
+        if keep and txn.get(self._record_key, db=self._meta) is None:  # `hicache l3 ls`
+            txn.put(self._record_key, self.namespace.record(), db=self._meta)
         return (len(keep), len(existing), dropped, evicted,
                 sum(it[1].nbytes for it in keep),
                 [it[0] for it in keep] + [it[0] for it in existing])

@@ -131,8 +131,10 @@ def test_llm_serves_a_repeated_prompt_from_the_hicache_tier(tiny_llama, redis_se
     # hicache's own counts, through vLLM's offloading stats
     written = sum(s["by_source"].get("vllm:kv_offload_hicache_l3_pages_written", 0) for s in first)
     assert written == (1 + FILL) * (full // BLOCK)
-    with redis.Redis.from_url(url) as c:
-        assert c.dbsize() == written  # one shard per block (TP 1), each stored once
+    with redis.Redis.from_url(url) as c:  # one shard per block (TP 1), each stored once,
+        keys = list(c.scan_iter(match=b"hicache:*", count=1000))  # and one namespace record
+        assert sum(not k.startswith(b"hicache:ns:") for k in keys) == written
+        assert sum(k.startswith(b"hicache:ns:") for k in keys) == 1
     # cache hits change no token
     assert p0["tokens"] == base[0]["tokens"] == p1["tokens"]
 
