@@ -424,7 +424,6 @@ class RedisStore(L3Store):
         return self._connect()
 
 
-
 def _usage(client, cluster: bool, errors: tuple):
     """DBSIZE, ``INFO memory`` used_memory and ``maxmemory`` (a cluster: summed over its
     primaries); a field the server does not answer (CONFIG disabled) is None."""
