@@ -34,7 +34,7 @@ import torch.distributed as dist
 import xxhash
 
 from . import distributed as hd
-from . import outcome, preflight
+from . import hybrid_cache, outcome, preflight
 from .config import HiCacheConfig
 from .controller import CacheController, LockHandle, StepAgreement
 from . import minvec
@@ -67,6 +67,12 @@ class Prefix:
     page_table: list = field(default_factory=list)  # widened device page ids
     ready: bool = False
     room_wait: int = 0              # steps the agreed L3 restore has waited for L1 room
+    # hybrid models (hicache.hybrid_cache): the KDA state after hit_len tokens, to restore
+    # before the first extend ((hit_len, conv, rec); None: no hit), its tier, and the matched
+    # tokens past the deepest snapshot (recomputed)
+    state: object = None
+    state_tier: str = ""
+    lost_len: int = 0
 
     @property
     def hit_len(self) -> int:
@@ -157,8 +163,9 @@ class HiCache:
         self.replica = replica
         self.tiers = CACHE_MODES[mode]
         host_pages = self._build_pools(config, rank, device)
+        snapshots, self.states = hybrid_cache.build(config, self.tiers, self.l1.device)
         self.ctrl = CacheController(self.page_tokens, config.l1.num_pages, host_pages,
-                                    policy=config.policy)
+                                    policy=config.policy, snapshots=snapshots)
         self._init_request_state(config)
         # the bytes: transfers, L3 store, writer, prefetcher, restores (hicache/tier_io.py)
         self.io = TierIO(config, rank, self.l1, self.l2, self.page_tokens, self._record,
@@ -233,7 +240,8 @@ class HiCache:
         c, p = self.config, self.config.policy
         key = (self.mode, self.page_tokens, c.l1.num_pages, self.ctrl.host.num_pages,
                repr(p), self.agreement.debug,  # the whole [policy]: every key drives a
-               self.weights_signature if self.l3 is not None else "")  # replicated choice
+               self.weights_signature if self.l3 is not None else "",  # replicated choice
+               repr(c.hybrid))
         raw = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
         return int.from_bytes(raw, "little") >> 4
 
@@ -274,8 +282,11 @@ class HiCache:
         self._reqs[request_id] = req
         self._stats.requests += 1
         if self.tiers:
-            with self._timed():
-                m = self.ctrl.match(arr[:-1], lock=True)
+            if self.states is not None:  # hybrid: cut back to the deepest snapshot
+                m = hybrid_cache.match(self, arr, prefix)
+            else:
+                with self._timed():
+                    m = self.ctrl.match(arr[:-1], lock=True)
             req.lock = m.lock
             prefix.device_len = m.device_len
             prefix.page_table = m.device_pages.tolist()
@@ -287,12 +298,14 @@ class HiCache:
                     prefix.page_table += list(op.device_pages)
                     # the loaded pages now hold these positions
                     self.io.map_chains(prefix.page_table, arr[:prefix.hit_len])
+            if self.states is not None:  # no L2 load-back: end at a snapshot in L1
+                hybrid_cache.settle(self, arr, prefix)
             loads = self.io.launch(self.ctrl.take_ops())
             req.load_job = loads[-1] if loads else None
             if m.wait_ops:  # device pages still being loaded for an earlier request
                 req.load_job = Waits(self.io.jobs_of(m.wait_ops)
                                      + ([req.load_job] if req.load_job else []))
-            if self.l3 is not None:
+            if self.l3 is not None and self.states is None:
                 req.prefetch = self.io.start_prefetch(request_id, arr, prefix.hit_len)
                 if req.prefetch is not None:
                     self._pending.append(req)
@@ -332,6 +345,9 @@ class HiCache:
             return 0, 0
         with self._timed():
             dev, host = self.ctrl.peek(arr[:-1])
+            if self.states is not None:
+                usable = hybrid_cache.usable_len(self, arr[:-1])
+                dev, host = min(dev, usable), max(0, min(host, usable - dev))
         return dev, (host if "l2" in self.tiers else 0)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
@@ -428,9 +444,15 @@ class HiCache:
             except TransferError as err:
                 self._record(err)
 
-    def finish(self, request_id, tokens) -> None:
+    def snapshot_positions(self, request_id, end: int) -> list[int]:
+        """Hybrid models: the positions in ``(hit, end]`` whose KDA state the engine should
+        hand to ``finish`` (empty for other models). Replicated."""
+        return hybrid_cache.positions(self, request_id, end)
+
+    def finish(self, request_id, tokens, snapshots=None) -> None:
         """The request is done; ``tokens`` are those whose KV is in its pages (prompt plus the
-        generated tokens that were fed back). Whole pages are cached; the rest is freed."""
+        generated tokens that were fed back). Whole pages are cached; the rest is freed.
+        ``snapshots`` (hybrid models): position -> the KDA state ``(conv, rec)`` after it."""
         if self._closed:
             raise UsageError("finish after close()")
         req = self._reqs.get(request_id)
@@ -464,6 +486,8 @@ class HiCache:
             with self._timed():
                 res = self.ctrl.insert(arr[:end], table[:whole], after=req.lock)
             self.io.map_chains(res.device_pages.tolist(), arr[:end])
+            if self.states is not None:
+                hybrid_cache.attach(self, arr[:end], snapshots)
             own = set(req.own_pages)
             tail = [p for p in table[whole:] if p in own]
             self.io.launch(self.ctrl.take_ops())
@@ -594,6 +618,8 @@ class HiCache:
             # copy ops the controller issued: backups (d2h) and L2 load-backs (h2d)
             "copy_ops": {"d2h": ctrl.backups, "h2d": ctrl.loads},
         }
+        if self.states is not None:  # hybrid models: KDA state snapshots
+            out["hybrid"] = self.states.report()
         if self.l3 is not None:
             l3 = self.l3.stats
             out["evictions"]["l3"] = l3.evictions

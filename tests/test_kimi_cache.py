@@ -1,0 +1,147 @@
+"""Prefix hits for a hybrid model (Kimi Linear) through the serving loop and the cache.
+
+A tiny Kimi Linear checkpoint (written by transformers, as in test_kimi_engine.py) is served by
+``hicache.serving.Server`` with the cache on and off: the serving loop asks the runner for the
+KDA state at the page-aligned positions the cache wants, the cache keeps each snapshot on the
+page that ends there, and a hit restores it before the first extend. Every check compares the
+tokens, the first generated token's logits and the served KV rows with recompute
+(``hicache.kvcheck``).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.config import HiCacheConfig
+from hicache.errors import ConfigError
+from hicache.kvcheck import KVProbe, compare
+from hicache.serving import Server
+from hicache.service import HiCache
+from hicache.workloads import Request
+
+from test_kimi_engine import make_checkpoint
+
+PS = 2  # page size (dcp 1: 2-token pages)
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    d = tmp_path_factory.mktemp("kimi_cache") / "ckpt"
+    make_checkpoint(d, kda=[1, 2, 4], full=[3], first_dense=1, seed=3)
+    return str(d)
+
+
+def cfg_of(path, every=0, state_bytes=1 << 20, l1_pages=64, **policy):
+    return HiCacheConfig.from_dict({
+        "model": {"path": path, "signature": "kimi-test"}, "cache": {"page_size": PS},
+        "l1": {"num_pages": l1_pages}, "l2": {"ratio": 2.0},
+        "hybrid": {"snapshot_every_pages": every, "l1_state_bytes": state_bytes},
+        "policy": {"l3_cost_model": False, **policy}})
+
+
+def toks(seed, n):
+    return np.random.default_rng(seed).integers(3, 90, n).astype(np.int64)
+
+
+def serve(cfg, jobs, mode):
+    from hicache.checkpoints.hf import load_model
+    model = load_model(cfg.model.path)
+    with HiCache(cfg, mode=mode) as cache:
+        probe = KVProbe(cache.kv, cache.page_tokens, all_pages=mode == "recompute")
+        server = Server(model, cache, chunk_tokens=5, max_running=1, probe=probe)
+        res = {r.request_id: r for r in server.run(jobs)}
+        stats = cache.stats()
+        assert cache.leaks() == {"l1": 0, "l2": 0, "locks": 0}
+        if cache.states is not None:
+            cache.ctrl.check()
+    return res, stats, probe.result()
+
+
+def same_as_recompute(cfg, jobs, mode):
+    ref, _, ref_probe = serve(cfg, jobs, "recompute")
+    got, stats, probe = serve(cfg, jobs, mode)
+    assert {k: r.output for k, r in got.items()} == {k: r.output for k, r in ref.items()}
+    cmp = compare(ref_probe, probe)
+    assert cmp.ok, cmp.line()
+    return got, stats
+
+
+def jobs_sharing(prefix_len, tail=5, out=3):
+    """A (prefix + tail), B (the same prefix, another tail right after it), A again."""
+    base = toks(1, prefix_len)
+    a = np.concatenate([base, toks(2, tail)])
+    b = np.concatenate([base, toks(3, tail)])
+    return [Request("A", 0, a, out, 0), Request("B", 0, b, out, 1),
+            Request("A2", 0, a.copy(), out, 2)]
+
+
+@pytest.mark.parametrize("mode", ["l1", "l1+l2"])
+def test_snapshot_every_pages_hits_a_shared_prefix_right_after_a_snapshot(kimi, mode):
+    cfg = cfg_of(kimi, every=2)  # snapshots every 4 tokens, and at the end of each prefix
+    got, stats = same_as_recompute(cfg, jobs_sharing(8), mode)
+    assert got["B"].hit["l1"] == 8      # differs right after the snapshot at 8
+    assert got["A2"].hit["l1"] == 12    # A's prompt: 13 tokens, the last never a hit
+    h = stats["hybrid"]
+    assert h["hits"]["l1"] == 2 and h["lost_tokens"] == 0
+    assert h["written_bytes"]["l1"] > 0 and h["read_bytes"]["l1"] == 2 * h["snapshot_bytes"]
+    if mode == "l1+l2":
+        assert h["written_bytes"]["l2"] == h["written_bytes"]["l1"]
+
+
+def test_only_prefix_ends_cut_a_shared_prefix_back_and_count_the_loss(kimi):
+    cfg = cfg_of(kimi, every=0)
+    e = toks(5, 13)  # a turn of one token (fed: its 13 prompt tokens), then the next turn
+    jobs = jobs_sharing(8) + [Request("E", 0, e, 1, 3),
+                              Request("F", 0, np.concatenate([e, toks(6, 4)]), 2, 4)]
+    got, stats = same_as_recompute(cfg, jobs, "l1")
+    assert got["F"].hit["l1"] == 12  # E's inserted prefix ends at 12: its snapshot
+    # B shares 8 tokens with A, but A's only snapshot is at the end of its 15 fed tokens (14):
+    # B's 8 matched tokens are recomputed (lost); A2's match (12 tokens) ends before it too
+    assert got["B"].hit["l1"] == 0
+    assert stats["hybrid"]["lost_tokens"] >= 8
+    assert stats["hit_tokens"]["l1"] == sum(r.hit["l1"] for r in got.values())
+
+
+def test_an_evicted_snapshot_shortens_the_hit_and_tokens_stay_equal(kimi):
+    from hicache.checkpoints.hf import load_model
+    a = jobs_sharing(8)[0]
+    again = Request("A2", 0, a.tokens.copy(), a.output_len, 1)
+    model = load_model(kimi)
+    runs = {}
+    for mode in ("recompute", "l1"):
+        with HiCache(cfg_of(kimi, every=2), mode=mode) as cache:
+            server = Server(model, cache, chunk_tokens=5, max_running=1)
+            first = server.run([a])
+            if mode == "l1":  # evict the snapshot at 12 (A2's whole match) on its own
+                pages = cache.ctrl.cached_pages()
+                snaps = cache.ctrl.snaps
+                s12 = next(s for s in snaps.all() if s.pages * PS == 12)
+                snaps.evict(s12)
+                assert cache.ctrl.cached_pages() == pages  # no page freed
+            runs[mode] = first + server.run([again])
+            stats = cache.stats()
+            cache.ctrl.check()
+    assert [r.output for r in runs["l1"]] == [r.output for r in runs["recompute"]]
+    assert runs["l1"][1].hit["l1"] == 8  # cut back to the snapshot at 8
+    assert stats["hybrid"]["lost_tokens"] == 4
+
+
+def test_a_full_snapshot_pool_evicts_the_least_recently_used(kimi):
+    one = HiCacheConfig.from_dict({"model": {"path": kimi}}).state_format.page_bytes
+    cfg = cfg_of(kimi, every=0, state_bytes=2 * one)  # room for 2 snapshots
+    jobs = jobs_sharing(8)
+    jobs.insert(2, Request("C", 0, toks(7, 13), 3, 2))  # A, B, C, A2: C evicts A's snapshot
+    got, stats = same_as_recompute(cfg, jobs, "l1")
+    h = stats["hybrid"]
+    assert h["held_bytes"]["l1"] == 2 * one
+    assert got["A2"].hit["l1"] == 0 and h["lost_tokens"] >= 12  # A's pages are still cached
+
+
+def test_bad_snapshot_pool_and_deepseek_untouched(kimi, tmp_path):
+    with pytest.raises(ConfigError, match=r"^hybrid.l1_state_bytes: 100 bytes hold no KDA"):
+        cfg_of(kimi, state_bytes=100)
+    plain = HiCacheConfig.from_dict({"cache": {"page_size": PS}, "l1": {"num_pages": 8}})
+    assert plain.state_format is None
+    with HiCache(plain, mode="l1") as cache:
+        assert cache.states is None and cache.ctrl.snaps is None
+        assert "hybrid" not in cache.stats()
