@@ -31,10 +31,10 @@ def kimi(tmp_path_factory):
     return str(d)
 
 
-def cfg_of(path, every=0, state_bytes=1 << 20, l1_pages=64, **policy):
+def cfg_of(path, every=0, state_bytes=1 << 20, l1_pages=64, l2_ratio=2.0, **policy):
     return HiCacheConfig.from_dict({
         "model": {"path": path, "signature": "kimi-test"}, "cache": {"page_size": PS},
-        "l1": {"num_pages": l1_pages}, "l2": {"ratio": 2.0},
+        "l1": {"num_pages": l1_pages}, "l2": {"ratio": l2_ratio},
         "hybrid": {"snapshot_every_pages": every, "l1_state_bytes": state_bytes},
         "policy": {"l3_cost_model": False, **policy}})
 
@@ -49,7 +49,8 @@ def serve(cfg, jobs, mode):
     with HiCache(cfg, mode=mode) as cache:
         probe = KVProbe(cache.kv, cache.page_tokens, all_pages=mode == "recompute")
         server = Server(model, cache, chunk_tokens=5, max_running=1, probe=probe)
-        res = {r.request_id: r for r in server.run(jobs)}
+        # one run per job: each ends with its transfers agreed (L2 copies valid)
+        res = {r.request_id: r for j in jobs for r in server.run([j])}
         stats = cache.stats()
         assert cache.leaks() == {"l1": 0, "l2": 0, "locks": 0}
         if cache.states is not None:
@@ -100,6 +101,19 @@ def test_only_prefix_ends_cut_a_shared_prefix_back_and_count_the_loss(kimi):
     assert got["B"].hit["l1"] == 0
     assert stats["hybrid"]["lost_tokens"] >= 8
     assert stats["hit_tokens"]["l1"] == sum(r.hit["l1"] for r in got.values())
+
+
+def test_a_hit_from_l2_restores_the_snapshot_s_host_copy(kimi):
+    one = HiCacheConfig.from_dict({"model": {"path": kimi}}).state_format.page_bytes
+    # L1: 12 pages and 2 snapshots; L2: 48 pages and 8 snapshots. C evicts A's pages and
+    # A's snapshots from L1; A2 then loads A's pages and its snapshot at 12 from L2
+    cfg = cfg_of(kimi, every=2, state_bytes=2 * one, l1_pages=12, l2_ratio=4.0)
+    jobs = jobs_sharing(8)
+    jobs[1:2] = [Request("C", 0, toks(7, 13), 3, 1)]
+    got, stats = same_as_recompute(cfg, jobs, "l1+l2")
+    assert got["A2"].hit == {"l1": 0, "l2": 12, "l3": 0}
+    h = stats["hybrid"]
+    assert h["hits"] == {"l1": 0, "l2": 1, "l3": 0} and h["read_bytes"]["l2"] == one
 
 
 def test_an_evicted_snapshot_shortens_the_hit_and_tokens_stay_equal(kimi):
