@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .controller import SnapshotSettings
-from .hybrid_sizes import snapshot_slots
+from .hybrid_sizes import conv_elems, snapshot_slots
 from .state_tier import StateTier
 
 
@@ -88,8 +88,63 @@ def attach(hc, arr: np.ndarray, snapshots) -> None:
     with hc._timed():
         placed = hc.ctrl.snaps.attach(arr, list(snapshots))
     pt = hc.page_tokens
+    l3 = hc.states.l3
     for s in placed:
+        state = snapshots[s.pages * pt]
         try:
-            hc.states.put(snapshots[s.pages * pt], s.l1, s.l2)
+            hc.states.put(state, s.l1, s.l2)
         except Exception as err:  # noqa: BLE001 (any copy failure: agreed, not raised here)
             hc._record(err)
+        if l3 is not None:  # once for the group (the designated rank writes)
+            l3.put(arr[:s.pages * pt], state)
+
+
+# ---- L3 (hicache.state_l3): snapshots written once for the group, agreed on every read -------
+def open_l3(hc, config, replica, weights_signature: str) -> None:
+    """With L3 on: this rank's view of the group's snapshots in the store."""
+    if hc.states is None or hc.io.l3 is None:
+        return
+    from .state_l3 import StateL3
+    hc.states.l3 = StateL3(config, hc.rank, replica, weights_signature, hc.states.format,
+                           conv_elems(config))
+
+
+def find_l3(hc, req, arr: np.ndarray) -> None:
+    """At admission: the deepest snapshot in L3 past the hit (read now), for the L3 part."""
+    hit, l3 = req.prefix.hit_len, hc.states.l3
+    top = (arr.size - 1) // hc.page_tokens * hc.page_tokens
+    req.state_l3 = l3.find(arr, hit, top) if l3 is not None else (hit, None)
+
+
+def l3_signals(pending) -> list[int]:
+    """Per request waiting on L3: ``[p, -p]`` (MIN-reduced: every rank found the same
+    snapshot position ``p`` only when both come back as they went)."""
+    out: list[int] = []
+    for req in pending:
+        p = req.state_l3[0] if req.state_l3[1] is not None else req.prefix.hit_len
+        out += [p, -p]
+    return out
+
+
+def l3_decisions(hc, pending, decisions, agreed) -> list:
+    """The agreed L3 pages cut to the agreed snapshot: exactly the pages up to it when every
+    rank holds the same snapshot and read them all, else none (recompute)."""
+    out = []
+    for i, (req, (ok, pages)) in enumerate(zip(pending, decisions)):
+        lo, hi = agreed[2 * i], -agreed[2 * i + 1]
+        need = (lo - req.prefix.hit_len) // hc.page_tokens
+        out.append((ok, need if lo == hi and need > 0 and pages >= need else 0))
+    return out
+
+
+def restored_l3(hc, req) -> None:
+    """The agreed L3 pages were restored: the request continues from the L3 snapshot."""
+    prefix, (p, state) = req.prefix, req.state_l3
+    prefix.state = (p, *state)
+    prefix.state_tier = "l3"
+    st = hc.states.stats
+    st.hits["l3"] += 1
+    st.read["l3"] += hc.states.format.page_bytes
+    gained = min(prefix.lost_len, prefix.storage_len)
+    prefix.lost_len -= gained
+    st.lost_tokens -= gained

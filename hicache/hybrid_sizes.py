@@ -41,6 +41,12 @@ def state_format(cfg):
     return fmt
 
 
+def conv_elems(cfg) -> int:
+    """Short-convolution elements per KDA layer of ``cfg``'s hybrid checkpoint (the split of a
+    snapshot's flat row: conv first, then the recurrent matrix)."""
+    return _shape(cfg.model.path)[1]
+
+
 def snapshot_slots(cfg, l2: bool) -> tuple[int, int]:
     """(L1 snapshots, L2 snapshots) per rank ``cfg`` holds; (0, 0) without a hybrid model."""
     fmt = state_format(cfg)

@@ -90,6 +90,7 @@ class _Request:
     prefetch: Optional[L3Read] = None  # the L3 read, until its restore is agreed
     own_pages: list = field(default_factory=list)   # pages from alloc_device (not yet in tree)
     restore_tries: int = 0          # steps an agreed L3 restore waited for L1 room
+    state_l3: object = None         # hybrid: (position, snapshot) found in L3 (hybrid_cache)
 
 
 @dataclass
@@ -173,6 +174,7 @@ class HiCache:
                          weights_signature=weights_signature)
         self.transfer = self.io.transfer
         self.namespace = self.io.namespace
+        hybrid_cache.open_l3(self, config, replica, weights_signature)
 
     @staticmethod
     def _check_args(config: HiCacheConfig, world: int, mode: str | None,
@@ -250,6 +252,8 @@ class HiCache:
         io, self.io = self.io, None
         if io is not None:
             io.close()
+        if getattr(self, "states", None) is not None:
+            self.states.close()
         self.l1 = self.l2 = self.ctrl = self.transfer = None
 
     @property
@@ -305,7 +309,9 @@ class HiCache:
             if m.wait_ops:  # device pages still being loaded for an earlier request
                 req.load_job = Waits(self.io.jobs_of(m.wait_ops)
                                      + ([req.load_job] if req.load_job else []))
-            if self.l3 is not None and self.states is None:
+            if self.l3 is not None and self.states is not None:
+                hybrid_cache.find_l3(self, req, arr)
+            if self.l3 is not None:
                 req.prefetch = self.io.start_prefetch(request_id, arr, prefix.hit_len)
                 if req.prefetch is not None:
                     self._pending.append(req)
@@ -557,10 +563,12 @@ class HiCache:
         self.io.launch(self.ctrl.take_ops())
         done = self.io.poll()  # one state read per copy; failures recorded here
         handles = [r.prefetch.handle for r in self._pending]
+        extras = [int(self._fault is None)] + prefetch_signals(handles)
+        if self.states is not None and handles:  # hybrid: the snapshot each L3 read ends at
+            extras += hybrid_cache.l3_signals(self._pending)
         t0 = time.perf_counter()
         try:
-            res = self.ctrl.agree(self.agreement, done,
-                                  [int(self._fault is None)] + prefetch_signals(handles))
+            res = self.ctrl.agree(self.agreement, done, extras)
         except DivergenceError as err:  # raised on every rank at this step: stop alike
             self._halt(err)
             raise
@@ -572,7 +580,11 @@ class HiCache:
             self._stop()
         self.io.complete(res.done_ops)
         ready = []
-        decisions = agree_prefetch(handles, agreed=list(res.extras[1:])) if handles else []
+        n = 1 + 2 * len(handles)
+        decisions = agree_prefetch(handles, agreed=list(res.extras[1:n])) if handles else []
+        if self.states is not None and handles:
+            decisions = hybrid_cache.l3_decisions(self, self._pending, decisions,
+                                                  res.extras[n:])
         for req, (ok, pages) in zip(list(self._pending), decisions):
             if ok and self._restore(req, pages):
                 self._pending.remove(req)
@@ -662,6 +674,8 @@ class HiCache:
         finally:
             self._closed = True
             self.io.close()  # copies stop before the pools go; failures were reported already
+            if self.states is not None:
+                self.states.close()
 
     def _agree_close(self, flush: bool, error: BaseException | None) -> bool:
         """Whether every rank flushes (the same answer on every rank), raising ``PeerError`` on
@@ -776,6 +790,8 @@ class HiCache:
             req.own_pages += dev
             prefix.page_table += dev
             prefix.storage_len = pages * self.page_tokens
+            if self.states is not None:
+                hybrid_cache.restored_l3(self, req)
         self.io.end_prefetch(req.prefetch)
         req.prefetch = None
         prefix.ready = True

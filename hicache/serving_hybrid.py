@@ -29,7 +29,11 @@ def prefill(runner, cache, a, state, suffix: torch.Tensor, chunk: int) -> torch.
     last chunk's logits. Snapshots land in ``a.snaps``."""
     job, prefix = a.job, a.prefix
     if prefix.hit_len:  # (the cache cut the hit back to a snapshot: the same position)
-        runner.states.restore(state, StateSnapshot(*prefix.state))
+        pos, conv, rec = prefix.state
+        pool = runner.states  # (an L3 copy comes flat: the pool's shapes)
+        runner.states.restore(state, StateSnapshot(
+            pos, conv.reshape(pool.conv.shape[0], *pool.conv.shape[2:]),
+            rec.reshape(pool.rec.shape[0], *pool.rec.shape[2:])))
     a.want = cache.snapshot_positions(job.request_id, len(job.tokens) + job.output_len - 1)
     logits = None
     for s in range(0, len(suffix), chunk):

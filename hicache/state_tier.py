@@ -42,6 +42,12 @@ class StateTier:
         self.l1: list = [None] * l1_slots
         self.l2: list = [None] * l2_slots
         self.stats = StateStats()
+        self.l3 = None  # hicache.state_l3.StateL3 when L3 is on
+
+    def close(self) -> None:
+        l3, self.l3 = self.l3, None
+        if l3 is not None:
+            l3.close()
 
     def put(self, state, l1: int | None, l2: int | None) -> None:
         """Keep ``state`` (``(conv, rec)``) in L1 slot ``l1`` and a host copy in L2 slot
@@ -79,6 +85,8 @@ class StateTier:
 
     def report(self) -> dict:
         s = self.stats
+        if self.l3 is not None:
+            s.written["l3"] = self.l3.written
         return {"snapshot_bytes": self.format.page_bytes, "written_bytes": dict(s.written),
                 "read_bytes": dict(s.read), "hits": dict(s.hits),
                 "lost_tokens": s.lost_tokens, "held_bytes": self.bytes_held()}
