@@ -321,7 +321,7 @@ class HybridSection:
     snapshot_every_pages: int = opt(0, "hybrid models: also snapshot the KDA state every this "
                                        "many widened pages of an inserted prefix (0: only at "
                                        "the end of each inserted prefix)", min=0, max=1 << 20)
-    l1_state_bytes: int = opt(1 << 30, "hybrid models: device bytes per rank for KDA state "
+    l1_state_bytes: int = opt(1 << 28, "hybrid models: device bytes per rank for KDA state "
                                        "snapshots (must hold at least one; L2 holds l2.ratio "
                                        "times as many)", min=0, max=1 << 50)
 

@@ -159,3 +159,58 @@ def test_bad_snapshot_pool_and_deepseek_untouched(kimi, tmp_path):
     with HiCache(plain, mode="l1") as cache:
         assert cache.states is None and cache.ctrl.snaps is None
         assert "hybrid" not in cache.stats()
+
+
+def test_check_config_plan_and_memory_count_snapshot_bytes(kimi, tmp_path, capsys):
+    import json
+    from hicache import cli, preflight
+    cfg = cfg_of(kimi, state_bytes=1 << 20)
+    fmt = cfg.state_format
+    assert fmt.kind.value == "state" and fmt.layers == 3  # one fp32 row per KDA layer
+    small = preflight.memory_need(cfg_of(kimi, state_bytes=1 << 16), 1)
+    big = preflight.memory_need(cfg, 1)
+    n_small, n_big = (1 << 16) // fmt.page_bytes, (1 << 20) // fmt.page_bytes
+    assert big.l1_per_rank - small.l1_per_rank == (n_big - n_small) * fmt.page_bytes
+    assert big.l2_per_rank - small.l2_per_rank == 2 * (n_big - n_small) * fmt.page_bytes
+    f = tmp_path / "p.toml"
+    f.write_text(f'[model]\npath = "{kimi}"\n[hybrid]\nl1_state_bytes = {1 << 20}\n')
+    assert cli.main(["check-config", str(f), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["snapshot_bytes"] == fmt.page_bytes and f"L1 {n_big} snapshots" in \
+        info["snapshots"]
+    f.write_text(f'[model]\npath = "{kimi}"\n[hybrid]\nl1_state_bytes = 100\n')
+    assert cli.main(["check-config", str(f)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hybrid.l1_state_bytes: 100 bytes hold no KDA state" in err[0]
+    assert cli.main(["plan", "--model", "kimi-linear-48b-a3b", "--tp", "8", "--json"]) == 0
+    hyb = json.loads(capsys.readouterr().out)["hybrid"]
+    assert hyb["snapshot_cache_bytes"] == 20 * (3 * 32 * 128 * 3 * 4 + 32 * 128 * 128 * 4)
+
+
+def test_bench_reports_snapshots_by_tier_and_verifies(kimi, tmp_path, capsys):
+    import json
+    from hicache import bench_cli
+    out = tmp_path / "r.json"
+    f = tmp_path / "p.toml"
+    f.write_text(f'[cache]\npage_size = 4\n[l1]\nnum_pages = 64\n[hybrid]\n'
+                 f'snapshot_every_pages = 1\nl1_state_bytes = {1 << 20}\n'
+                 f'[policy]\nl3_cost_model = false\n')
+    rc = bench_cli.main(["--config", str(f), "--model", kimi, "--dcp", "1", "--workload",
+                         "chat", "--scale", "0.01", "--max-output", "2", "--modes", "l1,l1+l2",
+                         "--verify", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["workloads"][0]["verify"]["equal"] is True
+    modes = {m["name"]: m for m in report["modes"]}
+    for name in ("l1", "l1+l2"):
+        h = modes[name]["hybrid"]
+        assert h["snapshot_hits"]["l1"] > 0 and h["written_bytes"]["l1"] > 0
+        assert modes[name]["hit_tokens"]["l1"] > 0
+        assert f"{name} snapshots ({h['snapshot_bytes']} bytes): hits l1 " in text
+        assert "tokens lost to truncation" in text
+    assert modes["l1+l2"]["hybrid"]["written_bytes"]["l2"] > 0
+    f.write_text('[hybrid]\nl1_state_bytes = 10\n')
+    assert bench_cli.main(["--config", str(f), "--model", kimi, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hybrid.l1_state_bytes" in err[0]
