@@ -214,3 +214,22 @@ def test_bench_reports_snapshots_by_tier_and_verifies(kimi, tmp_path, capsys):
     assert bench_cli.main(["--config", str(f), "--model", kimi, "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "hybrid.l1_state_bytes" in err[0]
+
+
+def test_bench_hybrid_script_prints_ttft_and_restore_ratios():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "bench" / "hybrid.py"), "--quick", "--json",
+                        "--length", "64", "--suffix", "4", "--reps", "1"],
+                       capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["tokens_equal"] is True and out["hit_tokens"] == [out["length"]]
+    assert abs(out["ttft_speedup"] - out["ttft_recompute_s"] / out["ttft_hit_s"]) < 1e-9
+    assert abs(out["restore_over_kda_prefill"] - out["restore_s"] / out["kda_prefill_s"]) < 1e-9
+    bad = subprocess.run([sys.executable, str(root / "bench" / "hybrid.py"), "--length", "10"],
+                         capture_output=True, text=True, timeout=60, cwd=root)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --length: 10")
