@@ -85,8 +85,10 @@ class StateTier:
 
     def report(self) -> dict:
         s = self.stats
+        out = {"l3_corrupt": 0}
         if self.l3 is not None:
             s.written["l3"] = self.l3.written
+            out["l3_corrupt"] = self.l3.store.stats.corrupt  # damaged or forged: misses
         return {"snapshot_bytes": self.format.page_bytes, "written_bytes": dict(s.written),
                 "read_bytes": dict(s.read), "hits": dict(s.hits),
-                "lost_tokens": s.lost_tokens, "held_bytes": self.bytes_held()}
+                "lost_tokens": s.lost_tokens, "held_bytes": self.bytes_held(), **out}

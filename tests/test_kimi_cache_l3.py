@@ -83,6 +83,30 @@ def test_a_warm_restart_restores_the_snapshot_from_l3(kimi, tmp_path):  # noqa: 
     assert runs[0][1]["written_bytes"]["l3"] == 3 * runs[0][1]["snapshot_bytes"]  # 8, 16, 20
 
 
+def _flip_snapshot(position):
+    """Flip a payload byte of the stored snapshot after A's first ``position`` tokens, in the
+    LMDB file itself (what a bad disk or a foreign writer leaves)."""
+    def damage(cache):
+        l3 = cache.states.l3
+        store = l3.store._store  # the PageStore under the guard
+        key = l3._key(jobs()[0][0].tokens[:position])
+        with store._env.begin(write=True) as txn:
+            value = bytearray(txn.get(key, db=store._data))
+            value[len(value) // 2] ^= 0x40
+            txn.put(key, bytes(value), db=store._data)
+    return damage
+
+
+def test_a_damaged_snapshot_is_a_miss_and_a_shallower_one_serves(kimi, tmp_path):  # noqa: F811
+    runs = serve_runs(kimi, tmp_path / "l3", jobs(), "l1+l2+l3", damage=_flip_snapshot(20))
+    ref = reference(kimi, tmp_path / "ref")
+    (first, _), (warm, h) = runs
+    for k, (output, _) in {**first, **warm}.items():
+        assert output == ref[k][0], k
+    assert h["l3_corrupt"] == 1  # the checksum caught it: never served
+    assert warm["A2"][1] == {"l1": 0, "l2": 0, "l3": 16}  # the snapshot at 16 serves
+
+
 def _damage_rank1(cache):
     """Rank 1's store loses the group's snapshots (its reads miss; rank 0's do not)."""
     if cache.rank == 1:
