@@ -110,10 +110,13 @@ def open_l3(hc, config, replica, weights_signature: str) -> None:
 
 
 def find_l3(hc, req, arr: np.ndarray) -> None:
-    """At admission: the deepest snapshot in L3 past the hit (read now), for the L3 part."""
-    hit, l3 = req.prefix.hit_len, hc.states.l3
-    top = (arr.size - 1) // hc.page_tokens * hc.page_tokens
-    req.state_l3 = l3.find(arr, hit, top) if l3 is not None else (hit, None)
+    """At admission: the deepest snapshot in L3 past the hit, within the KV pages this rank's
+    store holds past it (one lookup), read now: ``req.state_l3``."""
+    from .l3.keys import chain_hashes
+    hit, l3, pt = req.prefix.hit_len, hc.states.l3, hc.page_tokens
+    chains = chain_hashes(arr[:-1], pt)[hit // pt:]
+    n = hc.io.l3.exists_prefix(hc.io.keys(chains)) if chains and l3 is not None else 0
+    req.state_l3 = l3.find(arr, hit, hit + n * pt) if n else (hit, None)
 
 
 def l3_signals(pending) -> list[int]:
