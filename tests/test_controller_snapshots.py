@@ -88,3 +88,31 @@ def test_a_plain_controller_has_no_snapshots():
     serve(c, seq(1, 2))
     assert c.snaps is None and not any(e[0] == "snapshots" for e in c.digest())
     assert all(n.snaps is None for n in c.iter_nodes())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_traffic_keeps_every_snapshot_on_its_own_page(seed):
+    """Random requests over shared prefixes, with L1 and L2 evicting, splits, snapshot pressure
+    and snapshots evicted on their own: every snapshot stays on the page it was attached to
+    (its path's tokens are the prefix it was taken after), slots are never lost or shared, and
+    ``limit`` only ever names a snapshot inside what it found cached."""
+    rng = np.random.default_rng(seed)
+    c = ctrl(l1=3, l2=5, every=int(seed % 3), device=8, host=12)
+    taken = {}  # id(snap) -> the token prefix it was attached after
+    for _ in range(60):
+        pages = [int(rng.integers(1, 4))] + [int(rng.integers(1, 6))
+                                             for _ in range(int(rng.integers(0, 4)))]
+        tokens = seq(*pages, tail=int(rng.integers(0, PT)))
+        cached, usable, s = c.snaps.limit(tokens, hosted=True)
+        assert usable <= cached and (s is None) == (usable == 0)
+        if s is not None:
+            assert s.pages * PT == usable and (s.l1 is not None or s.l2 is not None)
+            assert np.array_equal(taken[id(s)], tokens[:usable])
+        serve(c, tokens)
+        for s in c.snaps.attach(tokens, c.snaps.positions(0, len(tokens))):
+            taken[id(s)] = tokens[:s.pages * PT].copy()
+        if rng.random() < 0.2 and c.snaps.all():
+            c.snaps.evict(c.snaps.all()[int(rng.integers(0, len(c.snaps.all())))])
+        c.check()
+        for s in c.snaps.all():
+            assert np.array_equal(c.tree.path_tokens(s.node)[:s.pages * PT], taken[id(s)])
