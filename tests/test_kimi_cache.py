@@ -233,3 +233,27 @@ def test_bench_hybrid_script_prints_ttft_and_restore_ratios():
     bad = subprocess.run([sys.executable, str(root / "bench" / "hybrid.py"), "--length", "10"],
                          capture_output=True, text=True, timeout=60, cwd=root)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --length: 10")
+
+
+def test_a_snapshot_taken_while_decoding_serves_the_next_turn(kimi):
+    """every_pages 0: A's only snapshot is at the end of its fed tokens (prompt 9 + 5 fed
+    outputs = 14), a position its decode steps reach, batched with another request's."""
+    from hicache.checkpoints.hf import load_model
+    model = load_model(kimi)
+    a = Request("A", 0, toks(11, 9), 6, 0)
+    other = Request("O", 0, toks(12, 7), 6, 1)
+    outs = {}
+    for mode in ("recompute", "l1"):
+        with HiCache(cfg_of(kimi, every=0), mode=mode) as cache:
+            probe = KVProbe(cache.kv, cache.page_tokens, all_pages=mode == "recompute")
+            server = Server(model, cache, chunk_tokens=4, max_running=2, probe=probe)
+            first = {r.request_id: r for r in server.run([a, other])}
+            fed = np.concatenate([a.tokens, np.asarray(first["A"].output[:-1], np.int64)])
+            turn = Request("T", 0, np.concatenate([fed, toks(13, 3)]), 3, 2)
+            (t,) = server.run([turn])
+            outs[mode] = ({k: r.output for k, r in first.items()}, t.output, t.hit,
+                          probe.result())
+    assert outs["l1"][:2] == outs["recompute"][:2]
+    assert outs["l1"][2]["l1"] == 14  # the snapshot at 14, taken by a decode step
+    cmp = compare(outs["recompute"][3], outs["l1"][3])  # T's first logits and served KV
+    assert cmp.ok, cmp.line()
