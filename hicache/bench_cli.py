@@ -263,12 +263,26 @@ def summarize(mode: str, ranks: list[dict], opts: dict) -> dict:
         "requests": [{"id": str(r[0]), "prompt_tokens": r[1], "ttft_s": r[3], "hit_tokens": r[4]}
                      for r in res],
     }
+    if "hybrid" in st:  # hybrid checkpoints: KDA state snapshots (docs/hybrid.md)
+        row["hybrid"] = hybrid_summary(ranks)
     row["final_stats"] = [r["final_stats"] for r in ranks]  # per rank, after the soak
     if all("probe" in r for r in ranks):  # --verify: compared, then dropped from the report
         row["probes"] = [r["probe"] for r in ranks]
     if opts["duration"]:
         row["soak"] = _soak_verdict([r["soak"] for r in ranks])
     return row
+
+
+def hybrid_summary(ranks: list[dict]) -> dict:
+    """Snapshot figures of one mode: hits and bytes per tier (rank 0's: L1 and L2 copies are
+    replicated; L3 writes summed over ranks, one writer per group) and the matched tokens
+    recomputed because no snapshot was there (truncation)."""
+    h = ranks[0]["stats"]["hybrid"]
+    written = dict(h["written_bytes"], l3=sum(r["stats"]["hybrid"]["written_bytes"]["l3"]
+                                             for r in ranks))
+    return {"snapshot_bytes": h["snapshot_bytes"], "snapshot_hits": h["hits"],
+            "lost_tokens": h["lost_tokens"], "written_bytes": written,
+            "read_bytes": h["read_bytes"]}
 
 
 def l3_health(ranks: list[dict]) -> dict:
@@ -395,8 +409,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--l3-path", help="L3 directory (overrides the policy file)")
     p.add_argument("--l3-url", help="shared L3 on Redis / Valkey (overrides the policy file): "
                    "redis://host:port/db, unix:///path.sock, or comma-separated cluster nodes")
-    p.add_argument("--model", help="Hugging Face DeepSeek-V2/V3 checkpoint directory to run "
-                   "(replaces the policy file's [model] section)")
+    p.add_argument("--model", help="Hugging Face DeepSeek-V2/V3 or Kimi Linear checkpoint "
+                   "directory to run (replaces the policy file's [model] section)")
     p.add_argument("--dcp", type=int, help="DCP ranks to spawn (overrides the policy file)")
     p.add_argument("--modes", default=",".join(CACHE_MODES), help="comma-separated, any of "
                    + ", ".join(CACHE_MODES))
@@ -815,6 +829,7 @@ def _print(workload: str, entry: dict, cfg: HiCacheConfig) -> None:
         elif base and r is not base and r["ttft_s"]["p50"]:
             print(f"  {r['name']}: TTFT p50 {base['ttft_s']['p50'] / r['ttft_s']['p50']:.2f}x "
                   f"faster than recompute")
+    _print_hybrid(entry["modes"])
     for r in entry["modes"]:
         soak = r.get("soak")
         if soak:
@@ -833,6 +848,19 @@ def _print(workload: str, entry: dict, cfg: HiCacheConfig) -> None:
         for m, c in v["kv"].items():
             flag = "CORRUPT " if m in v["kv_corrupt"] else ""
             print(f"  verify {m}: {flag}{Comparison(**c).line()}")
+
+
+def _print_hybrid(modes: list[dict]) -> None:
+    """Hybrid checkpoints: each mode's KDA snapshot hits, truncation and bytes per tier."""
+    for r in modes:
+        h = r.get("hybrid")
+        if h:
+            print(f"  {r['name']} snapshots ({h['snapshot_bytes']} bytes): hits "
+                  + ", ".join(f"{t} {n}" for t, n in h["snapshot_hits"].items())
+                  + f"; tokens lost to truncation {h['lost_tokens']}; MB written "
+                  + ", ".join(f"{t} {b / 1e6:.3f}" for t, b in h["written_bytes"].items())
+                  + "; read " + ", ".join(f"{t} {b / 1e6:.3f}"
+                                          for t, b in h["read_bytes"].items()))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,6 +63,7 @@ def _check_config(args) -> int:
         "warnings": warnings,
         "policy": cfg.public_dict(),
     }
+    info.update(_snapshot_info(cfg))  # hybrid checkpoints: the KDA snapshot pools
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -74,7 +75,21 @@ def _check_config(args) -> int:
         print(f"{key:>22}: {info[key]}")
     for line in info["page_formats"]:
         print(f"{'page format':>22}: {line}")
+    if "snapshots" in info:
+        print(f"{'snapshots':>22}: {info['snapshots']}")
     return 0
+
+
+def _snapshot_info(cfg) -> dict:
+    """A hybrid checkpoint's KDA state snapshot format and pools per rank (else nothing)."""
+    from .hybrid_sizes import snapshot_slots, state_bytes
+    fmt = cfg.state_format
+    if fmt is None:
+        return {}
+    (n1, n2), (b1, b2) = snapshot_slots(cfg, True), state_bytes(cfg, True)
+    return {"snapshot_format": fmt.describe(), "snapshot_bytes": fmt.page_bytes,
+            "snapshots": f"{fmt.describe()}; per rank: L1 {n1} snapshots ({b1} bytes), "
+                         f"L2 {n2} ({b2} bytes), L3 written once for the DCP group"}
 
 
 # Hybrid presets (MLA + KDA): the KV shape of the MLA layers only (the striped part) and the
@@ -100,7 +115,9 @@ def _hybrid_info(name: str) -> dict:
     return {"layers": h["layers"], "striped_mla_layers": list(h["mla_layers"]),
             "state_kda_layers": kda, "kda_state_bytes_per_layer": conv + rec,
             "kda_conv_state_bytes_per_layer": conv, "kda_recurrent_state_bytes_per_layer": rec,
-            "snapshot_bytes": len(kda) * (conv + rec)}
+            "snapshot_bytes": len(kda) * (conv + rec),
+            # as the cache keeps it (a STATE page: the conv window widened to fp32, exactly)
+            "snapshot_cache_bytes": len(kda) * (3 * d * (h["conv_kernel"] - 1) * 4 + rec)}
 
 
 def _shape_from_args(args) -> KVShape:
@@ -166,6 +183,9 @@ def _plan(args) -> int:
               f"(conv {hybrid['kda_conv_state_bytes_per_layer']} + fp32 recurrent "
               f"{hybrid['kda_recurrent_state_bytes_per_layer']}); snapshot "
               f"{hybrid['snapshot_bytes']} bytes")
+        print(f"snapshot as cached (STATE page, fp32, one per snapshot position, replicated: "
+              f"L1 and L2 on every rank, L3 once per DCP group): "
+              f"{hybrid['snapshot_cache_bytes']} bytes")
     headers = ["dcp", "duplication", "KV bytes/token/rank"]
     if memory:
         headers.append(f"tokens in {args.memory:g} GiB/rank")

@@ -314,10 +314,22 @@ class SpecSection:
                               "(only 'draft' uses it)")
 
 
+@dataclass(frozen=True)
+class HybridSection:
+    """``[hybrid]``: the KDA state snapshots of a hybrid checkpoint (Kimi Linear; read only when
+    ``model.path`` is one, docs/hybrid.md)."""
+    snapshot_every_pages: int = opt(0, "hybrid models: also snapshot the KDA state every this "
+                                       "many widened pages of an inserted prefix (0: only at "
+                                       "the end of each inserted prefix)", min=0, max=1 << 20)
+    l1_state_bytes: int = opt(1 << 28, "hybrid models: device bytes per rank for KDA state "
+                                       "snapshots (must hold at least one; L2 holds l2.ratio "
+                                       "times as many)", min=0, max=1 << 50)
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelSection, "parallel": ParallelSection, "cache": CacheSection, "l1": L1Section,
     "l2": L2Section, "l3": L3Section, "policy": PolicySection, "io": IOSection,
-    "spec": SpecSection,
+    "spec": SpecSection, "hybrid": HybridSection,
 }
 
 
@@ -332,6 +344,7 @@ class HiCacheConfig:
     policy: PolicySection = field(default_factory=PolicySection)
     io: IOSection = field(default_factory=IOSection)
     spec: SpecSection = field(default_factory=SpecSection)
+    hybrid: HybridSection = field(default_factory=HybridSection)
 
     def __post_init__(self) -> None:
         p = self.parallel
@@ -343,6 +356,8 @@ class HiCacheConfig:
         if self.cache.page_size % p.interleave:
             raise ConfigError(f"parallel.interleave: page_size {self.cache.page_size} is not a "
                               f"multiple of interleave {p.interleave}")
+        if self.model.path:
+            self.state_format  # a hybrid checkpoint's snapshot must fit its pool (ConfigError)
 
     # ---- derived quantities -------------------------------------------------------------------
     @property
@@ -371,6 +386,13 @@ class HiCacheConfig:
         """The ``FormatSet`` of one logical page: the target KV (companions: none yet)."""
         from .page_format import FormatSet
         return FormatSet(self.page_format)
+
+    @property
+    def state_format(self):
+        """The KDA state snapshot's STATE ``PageFormat`` of a hybrid checkpoint (``model.path``
+        a Kimi Linear directory), else None; a snapshot pool too small for one is an error."""
+        from .hybrid_sizes import state_format
+        return state_format(self)
 
     @property
     def page_bytes_per_rank(self) -> int:

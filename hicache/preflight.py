@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from .checks import check_int
 from .config import HiCacheConfig
 from .errors import ConfigError, HostMemoryError
+from .hybrid_sizes import state_bytes
 
 MEMORY_FRACTION = 0.9  # of available memory a node's pools may take
 
@@ -70,6 +71,8 @@ def memory_need(cfg: HiCacheConfig, ranks: int, *, l2: bool = True,
     page = cfg.formats.page_bytes
     l1 = cfg.l1.num_pages * page
     l2_bytes = max(cfg.l2_num_pages, 1) * page if l2 else page  # the service keeps >= 1 page
+    s1, s2 = state_bytes(cfg, l2)  # a hybrid checkpoint's KDA snapshot pools (else 0, 0)
+    l1, l2_bytes = l1 + s1, l2_bytes + s2
     return MemoryNeed(ranks, l1, l2_bytes, l1_on_host=not cuda)
 
 

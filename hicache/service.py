@@ -34,7 +34,7 @@ import torch.distributed as dist
 import xxhash
 
 from . import distributed as hd
-from . import outcome, preflight
+from . import hybrid_cache, outcome, preflight
 from .config import HiCacheConfig
 from .controller import CacheController, LockHandle, StepAgreement
 from . import minvec
@@ -67,6 +67,12 @@ class Prefix:
     page_table: list = field(default_factory=list)  # widened device page ids
     ready: bool = False
     room_wait: int = 0              # steps the agreed L3 restore has waited for L1 room
+    # hybrid models (hicache.hybrid_cache): the KDA state after hit_len tokens, to restore
+    # before the first extend ((hit_len, conv, rec); None: no hit), its tier, and the matched
+    # tokens past the deepest snapshot (recomputed)
+    state: object = None
+    state_tier: str = ""
+    lost_len: int = 0
 
     @property
     def hit_len(self) -> int:
@@ -84,6 +90,7 @@ class _Request:
     prefetch: Optional[L3Read] = None  # the L3 read, until its restore is agreed
     own_pages: list = field(default_factory=list)   # pages from alloc_device (not yet in tree)
     restore_tries: int = 0          # steps an agreed L3 restore waited for L1 room
+    state_l3: object = None         # hybrid: (position, snapshot) found in L3 (hybrid_cache)
 
 
 @dataclass
@@ -157,8 +164,9 @@ class HiCache:
         self.replica = replica
         self.tiers = CACHE_MODES[mode]
         host_pages = self._build_pools(config, rank, device)
+        snapshots, self.states = hybrid_cache.build(config, self.tiers, self.l1.device)
         self.ctrl = CacheController(self.page_tokens, config.l1.num_pages, host_pages,
-                                    policy=config.policy)
+                                    policy=config.policy, snapshots=snapshots)
         self._init_request_state(config)
         # the bytes: transfers, L3 store, writer, prefetcher, restores (hicache/tier_io.py)
         self.io = TierIO(config, rank, self.l1, self.l2, self.page_tokens, self._record,
@@ -166,6 +174,7 @@ class HiCache:
                          weights_signature=weights_signature)
         self.transfer = self.io.transfer
         self.namespace = self.io.namespace
+        hybrid_cache.open_l3(self, config, replica, weights_signature)
 
     @staticmethod
     def _check_args(config: HiCacheConfig, world: int, mode: str | None,
@@ -233,7 +242,8 @@ class HiCache:
         c, p = self.config, self.config.policy
         key = (self.mode, self.page_tokens, c.l1.num_pages, self.ctrl.host.num_pages,
                repr(p), self.agreement.debug,  # the whole [policy]: every key drives a
-               self.weights_signature if self.l3 is not None else "")  # replicated choice
+               self.weights_signature if self.l3 is not None else "",  # replicated choice
+               repr(c.hybrid))
         raw = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
         return int.from_bytes(raw, "little") >> 4
 
@@ -242,6 +252,8 @@ class HiCache:
         io, self.io = self.io, None
         if io is not None:
             io.close()
+        if getattr(self, "states", None) is not None:
+            self.states.close()
         self.l1 = self.l2 = self.ctrl = self.transfer = None
 
     @property
@@ -274,8 +286,11 @@ class HiCache:
         self._reqs[request_id] = req
         self._stats.requests += 1
         if self.tiers:
-            with self._timed():
-                m = self.ctrl.match(arr[:-1], lock=True)
+            if self.states is not None:  # hybrid: cut back to the deepest snapshot
+                m = hybrid_cache.match(self, arr, prefix)
+            else:
+                with self._timed():
+                    m = self.ctrl.match(arr[:-1], lock=True)
             req.lock = m.lock
             prefix.device_len = m.device_len
             prefix.page_table = m.device_pages.tolist()
@@ -287,11 +302,15 @@ class HiCache:
                     prefix.page_table += list(op.device_pages)
                     # the loaded pages now hold these positions
                     self.io.map_chains(prefix.page_table, arr[:prefix.hit_len])
+            if self.states is not None:  # no L2 load-back: end at a snapshot in L1
+                hybrid_cache.settle(self, arr, prefix)
             loads = self.io.launch(self.ctrl.take_ops())
             req.load_job = loads[-1] if loads else None
             if m.wait_ops:  # device pages still being loaded for an earlier request
                 req.load_job = Waits(self.io.jobs_of(m.wait_ops)
                                      + ([req.load_job] if req.load_job else []))
+            if self.l3 is not None and self.states is not None:
+                hybrid_cache.find_l3(self, req, arr)
             if self.l3 is not None:
                 req.prefetch = self.io.start_prefetch(request_id, arr, prefix.hit_len)
                 if req.prefetch is not None:
@@ -332,6 +351,9 @@ class HiCache:
             return 0, 0
         with self._timed():
             dev, host = self.ctrl.peek(arr[:-1])
+            if self.states is not None:
+                usable = hybrid_cache.usable_len(self, arr[:-1])
+                dev, host = min(dev, usable), max(0, min(host, usable - dev))
         return dev, (host if "l2" in self.tiers else 0)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
@@ -428,9 +450,15 @@ class HiCache:
             except TransferError as err:
                 self._record(err)
 
-    def finish(self, request_id, tokens) -> None:
+    def snapshot_positions(self, request_id, end: int) -> list[int]:
+        """Hybrid models: the positions in ``(hit, end]`` whose KDA state the engine should
+        hand to ``finish`` (empty for other models). Replicated."""
+        return hybrid_cache.positions(self, request_id, end)
+
+    def finish(self, request_id, tokens, snapshots=None) -> None:
         """The request is done; ``tokens`` are those whose KV is in its pages (prompt plus the
-        generated tokens that were fed back). Whole pages are cached; the rest is freed."""
+        generated tokens that were fed back). Whole pages are cached; the rest is freed.
+        ``snapshots`` (hybrid models): position -> the KDA state ``(conv, rec)`` after it."""
         if self._closed:
             raise UsageError("finish after close()")
         req = self._reqs.get(request_id)
@@ -464,6 +492,8 @@ class HiCache:
             with self._timed():
                 res = self.ctrl.insert(arr[:end], table[:whole], after=req.lock)
             self.io.map_chains(res.device_pages.tolist(), arr[:end])
+            if self.states is not None:
+                hybrid_cache.attach(self, arr[:end], snapshots)
             own = set(req.own_pages)
             tail = [p for p in table[whole:] if p in own]
             self.io.launch(self.ctrl.take_ops())
@@ -533,10 +563,12 @@ class HiCache:
         self.io.launch(self.ctrl.take_ops())
         done = self.io.poll()  # one state read per copy; failures recorded here
         handles = [r.prefetch.handle for r in self._pending]
+        extras = [int(self._fault is None)] + prefetch_signals(handles)
+        if self.states is not None and handles:  # hybrid: the snapshot each L3 read ends at
+            extras += hybrid_cache.l3_signals(self._pending)
         t0 = time.perf_counter()
         try:
-            res = self.ctrl.agree(self.agreement, done,
-                                  [int(self._fault is None)] + prefetch_signals(handles))
+            res = self.ctrl.agree(self.agreement, done, extras)
         except DivergenceError as err:  # raised on every rank at this step: stop alike
             self._halt(err)
             raise
@@ -548,7 +580,11 @@ class HiCache:
             self._stop()
         self.io.complete(res.done_ops)
         ready = []
-        decisions = agree_prefetch(handles, agreed=list(res.extras[1:])) if handles else []
+        n = 1 + 2 * len(handles)
+        decisions = agree_prefetch(handles, agreed=list(res.extras[1:n])) if handles else []
+        if self.states is not None and handles:
+            decisions = hybrid_cache.l3_decisions(self, self._pending, decisions,
+                                                  res.extras[n:])
         for req, (ok, pages) in zip(list(self._pending), decisions):
             if ok and self._restore(req, pages):
                 self._pending.remove(req)
@@ -594,6 +630,8 @@ class HiCache:
             # copy ops the controller issued: backups (d2h) and L2 load-backs (h2d)
             "copy_ops": {"d2h": ctrl.backups, "h2d": ctrl.loads},
         }
+        if self.states is not None:  # hybrid models: KDA state snapshots
+            out["hybrid"] = self.states.report()
         if self.l3 is not None:
             l3 = self.l3.stats
             out["evictions"]["l3"] = l3.evictions
@@ -636,6 +674,8 @@ class HiCache:
         finally:
             self._closed = True
             self.io.close()  # copies stop before the pools go; failures were reported already
+            if self.states is not None:
+                self.states.close()
 
     def _agree_close(self, flush: bool, error: BaseException | None) -> bool:
         """Whether every rank flushes (the same answer on every rank), raising ``PeerError`` on
@@ -750,6 +790,8 @@ class HiCache:
             req.own_pages += dev
             prefix.page_table += dev
             prefix.storage_len = pages * self.page_tokens
+            if self.states is not None:
+                hybrid_cache.restored_l3(self, req)
         self.io.end_prefetch(req.prefetch)
         req.prefetch = None
         prefix.ready = True

@@ -46,6 +46,7 @@ from .config import HiCacheConfig
 from .engine.model import MLAModel, ModelConfig
 from .engine.runner import DCPRunner, RequestState
 from .errors import ConfigError, DeviceFullError, DivergenceError, TransferError
+from . import serving_hybrid as hybrid
 from .service import HiCache
 
 
@@ -78,6 +79,9 @@ class _Active:
     room_seen: int = 0  # prefix.room_wait when last looked at
     stale_at: int | None = None  # Server.inserted when its suffix last found no L1 room
     overtaken: int = 0  # requests admitted past it while it waited for L1 room
+    # hybrid models: positions whose KDA state the cache wants, and the snapshots taken there
+    want: list = field(default_factory=list)
+    snaps: dict = field(default_factory=dict)
 
 
 class Server:
@@ -100,6 +104,7 @@ class Server:
         self._waiting_on: list = []
         self.runner = DCPRunner(model, cache.kv, backend=backend, replicate_q=replicate_q,
                                 group=group, layer_hook=self._wait_layer)
+        self.hybrid = hybrid.check(self.runner, cache)
         self.chunk_tokens = chunk_tokens
         self.max_running = max_running
         self.prefill_tokens = 0
@@ -229,8 +234,11 @@ class Server:
 
     def _decode(self, decoding: list) -> None:
         """One token for every decoding request (one batched extend)."""
-        logits = self.runner.extend_batch([a.state for a in decoding],
-                                          [[a.output[-1]] for a in decoding])
+        if self.hybrid:
+            logits = hybrid.decode(self.runner, decoding)
+        else:
+            logits = self.runner.extend_batch([a.state for a in decoding],
+                                              [[a.output[-1]] for a in decoding])
         for a, lg in zip(decoding, logits):
             a.output.append(int(lg[-1].argmax()))
 
@@ -241,7 +249,10 @@ class Server:
                   and len(a.output) >= a.job.output_len]:
             active.remove(a)
             fed = np.concatenate([a.job.tokens, np.asarray(a.output[:-1], dtype=np.int64)])
-            self._timed("finish", a.job.request_id, fed)
+            if self.hybrid:
+                self._timed("finish", a.job.request_id, fed, hybrid.finished(self.runner, a))
+            else:
+                self._timed("finish", a.job.request_id, fed)
             self.inserted += 1
             p = a.prefix
             finished.append(Result(a.job.request_id, len(a.job.tokens), a.output, a.ttft,
@@ -362,8 +373,12 @@ class Server:
         self._waiting_on = [job.request_id]
         t0 = time.perf_counter()
         try:
-            for s in range(0, len(suffix), self.chunk_tokens):
-                logits = self.runner.extend(state, suffix[s:s + self.chunk_tokens])
+            if self.hybrid:  # restore the hit's KDA state, snapshot where the cache wants
+                logits = hybrid.prefill(self.runner, self.cache, a, state, suffix,
+                                        self.chunk_tokens)
+            else:
+                for s in range(0, len(suffix), self.chunk_tokens):
+                    logits = self.runner.extend(state, suffix[s:s + self.chunk_tokens])
         finally:
             self._waiting_on = []
         dt = time.perf_counter() - t0

@@ -316,3 +316,17 @@ def kv_shape(directory: str | Path) -> dict[str, Any]:
             "rope_dim": c["qk_rope_head_dim"], "dtype": c["dtype"],
             "hidden_size": c["hidden_size"], "num_heads": c["num_heads"],
             "vocab_size": c["vocab_size"]}
+
+
+def state_shape(directory: str | Path) -> tuple[int, int, int] | None:
+    """A hybrid (Kimi Linear) checkpoint's KDA state per request: ``(kda layers, short-conv
+    elements per layer, recurrent elements per layer)``; None for a checkpoint without KDA."""
+    d = Path(directory)
+    raw = load_json(d / "config.json", "config.json")
+    if not is_kimi(raw):
+        return None
+    src = str(d / "config.json")
+    hybrid = parse_kimi_config(raw, src, "float32")[1]
+    heads, dim, kernel = hybrid["kda_heads"], hybrid["kda_head_dim"], hybrid["conv_kernel"]
+    kda = sum(k == "linear_attention" for k in hybrid["layer_types"])
+    return kda, 3 * heads * dim * (kernel - 1), heads * dim * dim

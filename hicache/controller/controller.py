@@ -27,6 +27,7 @@ from hicache.controller.insert import Insert
 from hicache.controller.order import EvictionOrder
 from hicache.controller.policy import controller_policy
 from hicache.controller.request_pages import RequestPages
+from hicache.controller.snapshots import SnapshotIndex, SnapshotSettings
 from hicache.controller.tree import DEVICE_PAGES, HOST_PAGES, Node, RadixTree, chain_pages
 from hicache.controller.types import NO_IDS as _NO_IDS
 from hicache.controller.types import (BackupOp, ControllerStats, LoadOp, LockHandle, Match)
@@ -52,13 +53,18 @@ class CacheController(RequestPages, Insert, Eviction):
     tokens. Page ids go in as any integer sequence or buffer and come out as int64 arrays."""
 
     def __init__(self, page_tokens: int, device_pages: int, host_pages: int, *,
-                 policy=None, **settings) -> None:
+                 policy=None, snapshots: SnapshotSettings | None = None,
+                 **settings) -> None:
         """``policy``: the policy file's ``[policy]`` section (``HiCacheConfig.policy``);
         keyword ``settings`` (write, eviction, selective_threshold, load_back_threshold) override
-        its fields, checked against the policy file's choices and ranges (ConfigError)."""
+        its fields, checked against the policy file's choices and ranges (ConfigError).
+        ``snapshots``: a hybrid model's state snapshot pools (``self.snaps``; None: none)."""
         self.policy = controller_policy(policy, settings)
         self.tree = RadixTree(page_tokens)
         self.tree.on_split = self._on_split
+        self.snaps = SnapshotIndex(self.tree, snapshots) if snapshots is not None else None
+        if self.snaps is not None:
+            self.tree.on_remove = self.snaps.on_remove
         self.page_tokens = page_tokens
         # the controller frees only pages it owns or checked itself: no per-page used map
         self.device = PageAllocator(device_pages, track_used=False)
@@ -322,6 +328,8 @@ class CacheController(RequestPages, Insert, Eviction):
         return res
 
     def _on_split(self, top: Node, lower: Node) -> None:
+        if lower.snaps:
+            self.snaps.on_split(top, lower)
         for o in top.pending:
             self._ops[o].nodes.append(top)
         if lower.device is not None:
@@ -336,7 +344,8 @@ class CacheController(RequestPages, Insert, Eviction):
                  tuple(self.inflight_ops()), "device_used", self.device.num_used,
                  "host_used", self.host.num_used,
                  "req_pages", tuple(np.flatnonzero(self._request_map()).tolist()))]
-        return head + self.tree.digest()
+        snaps = [("snapshots",) + self.snaps.digest()] if self.snaps is not None else []
+        return head + snaps + self.tree.digest()
 
     def iter_nodes(self):
         return self.tree.iter_nodes()
@@ -358,3 +367,5 @@ class CacheController(RequestPages, Insert, Eviction):
     def check(self) -> None:
         """Raise InvariantError if the bookkeeping is inconsistent (tests, debug)."""
         invariants.check(self)
+        if self.snaps is not None:
+            self.snaps.check()

@@ -27,7 +27,7 @@ class Node:
     there."""
 
     __slots__ = ("nid", "parent", "children", "tokens", "npages", "device", "host", "host_valid",
-                 "lock_ref", "hits", "last_access", "pending", "evicting", "alive")
+                 "lock_ref", "hits", "last_access", "pending", "evicting", "alive", "snaps")
 
     def __init__(self, nid: int, parent: "Node | None", tokens: bytes, npages: int) -> None:
         self.nid = nid
@@ -44,6 +44,7 @@ class Node:
         self.pending: set[int] = set()  # in-flight op ids touching this node
         self.evicting = False         # free device pages once the pending backup completes
         self.alive = True
+        self.snaps: dict | None = None  # hybrid models: page index -> snapshot (snapshots.py)
 
     def has_device_child(self) -> bool:
         for c in self.children.values():
@@ -82,6 +83,7 @@ class RadixTree:
         self.root.lock_ref = 1  # never evicted
         self.num_nodes = 0
         self.on_split = None  # callback(top, lower) so owners can re-point op records
+        self.on_remove = None  # callback(node) for a removed node holding snapshots
 
     def _new_id(self) -> int:
         nid = self._next_id
@@ -272,6 +274,8 @@ class RadixTree:
     def remove_leaf(self, node: Node) -> None:
         assert not node.children and node is not self.root
         del node.parent.children[node.tokens[:self.page_tokens * 8]]
+        if node.snaps and self.on_remove is not None:
+            self.on_remove(node)
         node.alive = False
         self.num_nodes -= 1
 

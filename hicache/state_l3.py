@@ -1,0 +1,77 @@
+"""KDA state snapshots in L3: written ONCE for the DCP group, read by every rank.
+
+A snapshot is replicated data (the same on every DCP rank), so it is stored once, under the
+group's rank-0 key of the page that ends at its position, in the namespace of its STATE
+``PageFormat`` (the weights signature, the layout and the format sign it: a KV page and a
+snapshot never share a key). One designated rank writes (DCP rank 0 of replica 0); every rank
+reads. The value is the L3 value format of every page (header, XXH3 checksum or, in an
+authenticated store, the keyed MAC, payload): a forged or damaged value is a miss. Its payload
+is ``[layers, 1, conv + rec]`` fp32 (the short-conv window widened exactly, then the recurrent
+matrix), split back by ``conv_elems``.
+
+Imports no controller, service or engine. A store failure ends this store on this rank
+(``GuardedStore``): its snapshots are then misses here, and the service's agreement turns a
+rank that lacks a snapshot into a miss on every rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .l3.backends import open_store
+from .l3.guard import GuardedStore
+from .l3.keys import Namespace, chain_hashes, keys_for_rank
+
+
+class StateL3:
+    """This rank's view of the group's snapshots in L3."""
+
+    def __init__(self, config, rank: int, replica: tuple[int, int], weights_signature: str,
+                 fmt, conv_elems: int) -> None:
+        self.format = fmt
+        self.conv_elems = conv_elems
+        self.page_tokens = config.page_tokens
+        self.namespace = Namespace.from_config(config, model=weights_signature, fmt=fmt)
+        self.writer = rank == 0 and replica[0] == 0
+        ns = self.namespace
+        self.store = GuardedStore(lambda: open_store(config.l3, ns, 0), config.l3, 0, ns)
+        self.written = self.read = 0  # bytes
+
+    def _key(self, tokens: np.ndarray) -> bytes:
+        """The group's key of the snapshot after ``tokens`` (whole pages)."""
+        return keys_for_rank(chain_hashes(tokens, self.page_tokens)[-1:], self.namespace, 0)[0]
+
+    def put(self, tokens: np.ndarray, state) -> None:
+        """Store the snapshot after ``tokens`` (the designated rank only; the others skip)."""
+        if not self.writer or self.store.failed:
+            return
+        conv, rec = state
+        layers = conv.shape[0]
+        shard = torch.cat([conv.detach().to("cpu", torch.float32).reshape(layers, -1),
+                           rec.detach().to("cpu", torch.float32).reshape(layers, -1)], 1)
+        res = self.store.put([self._key(tokens)], [shard.reshape(self.format.shape)])
+        self.written += res.written * self.format.page_bytes
+
+    def find(self, tokens: np.ndarray, lo: int, hi: int):
+        """``(p, (conv, rec))`` of the deepest snapshot held for ``tokens`` at a page end in
+        ``(lo, hi]``, read now (``conv`` [L, conv_elems] fp32, ``rec`` flat); ``(lo, None)``
+        when none is there or readable."""
+        pt = self.page_tokens
+        if self.store.failed:
+            return lo, None
+        chains = chain_hashes(tokens[:hi], pt)
+        for page in range(hi // pt, lo // pt, -1):
+            key = keys_for_rank([chains[page - 1]], self.namespace, 0)
+            if not self.store.exists_prefix(key):
+                continue
+            buf = torch.empty(self.format.shape, dtype=self.format.dtype)
+            if self.store.get(key, [buf]) != 1:
+                continue  # damaged or gone since: try a shallower one
+            self.read += self.format.page_bytes
+            flat = buf.reshape(self.format.layers, -1)
+            return page * pt, (flat[:, :self.conv_elems], flat[:, self.conv_elems:])
+        return lo, None
+
+    def close(self) -> None:
+        self.store.close()
