@@ -67,6 +67,7 @@ class Prefix:
     page_table: list = field(default_factory=list)  # widened device page ids
     ready: bool = False
     room_wait: int = 0              # steps the agreed L3 restore has waited for L1 room
+    draft_len: int = 0              # spec: leading hit tokens whose draft KV was restored
 
     @property
     def hit_len(self) -> int:
@@ -84,6 +85,8 @@ class _Request:
     prefetch: Optional[L3Read] = None  # the L3 read, until its restore is agreed
     own_pages: list = field(default_factory=list)   # pages from alloc_device (not yet in tree)
     restore_tries: int = 0          # steps an agreed L3 restore waited for L1 room
+    draft_read: object = None       # spec: the L3 read of its draft pages (DraftRead)
+    draft_agreed: int = 0           # spec: draft pages of that read every rank holds
 
 
 @dataclass
@@ -108,13 +111,14 @@ class HiCache:
     def __init__(self, config: HiCacheConfig, rank: int = 0, group=None, *,
                  mode: str | None = None, device: str | torch.device | None = None,
                  replica: tuple[int, int] = (0, 1), debug: bool = False,
-                 weights_signature: str | None = None) -> None:
+                 weights_signature: str | None = None, draft=None) -> None:
         # Construction is agreed: whatever fails here on one rank (a preflight check, a pool,
         # the L3 store, a bad argument), every rank still takes the construction's collectives
         # (the control group, then one checkpoint) and then every rank raises at that point;
         # what was built is closed on every rank.
         self._closed = True  # until built: close() has nothing to do
         self.io: TierIO | None = None
+        self.draft_spec, self.draft = draft, None  # spec: a DraftSpec -> DraftPages
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         error: BaseException | None = None
         try:
@@ -166,6 +170,11 @@ class HiCache:
                          weights_signature=weights_signature)
         self.transfer = self.io.transfer
         self.namespace = self.io.namespace
+        if self.draft_spec is not None:  # spec: the draft's companion pages in every tier
+            from .draft_pages import build_draft_pages
+            self.draft = self.io.draft = build_draft_pages(
+                self.draft_spec, config, rank, device, host_pages, "l3" in self.tiers,
+                weights_signature)
 
     @staticmethod
     def _check_args(config: HiCacheConfig, world: int, mode: str | None,
@@ -292,10 +301,14 @@ class HiCache:
             if m.wait_ops:  # device pages still being loaded for an earlier request
                 req.load_job = Waits(self.io.jobs_of(m.wait_ops)
                                      + ([req.load_job] if req.load_job else []))
+            if self.draft is not None:  # spec: L1/L2 presence came with the loads
+                prefix.draft_len = self.draft.present_pages(prefix.page_table) * self.page_tokens
             if self.l3 is not None:
                 req.prefetch = self.io.start_prefetch(request_id, arr, prefix.hit_len)
                 if req.prefetch is not None:
                     self._pending.append(req)
+                    if self.draft is not None:
+                        req.draft_read = self._read_draft(arr, prefix)
         prefix.ready = req.prefetch is None
         if prefix.ready:
             self._count_hits(prefix)
@@ -362,6 +375,8 @@ class HiCache:
             pages = self.ctrl.alloc_device(need)
         self.io.unmap(pages)
         self.kv.forget(pages)
+        if self.draft is not None:
+            self.draft.forget(pages)
         self.io.launch(self.ctrl.take_ops())
         self._owned[pages] = True
         req.own_pages += pages
@@ -428,9 +443,11 @@ class HiCache:
             except TransferError as err:
                 self._record(err)
 
-    def finish(self, request_id, tokens) -> None:
+    def finish(self, request_id, tokens, draft_len: int = 0) -> None:
         """The request is done; ``tokens`` are those whose KV is in its pages (prompt plus the
-        generated tokens that were fed back). Whole pages are cached; the rest is freed."""
+        generated tokens that were fed back). Whole pages are cached; the rest is freed.
+        ``draft_len`` (spec): the leading tokens whose draft KV the drafter wrote; the
+        request's own whole pages below it keep their draft pages."""
         if self._closed:
             raise UsageError("finish after close()")
         req = self._reqs.get(request_id)
@@ -459,6 +476,8 @@ class HiCache:
                 if req.own_pages:
                     self.ctrl.free_device(req.own_pages)
             return
+        if self.draft is not None:
+            self._mark_drafts(req, min(int(draft_len), whole * self.page_tokens))
         if self.tiers:
             end = whole * self.page_tokens  # the insert releases the lock (walks on from it)
             with self._timed():
@@ -533,10 +552,13 @@ class HiCache:
         self.io.launch(self.ctrl.take_ops())
         done = self.io.poll()  # one state read per copy; failures recorded here
         handles = [r.prefetch.handle for r in self._pending]
+        drafts = [getattr(r.draft_read, "pages", 0) for r in self._pending] \
+            if self.draft is not None else []  # spec: draft pages read, MIN-agreed
         t0 = time.perf_counter()
         try:
             res = self.ctrl.agree(self.agreement, done,
-                                  [int(self._fault is None)] + prefetch_signals(handles))
+                                  [int(self._fault is None)] + prefetch_signals(handles)
+                                  + drafts)
         except DivergenceError as err:  # raised on every rank at this step: stop alike
             self._halt(err)
             raise
@@ -548,8 +570,11 @@ class HiCache:
             self._stop()
         self.io.complete(res.done_ops)
         ready = []
-        decisions = agree_prefetch(handles, agreed=list(res.extras[1:])) if handles else []
-        for req, (ok, pages) in zip(list(self._pending), decisions):
+        n = 1 + 2 * len(handles)
+        decisions = agree_prefetch(handles, agreed=list(res.extras[1:n])) if handles else []
+        agreed_drafts = list(res.extras[n:]) or [0] * len(handles)
+        for req, (ok, pages), nd in zip(list(self._pending), decisions, agreed_drafts):
+            req.draft_agreed = nd
             if ok and self._restore(req, pages):
                 self._pending.remove(req)
                 ready.append(req.prefix)
@@ -636,6 +661,8 @@ class HiCache:
         finally:
             self._closed = True
             self.io.close()  # copies stop before the pools go; failures were reported already
+            if self.draft is not None:
+                self.draft.close()
 
     def _agree_close(self, flush: bool, error: BaseException | None) -> bool:
         """Whether every rank flushes (the same answer on every rank), raising ``PeerError`` on
@@ -743,6 +770,8 @@ class HiCache:
             dev, pages = [], 0
             self._stats.restore_fallbacks += 1
         self.io.launch(self.ctrl.take_ops())
+        if self.draft is not None:  # spec: the agreed draft pages come with the target's
+            self._restore_drafts(req, dev, pages)
         if pages:
             req.load_job = join(req.load_job, self.io.restore(req.prefetch, dev))
             self.kv.fill(dev)
@@ -755,6 +784,28 @@ class HiCache:
         prefix.ready = True
         self._count_hits(prefix)
         return True
+
+    # ---- spec: the draft's companion pages (hicache/draft_pages.py) ----------------------------
+    def _read_draft(self, arr: np.ndarray, prefix: Prefix):
+        """The L3 draft pages after the L1/L2 hit, when that hit has all its draft pages."""
+        if prefix.draft_len < prefix.hit_len:
+            return None
+        from .l3 import chain_hashes
+        return self.draft.read_l3(chain_hashes(arr[:-1], self.page_tokens)
+                                  [prefix.hit_len // self.page_tokens:])
+
+    def _restore_drafts(self, req: _Request, dev: list, pages: int) -> None:
+        self.draft.forget(dev)
+        n = self.draft.restore(req.draft_read, dev, min(pages, getattr(req, "draft_agreed", 0)))
+        if req.prefix.draft_len == req.prefix.hit_len:
+            req.prefix.draft_len += n * self.page_tokens
+        req.draft_read = None
+
+    def _mark_drafts(self, req: _Request, draft_len: int) -> None:
+        """The request's own pages wholly below ``draft_len`` hold their draft KV."""
+        w, own = self.page_tokens, set(req.own_pages)
+        self.draft.mark([p for i, p in enumerate(req.prefix.page_table[:draft_len // w])
+                         if p in own])
 
     def _count_hits(self, prefix: Prefix) -> None:
         """Counted once the prefix is final, so hit + miss == prompt tokens of ready requests

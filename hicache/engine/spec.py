@@ -104,15 +104,23 @@ class SpecStats:
                 "draft_recomputed_tokens": self.draft_recomputed_tokens}
 
 
-def replicated_runner(model, page_tokens: int, num_pages: int, attn_backend: str = "auto"):
+def replicated_runner(model, page_tokens: int, num_pages: int, attn_backend: str = "auto",
+                      pool=None):
     """A draft engine on this rank alone: a ``DCPLayout(1, 0, page_tokens)`` pool (every row
-    here, pages of the target's widened size) and no DCP collective."""
+    here, pages of the target's widened size) and no DCP collective. ``pool``: the cache's
+    draft pool (``HiCache.draft.l1``) instead of a new one."""
     from hicache.engine.runner import DCPRunner
     from hicache.l1 import DeviceKVPool
     from hicache.layout import DCPLayout
     cfg = model.cfg
-    pool = DeviceKVPool(DCPLayout(1, 0, page_tokens), cfg.num_layers, cfg.kv_dim,
-                        cfg.torch_dtype, num_pages, device=model.embed_tokens.device)
+    if pool is None:
+        pool = DeviceKVPool(DCPLayout(1, 0, page_tokens), cfg.num_layers, cfg.kv_dim,
+                            cfg.torch_dtype, num_pages, device=model.embed_tokens.device)
+    elif (pool.num_layers, pool.kv_dim, pool.rows_per_page) != \
+            (cfg.num_layers, cfg.kv_dim, page_tokens):
+        raise UsageError(f"the cache's draft pool holds {pool.num_layers} layers x "
+                         f"{pool.rows_per_page} rows x {pool.kv_dim} a page; the draft needs "
+                         f"{cfg.num_layers} x {page_tokens} x {cfg.kv_dim}")
     return DCPRunner(model, pool, backend="a2a", replicate_q=True, group=None,
                      attn_backend=attn_backend)
 
@@ -136,6 +144,16 @@ class Drafter(abc.ABC):
         target's KV)."""
 
     @abc.abstractmethod
+    def restored(self, draft_len: int, hit_len: int) -> int:
+        """A cache hit of ``hit_len`` tokens brought the draft KV of the first ``draft_len``
+        (``HiCache.prefix(rid).draft_len``): start from there. Returns the draft tokens of
+        the hit to recompute (``SpecStats.draft_recomputed_tokens``)."""
+
+    @abc.abstractmethod
+    def valid_len(self) -> int:
+        """Leading positions whose draft KV is this request's (for ``HiCache.finish``)."""
+
+    @abc.abstractmethod
     def catch_up(self, seq: Sequence[int]) -> None:
         """Run the draft over what is committed, but the last position ``propose`` starts
         from (the draft's prefill, outside the decode rounds)."""
@@ -146,6 +164,13 @@ class DraftModelDrafter(Drafter):
 
     def observe(self, hidden, start: int, end: int) -> None:
         self.state.length = min(self.state.length, end)
+
+    def restored(self, draft_len: int, hit_len: int) -> int:
+        self.state.length = draft_len  # catch_up recomputes the rest of the hit
+        return hit_len - draft_len
+
+    def valid_len(self) -> int:
+        return self.state.length
 
     @torch.no_grad()
     def catch_up(self, seq: Sequence[int]) -> None:
@@ -171,6 +196,17 @@ class MTPDrafter(Drafter):
         self.offset: Optional[int] = None  # the global position of the module's position 0
         self.hidden: Optional[torch.Tensor] = None  # target hidden rows not yet consumed
         self.hidden_start = 0  # their first global position
+
+    def restored(self, draft_len: int, hit_len: int) -> int:
+        """All of the hit's MTP rows came back: go on from them. Otherwise they cannot be
+        recomputed (they need the target's hidden states of the hit, which a hit skips): the
+        module starts at the hit's end, as after a PCP prefill; nothing is recomputed."""
+        if hit_len and draft_len >= hit_len:
+            self.offset, self.state.length = 0, hit_len
+        return 0
+
+    def valid_len(self) -> int:
+        return self.state.length if self.offset == 0 else 0
 
     def observe(self, hidden, start: int, end: int) -> None:
         if hidden is None or end <= start:

@@ -1,0 +1,197 @@
+"""``DraftPages``: the draft KV's companion pages of one rank, in every tier, under the target's
+page ids (speculative decoding; docs/speculative.md, "The cache holds both").
+
+The draft's KV has a REPLICATED ``PageFormat`` (``hicache.spec_format``): every DCP rank holds
+all ``P*c`` rows of a page. Device page ``p`` of the target has a companion draft page ``p``:
+
+- L1: ``l1``, a ``DeviceKVPool`` on a ``DCPLayout(1, 0, P*c)`` with the target pool's page
+  count. The engine's drafter runs on it (``hicache.engine.spec.replicated_runner(pool=...)``)
+  and its request shares the target's page table, so draft page ``p`` holds the positions of
+  target page ``p``. ``l1_has[p]``: the draft KV of every position of page ``p`` is there.
+  A page handed out afresh has none; ``finish(draft_len=n)`` marks the request's own whole
+  pages below ``n`` (a prefix written by a run without speculation has none).
+- L2: ``l2``, ``[host pages, layers, P*c, width]`` beside the host pool, with ``l2_has``. A
+  backup (D2H) or load-back (H2D) of target pages copies their draft pages too, at launch
+  (the pages are immutable while the op is in flight), presence with them.
+- L3: a draft page is stored ONCE for the whole DCP group: rank 0 writes (among TP replicas,
+  the page's writer, as for the target), every rank reads the same key. The namespace signs
+  the draft format and the draft (``DraftSpec.signature``: the MTP module or the draft
+  weights) beside the target's weights, so another draft never hits.
+
+Presence is replicated: L1/L2 flags follow the replicated controller's ops; an L3 read's page
+count is MIN-agreed by the service with the target's prefetch (``signal``), so every rank
+restores the same draft pages and proposes the same drafts (the target's verify is a
+collective). No collective here, no controller import (tests/test_layering.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from .errors import UsageError
+from .l1.pool import DeviceKVPool
+from .layout import DCPLayout
+from .page_format import PageFormat, PageKind
+
+__all__ = ["DraftSpec", "DraftPages", "DraftRead", "build_draft_pages"]
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """What the cache keeps beside the target: the draft's page format (replicated, ``P*c``
+    rows) and a signature naming the draft (the MTP module or the draft's weights)."""
+
+    format: PageFormat
+    signature: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.format, PageFormat) or self.format.kind is not PageKind.REPLICATED:
+            raise UsageError(f"a draft's page format must be replicated, got {self.format!r}")
+        if not isinstance(self.signature, str) or not self.signature:
+            raise UsageError("a draft needs a signature (its weights or MTP module identity)")
+
+
+@dataclass
+class DraftRead:
+    """A request's L3 draft read: ``pages`` leading pages found (this rank) in ``staging``."""
+
+    pages: int
+    staging: torch.Tensor
+
+
+@dataclass
+class DraftStats:
+    bytes: dict = field(default_factory=lambda: {"d2h": 0, "h2d": 0, "l3_read": 0,
+                                                 "l3_write": 0})
+    pages: dict = field(default_factory=lambda: {"d2h": 0, "h2d": 0, "l3_read": 0,
+                                                 "l3_write": 0})
+
+
+class DraftPages:
+    """One rank's draft companion pages in L1, L2 and (optionally) L3."""
+
+    def __init__(self, spec: DraftSpec, page_tokens: int, device_pages: int, host_pages: int,
+                 device=None) -> None:
+        fmt = spec.format
+        if fmt.rows != page_tokens:
+            raise UsageError(f"draft format {fmt.describe()} has {fmt.rows} rows a page; the "
+                             f"cache's widened page has {page_tokens}")
+        self.spec, self.format, self.page_tokens = spec, fmt, page_tokens
+        self.l1 = DeviceKVPool.for_format(DCPLayout(1, 0, page_tokens), fmt, device_pages,
+                                          device=device)
+        self.l2 = torch.zeros((max(host_pages, 1), *fmt.shape), dtype=fmt.dtype)
+        self.l1_has = np.zeros(device_pages, dtype=bool)
+        self.l2_has = np.zeros(max(host_pages, 1), dtype=bool)
+        self.store = None        # GuardedStore of the draft namespace (L3 on)
+        self.namespace = None
+        self.writes = False      # this rank writes the group's draft pages to L3
+        self.stats = DraftStats()
+
+    # ---- L1 presence ---------------------------------------------------------------------------
+    def forget(self, pages: Sequence[int]) -> None:
+        """Pages handed out afresh hold no draft KV."""
+        self.l1_has[np.asarray(pages, dtype=np.int64)] = False
+
+    def mark(self, pages: Sequence[int]) -> None:
+        """The draft KV of every position of ``pages`` was written."""
+        self.l1_has[np.asarray(pages, dtype=np.int64)] = True
+
+    def present_pages(self, pages: Sequence[int]) -> int:
+        """How many of ``pages`` (a prefix's device pages, in order) have their draft KV,
+        counted from the first until one lacks it."""
+        has = self.l1_has[np.asarray(pages, dtype=np.int64)]
+        return int(has.size if has.all() else np.argmin(has))
+
+    def _view(self) -> torch.Tensor:
+        """``l1`` as ``[layers, pages, rows, width]``."""
+        f = self.format
+        return self.l1.kv.view(f.layers, self.l1.num_pages, f.rows, f.row_width)
+
+    # ---- L2: beside the target's backups and load-backs ----------------------------------------
+    def backup(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+        d, h = np.asarray(device_pages, np.int64), np.asarray(host_pages, np.int64)
+        has = self.l1_has[d]
+        self.l2_has[h] = has
+        if has.any():
+            src = self._view()[:, torch.as_tensor(d[has])].transpose(0, 1).cpu()
+            self.l2[torch.as_tensor(h[has])] = src
+            self._count("d2h", int(has.sum()))
+
+    def load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
+        d, h = np.asarray(device_pages, np.int64), np.asarray(host_pages, np.int64)
+        has = self.l2_has[h]
+        self.l1_has[d] = has
+        if has.any():
+            src = self.l2[torch.as_tensor(h[has])].transpose(0, 1).to(self.l1.device)
+            self._view()[:, torch.as_tensor(d[has], device=self.l1.device)] = src
+            self._count("h2d", int(has.sum()))
+
+    def _count(self, what: str, pages: int) -> None:
+        self.stats.pages[what] += pages
+        self.stats.bytes[what] += pages * self.format.page_bytes
+
+    # ---- L3: one copy for the whole DCP group --------------------------------------------------
+    def open_l3(self, open_store, namespace, rank: int) -> None:
+        """``open_store(namespace)``: a store (GuardedStore) whose keys carry rank 0 on every
+        rank (one copy per group); rank 0 writes."""
+        self.namespace, self.writes = namespace, rank == 0
+        self.store = open_store(namespace)
+
+    def _keys(self, chains: Sequence[bytes]) -> list[bytes]:
+        from .l3 import keys_for_rank
+        return keys_for_rank(chains, self.namespace, 0)
+
+    def write_l3(self, chains: Sequence[bytes], host_pages: Sequence[int]) -> None:
+        """Rank 0: store the draft pages of ``host_pages`` (just backed up) that have one."""
+        if self.store is None or not self.writes:
+            return
+        pairs = [(c, h) for c, h in zip(chains, host_pages) if self.l2_has[h]]
+        if pairs:
+            res = self.store.put(self._keys([c for c, _ in pairs]),
+                                 [self.l2[h].clone() for _, h in pairs])
+            self._count("l3_write", res.written)
+
+    def read_l3(self, chains: Sequence[bytes]) -> Optional[DraftRead]:
+        """Read the leading draft pages of ``chains`` (every rank reads the same keys)."""
+        if self.store is None or not chains:
+            return None
+        keys = self._keys(chains)
+        n = self.store.exists_prefix(keys)
+        staging = torch.empty((n, *self.format.shape), dtype=self.format.dtype)
+        got = self.store.get(keys[:n], list(staging)) if n else 0
+        self._count("l3_read", got)
+        return DraftRead(got, staging)
+
+    def restore(self, read: Optional[DraftRead], device_pages: Sequence[int], pages: int) -> int:
+        """Copy the first ``pages`` (agreed) read pages into ``device_pages``; how many."""
+        n = min(pages, len(device_pages), read.pages if read is not None else 0)
+        if n:
+            d = np.asarray(device_pages[:n], np.int64)
+            src = read.staging[:n].transpose(0, 1).to(self.l1.device)
+            self._view()[:, torch.as_tensor(d, device=self.l1.device)] = src
+            self.l1_has[d] = True
+        return n
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+
+def build_draft_pages(spec: DraftSpec, config, rank: int, device, host_pages: int, l3: bool,
+                      weights_signature: str) -> DraftPages:
+    """This rank's draft pages for a ``HiCache`` of ``config``; with ``l3``, a store of the
+    draft's namespace (the target's weights, the draft's signature and format)."""
+    pages = DraftPages(spec, config.page_tokens, config.l1.num_pages, host_pages, device)
+    if l3:
+        from .l3 import Namespace, open_store
+        from .l3.guard import GuardedStore
+        ns = Namespace.from_config(config, model=f"{weights_signature}|draft={spec.signature}",
+                                   fmt=spec.format)
+        pages.open_l3(lambda n: GuardedStore(lambda: open_store(config.l3, n, 0), config.l3, 0,
+                                             n), ns, rank)
+    return pages
