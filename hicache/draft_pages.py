@@ -47,6 +47,7 @@ class DraftSpec:
 
     format: PageFormat
     signature: str
+    pairs_next: bool = False  # MTP: a page's last row also depends on the token after it
 
     def __post_init__(self) -> None:
         if not isinstance(self.format, PageFormat) or self.format.kind is not PageKind.REPLICATED:
@@ -61,6 +62,7 @@ class DraftRead:
 
     pages: int
     staging: torch.Tensor
+    next_tokens: Optional[list] = None  # pairs_next: the token after each page read
 
 
 @dataclass
@@ -86,6 +88,9 @@ class DraftPages:
         self.l2 = torch.zeros((max(host_pages, 1), *fmt.shape), dtype=fmt.dtype)
         self.l1_has = np.zeros(device_pages, dtype=bool)
         self.l2_has = np.zeros(max(host_pages, 1), dtype=bool)
+        # pairs_next: the token after the page its last row was computed with (-1: unknown)
+        self.l1_next = np.full(device_pages, -1, dtype=np.int64)
+        self.l2_next = np.full(max(host_pages, 1), -1, dtype=np.int64)
         self.store = None        # GuardedStore of the draft namespace (L3 on)
         self.namespace = None
         self.writes = False      # this rank writes the group's draft pages to L3
@@ -96,14 +101,29 @@ class DraftPages:
         """Pages handed out afresh hold no draft KV."""
         self.l1_has[np.asarray(pages, dtype=np.int64)] = False
 
-    def mark(self, pages: Sequence[int]) -> None:
-        """The draft KV of every position of ``pages`` was written."""
-        self.l1_has[np.asarray(pages, dtype=np.int64)] = True
+    def mark(self, pages: Sequence[int], next_tokens: Optional[Sequence[int]] = None) -> None:
+        """The draft KV of every position of ``pages`` was written (``pairs_next``: with
+        ``next_tokens[i]`` after page i; -1 where unknown leaves that page unmarked)."""
+        p = np.asarray(pages, dtype=np.int64)
+        if self.spec.pairs_next:
+            nxt = np.asarray(next_tokens, dtype=np.int64)
+            p, nxt = p[nxt >= 0], nxt[nxt >= 0]
+            self.l1_next[p] = nxt
+        self.l1_has[p] = True
 
-    def present_pages(self, pages: Sequence[int]) -> int:
-        """How many of ``pages`` (a prefix's device pages, in order) have their draft KV,
-        counted from the first until one lacks it."""
-        has = self.l1_has[np.asarray(pages, dtype=np.int64)]
+    def present_pages(self, pages: Sequence[int], tokens: Optional[np.ndarray] = None) -> int:
+        """How many of ``pages`` (the device pages of a prefix of ``tokens``, in order) have
+        their draft KV for these tokens, counted from the first until one lacks it. With
+        ``pairs_next`` a page's last row counts only if it was computed with the token that
+        follows the page here (``tokens[(i + 1) * P*c]``)."""
+        p = np.asarray(pages, dtype=np.int64)
+        has = self.l1_has[p]
+        if self.spec.pairs_next:
+            ends = (np.arange(p.size) + 1) * self.page_tokens
+            ok = ends < len(tokens)
+            nxt = np.full(p.size, -2, dtype=np.int64)
+            nxt[ok] = np.asarray(tokens)[ends[ok]]
+            has = has & (self.l1_next[p] == nxt)
         return int(has.size if has.all() else np.argmin(has))
 
     def _view(self) -> torch.Tensor:
@@ -116,6 +136,7 @@ class DraftPages:
         d, h = np.asarray(device_pages, np.int64), np.asarray(host_pages, np.int64)
         has = self.l1_has[d]
         self.l2_has[h] = has
+        self.l2_next[h] = self.l1_next[d]
         if has.any():
             src = self._view()[:, torch.as_tensor(d[has])].transpose(0, 1).cpu()
             self.l2[torch.as_tensor(h[has])] = src
@@ -125,6 +146,7 @@ class DraftPages:
         d, h = np.asarray(device_pages, np.int64), np.asarray(host_pages, np.int64)
         has = self.l2_has[h]
         self.l1_has[d] = has
+        self.l1_next[d] = self.l2_next[h]
         if has.any():
             src = self.l2[torch.as_tensor(h[has])].transpose(0, 1).to(self.l1.device)
             self._view()[:, torch.as_tensor(d[has], device=self.l1.device)] = src
@@ -141,8 +163,12 @@ class DraftPages:
         self.namespace, self.writes = namespace, rank == 0
         self.store = open_store(namespace)
 
-    def _keys(self, chains: Sequence[bytes]) -> list[bytes]:
+    def _keys(self, chains: Sequence[bytes], next_tokens=None) -> list[bytes]:
+        """Rank 0's keys of ``chains`` (``pairs_next``: each chain salted with the token after
+        its page, so a page computed before another next token never hits)."""
         from .l3 import keys_for_rank
+        if self.spec.pairs_next:
+            chains = [_salted(c, int(t)) for c, t in zip(chains, next_tokens)]
         return keys_for_rank(chains, self.namespace, 0)
 
     def write_l3(self, chains: Sequence[bytes], host_pages: Sequence[int]) -> None:
@@ -151,20 +177,22 @@ class DraftPages:
             return
         pairs = [(c, h) for c, h in zip(chains, host_pages) if self.l2_has[h]]
         if pairs:
-            res = self.store.put(self._keys([c for c, _ in pairs]),
-                                 [self.l2[h].clone() for _, h in pairs])
+            keys = self._keys([c for c, _ in pairs], [self.l2_next[h] for _, h in pairs])
+            res = self.store.put(keys, [self.l2[h].clone() for _, h in pairs])
             self._count("l3_write", res.written)
 
-    def read_l3(self, chains: Sequence[bytes]) -> Optional[DraftRead]:
-        """Read the leading draft pages of ``chains`` (every rank reads the same keys)."""
+    def read_l3(self, chains: Sequence[bytes], next_tokens=None) -> Optional[DraftRead]:
+        """Read the leading draft pages of ``chains`` (every rank reads the same keys;
+        ``pairs_next``: ``next_tokens[i]`` follows page i)."""
         if self.store is None or not chains:
             return None
-        keys = self._keys(chains)
+        keys = self._keys(chains, next_tokens)
         n = self.store.exists_prefix(keys)
         staging = torch.empty((n, *self.format.shape), dtype=self.format.dtype)
         got = self.store.get(keys[:n], list(staging)) if n else 0
         self._count("l3_read", got)
-        return DraftRead(got, staging)
+        return DraftRead(got, staging, [int(t) for t in next_tokens[:got]]
+                         if self.spec.pairs_next else None)
 
     def restore(self, read: Optional[DraftRead], device_pages: Sequence[int], pages: int) -> int:
         """Copy the first ``pages`` (agreed) read pages into ``device_pages``; how many."""
@@ -174,12 +202,21 @@ class DraftPages:
             src = read.staging[:n].transpose(0, 1).to(self.l1.device)
             self._view()[:, torch.as_tensor(d, device=self.l1.device)] = src
             self.l1_has[d] = True
+            if read.next_tokens is not None:
+                self.l1_next[d] = read.next_tokens[:n]
         return n
 
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
             self.store = None
+
+
+def _salted(chain: bytes, next_token: int) -> bytes:
+    """A chain hash of the same length naming the token after the page too."""
+    import hashlib
+    return hashlib.blake2b(chain + next_token.to_bytes(8, "little", signed=True),
+                           digest_size=len(chain), person=b"hicache-next").digest()
 
 
 def build_draft_pages(spec: DraftSpec, config, rank: int, device, host_pages: int, l3: bool,

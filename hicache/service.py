@@ -302,7 +302,8 @@ class HiCache:
                 req.load_job = Waits(self.io.jobs_of(m.wait_ops)
                                      + ([req.load_job] if req.load_job else []))
             if self.draft is not None:  # spec: L1/L2 presence came with the loads
-                prefix.draft_len = self.draft.present_pages(prefix.page_table) * self.page_tokens
+                prefix.draft_len = self.draft.present_pages(prefix.page_table, arr) \
+                    * self.page_tokens
             if self.l3 is not None:
                 req.prefetch = self.io.start_prefetch(request_id, arr, prefix.hit_len)
                 if req.prefetch is not None:
@@ -477,7 +478,7 @@ class HiCache:
                     self.ctrl.free_device(req.own_pages)
             return
         if self.draft is not None:
-            self._mark_drafts(req, min(int(draft_len), whole * self.page_tokens))
+            self._mark_drafts(req, min(int(draft_len), whole * self.page_tokens), arr)
         if self.tiers:
             end = whole * self.page_tokens  # the insert releases the lock (walks on from it)
             with self._timed():
@@ -791,8 +792,10 @@ class HiCache:
         if prefix.draft_len < prefix.hit_len:
             return None
         from .l3 import chain_hashes
-        return self.draft.read_l3(chain_hashes(arr[:-1], self.page_tokens)
-                                  [prefix.hit_len // self.page_tokens:])
+        w, first = self.page_tokens, prefix.hit_len // self.page_tokens
+        chains = chain_hashes(arr[:-1], w)[first:]
+        nxt = arr[(np.arange(first, first + len(chains)) + 1) * w]  # the token after each
+        return self.draft.read_l3(chains, nxt)
 
     def _restore_drafts(self, req: _Request, dev: list, pages: int) -> None:
         self.draft.forget(dev)
@@ -801,11 +804,13 @@ class HiCache:
             req.prefix.draft_len += n * self.page_tokens
         req.draft_read = None
 
-    def _mark_drafts(self, req: _Request, draft_len: int) -> None:
-        """The request's own pages wholly below ``draft_len`` hold their draft KV."""
+    def _mark_drafts(self, req: _Request, draft_len: int, arr: np.ndarray) -> None:
+        """The request's own pages wholly below ``draft_len`` hold their draft KV (with the
+        token after each page, -1 past ``arr``)."""
         w, own = self.page_tokens, set(req.own_pages)
-        self.draft.mark([p for i, p in enumerate(req.prefix.page_table[:draft_len // w])
-                         if p in own])
+        idx = [i for i, p in enumerate(req.prefix.page_table[:draft_len // w]) if p in own]
+        self.draft.mark([req.prefix.page_table[i] for i in idx],
+                        [int(arr[(i + 1) * w]) if (i + 1) * w < arr.size else -1 for i in idx])
 
     def _count_hits(self, prefix: Prefix) -> None:
         """Counted once the prefix is final, so hit + miss == prompt tokens of ready requests

@@ -62,8 +62,11 @@ def draft_spec(draft, page_tokens: int):
     model: its weights)."""
     from hicache.draft_pages import DraftSpec
     from hicache.spec_format import format_of_model
-    sig = f"mtp:{draft.index}" if isinstance(draft, MTPModule) else draft.weights_signature()
-    return DraftSpec(format_of_model(draft, page_tokens), sig)
+    mtp = isinstance(draft, MTPModule)
+    sig = f"mtp:{draft.index}" if mtp else draft.weights_signature()
+    # an MTP row pairs the target's state at i with token i + 1: a page's last row depends on
+    # the token after the page, which its chain does not name (hicache.draft_pages)
+    return DraftSpec(format_of_model(draft, page_tokens), sig, pairs_next=mtp)
 
 
 def make_drafter(settings: SpecSettings, target, target_path: Optional[str], page_tokens: int,

@@ -196,14 +196,32 @@ class MTPDrafter(Drafter):
         self.offset: Optional[int] = None  # the global position of the module's position 0
         self.hidden: Optional[torch.Tensor] = None  # target hidden rows not yet consumed
         self.hidden_start = 0  # their first global position
+        self.table: Optional[list] = None  # started past a cache hit: the target's table ...
+        self.page_off = 0                  # ... and the module's first page in it
 
     def restored(self, draft_len: int, hit_len: int) -> int:
-        """All of the hit's MTP rows came back: go on from them. Otherwise they cannot be
+        """All of the hit's MTP rows came back (each page's last row computed with the token
+        that follows it here: ``HiCache`` checks): go on from them. Otherwise they cannot be
         recomputed (they need the target's hidden states of the hit, which a hit skips): the
-        module starts at the hit's end, as after a PCP prefill; nothing is recomputed."""
+        module starts at the hit's end, as after a PCP prefill, with its rows in the
+        request's own pages from there (never in the hit's shared pages); nothing is
+        recomputed."""
         if hit_len and draft_len >= hit_len:
             self.offset, self.state.length = 0, hit_len
+        elif hit_len:
+            w = self.runner.page_tokens
+            if hit_len % w:
+                raise UsageError(f"a cache hit of {hit_len} tokens is not whole pages of {w}")
+            self.table, self.page_off = self.state.page_table, hit_len // w
+            self.state.page_table = list(self.table[self.page_off:])
         return 0
+
+    def _follow_table(self) -> None:
+        """Started past a hit: the module's own page table is the target's from there (it
+        grows with the target's, the same list object kept)."""
+        table, own = self.table, self.state.page_table
+        if table is not None and len(table) - self.page_off > len(own):
+            own.extend(table[self.page_off + len(own):])
 
     def valid_len(self) -> int:
         return self.state.length if self.offset == 0 else 0
@@ -227,6 +245,7 @@ class MTPDrafter(Drafter):
         None when there is nothing to run."""
         if self.offset is None or self.hidden is None:
             return None  # nothing to draft from yet (a plain target step gives it)
+        self._follow_table()
         st, mtp = self.state, self.runner.model
         first = self.offset + st.length  # the first global position to run
         if first < self.hidden_start:
