@@ -37,7 +37,7 @@ from .l1.pool import DeviceKVPool
 from .layout import DCPLayout
 from .page_format import PageFormat, PageKind
 
-__all__ = ["DraftSpec", "DraftPages", "DraftRead", "build_draft_pages"]
+__all__ = ["DraftSpec", "DraftPages", "DraftRead", "build_draft_pages", "draft_need"]
 
 
 @dataclass(frozen=True)
@@ -206,6 +206,13 @@ class DraftPages:
                 self.l1_next[d] = read.next_tokens[:n]
         return n
 
+    def report(self) -> dict:
+        """Pages and bytes moved per tier, and L1 pages holding draft KV now."""
+        return {"pages": dict(self.stats.pages), "bytes": dict(self.stats.bytes),
+                "l1_pages_present": int(self.l1_has.sum()),
+                "l1_bytes": self.l1.num_pages * self.format.page_bytes,
+                "l2_bytes": self.l2.numel() * self.l2.element_size()}
+
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
@@ -232,3 +239,20 @@ def build_draft_pages(spec: DraftSpec, config, rank: int, device, host_pages: in
         pages.open_l3(lambda n: GuardedStore(lambda: open_store(config.l3, n, 0), config.l3, 0,
                                              n), ns, rank)
     return pages
+
+
+def draft_need(need, config, spec: DraftSpec, host_pages: int):
+    """The node memory ``need`` (``preflight.MemoryNeed``) with the draft's pools: counted by
+    the policy already when its ``[spec]`` names the draft (then the formats must agree), else
+    added here (L1: a draft page per device page; L2: one per host page)."""
+    import dataclasses
+    fmts = config.formats
+    if "draft" in fmts.names:
+        mine = fmts["draft"]
+        if not mine.same_shape(spec.format) or mine.dtype != spec.format.dtype:
+            raise UsageError(f"the draft's pages ({spec.format.describe()}) differ from the "
+                             f"policy's [spec] draft ({mine.describe()})")
+        return need
+    b = spec.format.page_bytes
+    return dataclasses.replace(need, l1_per_rank=need.l1_per_rank + config.l1.num_pages * b,
+                               l2_per_rank=need.l2_per_rank + max(host_pages, 1) * b)

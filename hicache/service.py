@@ -215,6 +215,9 @@ class HiCache:
         # together against the node's total, since its siblings may have allocated already
         need = preflight.memory_need(config, hd.local_world_size(), l2="l2" in self.tiers,
                                      cuda=pick_device(device).type != "cpu")
+        if self.draft_spec is not None:  # spec: the draft's pools beside the target's
+            from .draft_pages import draft_need
+            need = draft_need(need, config, self.draft_spec, host_pages)
         preflight.check_node_memory(need, machine.host_total, "is the node's total")
         fmt = config.page_format  # every pool size below is the format's
         self.l1 = DeviceKVPool.for_format(self.layout, fmt, config.l1.num_pages, device=device)
@@ -242,7 +245,8 @@ class HiCache:
         c, p = self.config, self.config.policy
         key = (self.mode, self.page_tokens, c.l1.num_pages, self.ctrl.host.num_pages,
                repr(p), self.agreement.debug,  # the whole [policy]: every key drives a
-               self.weights_signature if self.l3 is not None else "")  # replicated choice
+               self.weights_signature if self.l3 is not None else "",  # replicated choice
+               self.draft_spec.signature if self.draft_spec is not None else "")  # spec
         raw = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
         return int.from_bytes(raw, "little") >> 4
 
@@ -620,6 +624,8 @@ class HiCache:
             # copy ops the controller issued: backups (d2h) and L2 load-backs (h2d)
             "copy_ops": {"d2h": ctrl.backups, "h2d": ctrl.loads},
         }
+        if self.draft is not None:  # spec: the draft's companion pages, by tier
+            out["draft"] = self.draft.report()
         if self.l3 is not None:
             l3 = self.l3.stats
             out["evictions"]["l3"] = l3.evictions

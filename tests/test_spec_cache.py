@@ -110,6 +110,10 @@ def test_l2_and_l3_hits_restore_the_draft_kv(tmp_path, models):
             assert sb.draft_recomputed_tokens == 0 and cache.draft.stats.pages["h2d"] > 0
             rows_b = draft_rows(cache, pb.page_table, len(b))
             assert cache.draft.stats.pages["l3_write"] > 0
+            st = cache.stats()["draft"]  # the draft's bytes by tier, in the cache's stats
+            assert st["bytes"]["d2h"] > 0 and st["bytes"]["h2d"] > 0
+            assert st["bytes"]["l3_write"] == st["pages"]["l3_write"] * \
+                draft_spec(draft, cfg.page_tokens).format.page_bytes
         with cache_of(cfg, draft, mode="l1+l2+l3") as cache:  # warm restart: L3 only
             out_c, pc, sc, _ = spec_request(cache, model, draft, "c", c, K, NEW)
             assert pc.storage_len == 40 and pc.draft_len == 40
@@ -161,3 +165,24 @@ def test_a_draft_pool_of_another_shape_is_refused(tmp_path, models):
     with cache_of(cfg, small, mode="l1") as cache:
         with pytest.raises(UsageError, match="draft pool holds 1 layers"):
             drafter_for(draft, cache.page_tokens, [], cache.l1.num_pages, pool=cache.draft.l1)
+
+
+def test_the_draft_counts_in_the_memory_need_and_agrees_with_the_policy(tmp_path, models):
+    from hicache import preflight
+    from hicache.draft_pages import draft_need
+    model, draft = models
+    cfg = make_cfg(tmp_path / "l3")
+    spec = draft_spec(draft, cfg.page_tokens)
+    need = preflight.memory_need(cfg, 1)
+    more = draft_need(need, cfg, spec, cfg.l2_num_pages)
+    b = spec.format.page_bytes
+    assert more.l1_per_rank == need.l1_per_rank + cfg.l1.num_pages * b
+    assert more.l2_per_rank == need.l2_per_rank + cfg.l2_num_pages * b
+    # a policy whose [spec] names the draft counts it already, and must name the same shape
+    small = tmp_path / "small.pt"
+    MLAModel(dataclasses.replace(model.cfg, num_layers=1)).save(small)
+    spec_cfg = cfg.replace(spec={"method": "draft", "draft_model": str(small)})
+    assert draft_need(need, spec_cfg, draft_spec(MLAModel.load(small), cfg.page_tokens), 0) \
+        is need
+    with pytest.raises(UsageError, match="differ from the policy's \\[spec\\] draft"):
+        HiCache(spec_cfg, mode="l1", draft=spec)
