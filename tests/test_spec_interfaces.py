@@ -120,3 +120,23 @@ def test_bench_spec_rows_side_by_side(draft_file, tmp_path, capsys):
 def test_bench_spec_bad_input(capsys, argv, line):
     rc, _, err = run(bench_cli.main, argv, capsys)
     assert rc == 2 and line in err and err.count("\n") == 1
+
+
+def test_bench_spec_cache_figures(capsys):
+    # bench/spec.py --cache: the draft's pages restored from L1 and from L3 after a restart
+    # (nothing recomputed), recomputed for a prefix written without speculation; tokens ok
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "spec.py"
+    spec = importlib.util.spec_from_file_location("bench_spec_script", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--quick", "--dcp", "1", "--k", "2", "--cache", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["cache"]
+    rows = {r["request"]: r for r in out["rows"]}
+    assert rows["l1 hit"]["draft_restored"] == 64 and rows["l1 hit"]["hit"]["l1"] == 64
+    assert rows["l3 hit (restart)"]["hit"]["l3"] == 64
+    assert rows["l3 hit (restart)"]["draft_restored"] == 64
+    assert rows["l1 hit, no draft"]["draft_recomputed_tokens"] == 64
+    assert all(r["tokens_ok"] for r in out["rows"])
+    assert out["draft_bytes_by_tier"]["l3_write"] == out["draft_bytes_l3_read_after_restart"]
