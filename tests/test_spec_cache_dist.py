@@ -1,8 +1,9 @@
 """The cache holds both, on two real gloo ranks (issue 25 points 3 and 4): a speculative
 request's draft pages are replicated on both ranks, stored in L3 ONCE for the group (rank 0
 writes, both read), and a warm restart hits L3 for both the target's and the draft's pages with
-plain decoding's tokens. A draft read that fails on one rank only is agreed away on both (the
-draft is recomputed alike, the target hit stays). One spawned group runs every check."""
+plain decoding's tokens, with a draft model and with the checkpoint's MTP module. A draft read
+that fails on one rank only is agreed away on both (the draft is recomputed alike, the target
+hit stays). One spawned group runs every check."""
 
 import copy
 
@@ -71,10 +72,30 @@ def _one_rank_fails_its_draft_read(rank, cfg, model, draft) -> dict:
         _flush_l3(cache)
     with _cache(cfg, draft) as cache:
         if rank == 1:  # this rank's draft read fails: the MIN agreement says 0 pages
-            cache.draft.read_l3 = lambda chains: None
+            cache.draft.read_l3 = lambda chains, next_tokens=None: None
         out, p, st, _ = spec_request(cache, model, draft, "b", b, K, NEW)
     return {"out": out, "prompt": b.tolist(),
             "b": (p.storage_len, p.draft_len, st.draft_recomputed_tokens)}
+
+
+def _mtp_warm_restart(rank, root) -> dict:
+    from hicache.checkpoints.drafter import load_draft
+    from hicache.checkpoints.hf import load_model
+    from hicache.engine.spec import SpecSettings
+    from test_spec_cache_mtp import cfg_of
+    target = load_model(f"{root}/mtp")
+    mtp = load_draft(SpecSettings("mtp"), target, f"{root}/mtp")
+    cfg = cfg_of(f"{root}/mtp", f"{root}/l3m").replace(parallel={"tp": 2, "dcp": 2})
+    rng = np.random.default_rng(3)
+    shared = rng.integers(0, 96, 44)  # the hit is 40 tokens; token 40 is shared too
+    a, b = (np.concatenate([shared, rng.integers(0, 96, 2)]) for _ in range(2))
+    with _cache(cfg, mtp) as cache:
+        spec_request(cache, target, mtp, "a", a, K, 9)
+        _flush_l3(cache)
+    with _cache(cfg, mtp) as cache:
+        out, p, st, _ = spec_request(cache, target, mtp, "b", b, K, 9)
+    return {"out": out, "prompt": b.tolist(), "b": (p.storage_len, p.draft_len),
+            "proposed": st.proposed}
 
 
 def _worker(rank, world, root):
@@ -83,10 +104,12 @@ def _worker(rank, world, root):
     warm = _warm_restart(rank, cfg, model, draft)
     cfg2 = make_cfg(f"{root}/l3b", dcp=world, prefetch="wait_complete")
     fail = _one_rank_fails_its_draft_read(rank, cfg2, model, draft)
-    return {"warm": warm, "fail": fail}
+    return {"warm": warm, "fail": fail, "mtp": _mtp_warm_restart(rank, root)}
 
 
 def test_two_ranks_cache_the_draft_once_and_restart_warm(tmp_path):
+    from spec_ckpt import make_mtp_checkpoint
+    make_mtp_checkpoint(tmp_path / "mtp", seed=1)
     res = launch(2, _worker, str(tmp_path), backend="gloo", timeout_s=600)
     model, _ = _models(make_cfg(tmp_path / "x", dcp=2))
     w0, w1 = res[0]["warm"], res[1]["warm"]
@@ -102,3 +125,7 @@ def test_two_ranks_cache_the_draft_once_and_restart_warm(tmp_path):
     f0, f1 = res[0]["fail"], res[1]["fail"]
     assert f0["out"] == f1["out"] == model.generate(f0["prompt"], NEW)
     assert f0["b"] == f1["b"] == (40, 0, 40)  # agreed: no rank restores the draft, both redo it
+    from hicache.checkpoints.hf import load_model
+    m0, m1 = res[0]["mtp"], res[1]["mtp"]
+    assert m0["out"] == m1["out"] == load_model(tmp_path / "mtp").generate(m0["prompt"], 9)
+    assert m0["b"] == m1["b"] == (40, 40) and m0["proposed"] > 0  # MTP rows from L3
