@@ -10,8 +10,10 @@ from hicache.engine.runner import DCPRunner, RequestState
 from hicache.engine.spec import SpecStats, speculative_generate
 
 
-def spec_request(cache, model, draft, rid, prompt, k: int, new_tokens: int, group=None):
-    """Tokens, the prefix, the stats and the drafter of one speculative request."""
+def spec_request(cache, model, draft, rid, prompt, k: int, new_tokens: int, group=None,
+                 hidden: bool = True):
+    """Tokens, the prefix, the stats and the drafter of one speculative request (``hidden``
+    False: the drafter gets no prefill hidden states, as after a PCP prefill)."""
     prefix = cache.admit(rid, prompt)
     while not prefix.ready:
         cache.step()
@@ -31,7 +33,7 @@ def spec_request(cache, model, draft, rid, prompt, k: int, new_tokens: int, grou
                           pool=cache.draft.l1)
     stats.draft_recomputed_tokens = drafter.restored(prefix.draft_len, prefix.hit_len)
     out = speculative_generate(runner, state, list(prompt), logits[-1], drafter, k, new_tokens,
-                               hidden=runner.last_hidden, stats=stats)
+                               hidden=runner.last_hidden if hidden else None, stats=stats)
     cache.finish(rid, np.concatenate([prompt, out[:-1]]), draft_len=drafter.valid_len())
     return out, prefix, stats, drafter
 

@@ -106,3 +106,18 @@ def test_mtp_pages_through_l3_name_the_next_token(tmp_path, ck):
     torch.testing.assert_close(rows, ref_rows, rtol=0, atol=1e-5)
     assert sb.to_dict() == ref_st.to_dict()
     assert out_c == target.generate(c.tolist(), NEW)
+
+
+def test_restored_mtp_rows_without_prefill_hidden_states(tmp_path, ck):
+    # a PCP prefill gives no hidden states: the restored rows cannot be gone on from, so the
+    # module starts at the first decoded position, past the hit's shared pages
+    path, target, mtp = ck
+    cfg = cfg_of(path, tmp_path / "l3")
+    a, b = pair(42, 3)
+    with HiCache(cfg, mode="l1", draft=draft_spec(mtp, cfg.page_tokens)) as cache:
+        _, pa, _, _ = spec_request(cache, target, mtp, "a", a, K, NEW)
+        before = draft_rows(cache, pa.page_table, 40).clone()
+        out, p, st, d = spec_request(cache, target, mtp, "b", b, K, NEW, hidden=False)
+        assert p.draft_len == 40 and st.proposed > 0 and d.valid_len() == 0
+        assert torch.equal(draft_rows(cache, p.page_table, 40), before)
+    assert out == target.generate(b.tolist(), NEW)

@@ -209,12 +209,18 @@ class MTPDrafter(Drafter):
         if hit_len and draft_len >= hit_len:
             self.offset, self.state.length = 0, hit_len
         elif hit_len:
-            w = self.runner.page_tokens
-            if hit_len % w:
-                raise UsageError(f"a cache hit of {hit_len} tokens is not whole pages of {w}")
-            self.table, self.page_off = self.state.page_table, hit_len // w
-            self.state.page_table = list(self.table[self.page_off:])
+            self._start_past(hit_len)
         return 0
+
+    def _start_past(self, hit_len: int) -> None:
+        """Run the module from the first position it gets hidden states for, with its rows
+        in the pages after the hit's (never in the hit's shared pages)."""
+        w = self.runner.page_tokens
+        if hit_len % w:
+            raise UsageError(f"a cache hit of {hit_len} tokens is not whole pages of {w}")
+        self.offset, self.state.length = None, 0
+        self.table, self.page_off = self.state.page_table, hit_len // w
+        self.state.page_table = list(self.table[self.page_off:])
 
     def _follow_table(self) -> None:
         """Started past a hit: the module's own page table is the target's from there (it
@@ -228,6 +234,10 @@ class MTPDrafter(Drafter):
 
     def observe(self, hidden, start: int, end: int) -> None:
         if hidden is None or end <= start:
+            if self.offset == 0 and self.table is None and start > self.state.length:
+                # restored from a cache hit, but no hidden states after it (a PCP prefill):
+                # the module cannot go on from the hit, so it starts at the first decoded one
+                self._start_past(self.state.length)
             return
         hidden = hidden[: end - start]
         if self.offset is None:
