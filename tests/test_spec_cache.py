@@ -186,3 +186,25 @@ def test_the_draft_counts_in_the_memory_need_and_agrees_with_the_policy(tmp_path
         is need
     with pytest.raises(UsageError, match="differ from the policy's \\[spec\\] draft"):
         HiCache(spec_cfg, mode="l1", draft=spec)
+
+
+def test_draft_pages_on_a_shared_redis_store(tmp_path, models, redis_url, monkeypatch):
+    # the draft's L3 pages on the Redis backend (authenticated, like the fleet's): a second
+    # cache (another group, a warm start) hits both the target's and the draft's pages
+    from helpers import secret_file
+    from hicache.l3 import registry
+    model, draft = models
+    monkeypatch.setenv("HICACHE_L3_SECRET_FILE", secret_file(tmp_path))
+    b = registry.for_where(redis_url)
+    cfg = make_cfg(tmp_path / "unused", prefetch="wait_complete").replace(
+        l3={"backend": b.name, b.name: b.section_of(redis_url)})
+    a, c, _ = prompts(seed=6)
+    with l3_writes_land_at_once():
+        with cache_of(cfg, draft) as cache:
+            spec_request(cache, model, draft, "a", a, K, NEW)
+            cache.drain()
+            assert cache.draft.stats.pages["l3_write"] > 0
+        with cache_of(cfg, draft) as cache:
+            out, p, st, _ = spec_request(cache, model, draft, "c", c, K, NEW)
+            assert p.storage_len == 40 and p.draft_len == 40 and st.draft_recomputed_tokens == 0
+    assert out == model.generate(c.tolist(), NEW)
