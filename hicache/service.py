@@ -804,8 +804,10 @@ class HiCache:
         return self.draft.read_l3(chains, nxt)
 
     def _restore_drafts(self, req: _Request, dev: list, pages: int) -> None:
+        """The agreed L3 draft pages (at most the target's restored ``pages``) into ``dev``;
+        they extend ``draft_len`` only when the L1/L2 hit had all its draft pages."""
         self.draft.forget(dev)
-        n = self.draft.restore(req.draft_read, dev, min(pages, getattr(req, "draft_agreed", 0)))
+        n = self.draft.restore(req.draft_read, dev, min(pages, req.draft_agreed))
         if req.prefix.draft_len == req.prefix.hit_len:
             req.prefix.draft_len += n * self.page_tokens
         req.draft_read = None
