@@ -10,7 +10,8 @@ all ``P*c`` rows of a page. Device page ``p`` of the target has a companion draf
   target page ``p``. ``l1_has[p]``: the draft KV of every position of page ``p`` is there.
   A page handed out afresh has none; ``finish(draft_len=n)`` marks the request's own whole
   pages below ``n`` (a prefix written by a run without speculation has none).
-- L2: ``l2``, ``[host pages, layers, P*c, width]`` beside the host pool, with ``l2_has``. A
+- L2: ``l2``, ``[host pages, layers, P*c, width]`` (a page-major ``HostKVPool``, pinned as the
+  policy's ``l2.pin`` says) beside the target's host pool, with ``l2_has``. A
   backup (D2H) or load-back (H2D) of target pages copies their draft pages too, at launch
   (the pages are immutable while the op is in flight), presence with them.
 - L3: a draft page is stored ONCE for the whole DCP group: rank 0 writes (among TP replicas,
@@ -34,6 +35,7 @@ import torch
 
 from .errors import UsageError
 from .l1.pool import DeviceKVPool
+from .l2.pool import HostKVPool
 from .layout import DCPLayout
 from .page_format import PageFormat, PageKind
 
@@ -77,7 +79,7 @@ class DraftPages:
     """One rank's draft companion pages in L1, L2 and (optionally) L3."""
 
     def __init__(self, spec: DraftSpec, page_tokens: int, device_pages: int, host_pages: int,
-                 device=None) -> None:
+                 device=None, pin: str = "auto") -> None:
         fmt = spec.format
         if fmt.rows != page_tokens:
             raise UsageError(f"draft format {fmt.describe()} has {fmt.rows} rows a page; the "
@@ -85,7 +87,11 @@ class DraftPages:
         self.spec, self.format, self.page_tokens = spec, fmt, page_tokens
         self.l1 = DeviceKVPool.for_format(DCPLayout(1, 0, page_tokens), fmt, device_pages,
                                           device=device)
-        self.l2 = torch.zeros((max(host_pages, 1), *fmt.shape), dtype=fmt.dtype)
+        # page-major [host pages, layers, P*c, width], pinned like the target's L2 (l2.pin)
+        self.l2_pool = HostKVPool.for_format(DCPLayout(1, 0, page_tokens), fmt,
+                                             max(host_pages, 1), layout_kind="page_first",
+                                             pin=pin)
+        self.l2 = self.l2_pool.buf
         self.l1_has = np.zeros(device_pages, dtype=bool)
         self.l2_has = np.zeros(max(host_pages, 1), dtype=bool)
         # pairs_next: the token after the page its last row was computed with (-1: unknown)
@@ -230,7 +236,8 @@ def build_draft_pages(spec: DraftSpec, config, rank: int, device, host_pages: in
                       weights_signature: str) -> DraftPages:
     """This rank's draft pages for a ``HiCache`` of ``config``; with ``l3``, a store of the
     draft's namespace (the target's weights, the draft's signature and format)."""
-    pages = DraftPages(spec, config.page_tokens, config.l1.num_pages, host_pages, device)
+    pages = DraftPages(spec, config.page_tokens, config.l1.num_pages, host_pages, device,
+                       pin=config.l2.pin)
     if l3:
         from .l3 import Namespace, open_store
         from .l3.guard import GuardedStore
