@@ -90,7 +90,7 @@ def test_mtp_pages_through_l3_name_the_next_token(tmp_path, ck):
     path, target, mtp = ck
     cfg = cfg_of(path, tmp_path / "l3")
     a, b = pair(42, 2)
-    _, c = pair(40, 2)[0], np.concatenate([a[:40], (a[40:] + 1) % 96])  # c[40] != a[40]
+    c = np.concatenate([a[:40], (a[40:] + 1) % 96])  # c[40] != a[40]
     with l3_writes_land_at_once():
         with HiCache(cfg, draft=draft_spec(mtp, cfg.page_tokens)) as cache:
             spec_request(cache, target, mtp, "a", a, K, NEW)
