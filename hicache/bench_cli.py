@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .bench_spec import add_spec_options, spec_main, spec_requested
 from . import preflight
 from .bench_model import engine_model, l3_backend
 from .checks import regular_file, system_dir
@@ -397,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_comparison_options(p)
     _add_output_options(p)
     _add_soak_options(p)
+    add_spec_options(p)  # spec: --spec none,mtp|draft rows (hicache/bench_spec.py)
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -699,6 +701,12 @@ def machine() -> dict:
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
+def _run(args) -> int:
+    if spec_requested(args):  # spec: speculative rows side by side, not the cache workloads
+        return spec_main(args, _policy(args))
+    return _main(args)
+
+
 def _main(args) -> int:
     cfg, vs, workloads = _resolve(args)
     if args.faults is not None:
@@ -865,7 +873,7 @@ def _print_hybrid(modes: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_guarded(_main, args)
+    return run_guarded(_run, args)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from . import topology
 from .config import describe, load_config
 from .errors import ConfigError, RankError, UsageError
 from .report import table
+from .spec_format import DraftShape, plan_draft
 from .topology import KVShape
 
 GiB = 1 << 30
@@ -169,6 +170,12 @@ def _plan(args) -> int:
     hybrid = _hybrid_info(shape.name) if shape.name in HYBRID_MODELS else None
     if hybrid:
         out["hybrid"] = hybrid
+    draft = _plan_draft(args, shape)  # spec: the draft's replicated KV, counted per rank
+    if draft is not None:
+        out["spec"] = {"method": args.spec, "draft_layers": draft.layers,
+                       "draft_kv_dim": draft.kv_dim}
+        for r in out["rows"]:
+            r.update(plan_draft(draft, memory, r["kv_bytes_per_token_per_rank"]))
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -189,9 +196,37 @@ def _plan(args) -> int:
     headers = ["dcp", "duplication", "KV bytes/token/rank"]
     if memory:
         headers.append(f"tokens in {args.memory:g} GiB/rank")
+    if draft is not None:
+        headers += ["+draft bytes/token/rank"] + (["tokens with draft"] if memory else [])
     print(table([[r["dcp"], r["duplication"], r["kv_bytes_per_token_per_rank"]]
-                 + ([r["tokens_in_budget"]] if memory else []) for r in out["rows"]], headers))
+                 + ([r["tokens_in_budget"]] if memory else [])
+                 + ([r["draft_kv_bytes_per_token_per_rank"]] if draft is not None else [])
+                 + ([r["tokens_in_budget_with_draft"]] if draft is not None and memory else [])
+                 for r in out["rows"]], headers))
     return 0
+
+
+def _plan_draft(args, shape: KVShape):
+    """``plan --spec``: the draft's KV per token (``DraftShape``), None for ``none``. MTP: one
+    MLA layer of the target's latent width; a draft model: ``--draft-shape mla:...``."""
+    if args.spec == "none":
+        if args.draft_shape:
+            raise UsageError("--draft-shape needs --spec draft")
+        return None
+    if args.spec == "mtp":
+        if args.draft_shape:
+            raise UsageError("--draft-shape needs --spec draft (mtp drafts with the target's "
+                             "own MTP layer)")
+        if shape.attention != "mla":
+            raise UsageError(f"--spec mtp: model {shape.name!r} is not MLA (MTP modules are "
+                             "DeepSeek-V3 MLA layers)")
+        return DraftShape(1, shape.row_elems_per_head, shape.dtype, shape.dtype_bytes)
+    if not args.draft_shape:
+        raise UsageError("--spec draft needs --draft-shape mla:LAYERS:RANK:ROPE[:BYTES]")
+    d = _shape_from_args(argparse.Namespace(model=None, shape=args.draft_shape))
+    if d.attention != "mla":
+        raise UsageError(f"--draft-shape {args.draft_shape!r}: the draft must be MLA (mla:...)")
+    return DraftShape(d.num_layers, d.row_elems_per_head, d.dtype, d.dtype_bytes)
 
 
 def _l3_check(args) -> int:
@@ -302,6 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn-dp", type=int, default=1)
     p.add_argument("--dcp", type=int, default=None, help="show only dcp 1 and this size")
     p.add_argument("--memory", type=float, default=None, help="KV memory per rank in GiB")
+    p.add_argument("--spec", default="none", choices=("none", "mtp", "draft"),
+                   help="count a speculative draft's replicated KV (mtp: the target's MTP "
+                        "layer; draft: --draft-shape)")
+    p.add_argument("--draft-shape", help="--spec draft: mla:LAYERS:RANK:ROPE[:BYTES]")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_plan)
     l3 = sub.add_parser("l3", help="L3 store maintenance").add_subparsers(dest="l3_command",

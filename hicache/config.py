@@ -383,9 +383,12 @@ class HiCacheConfig:
 
     @property
     def formats(self):
-        """The ``FormatSet`` of one logical page: the target KV (companions: none yet)."""
+        """The ``FormatSet`` of one logical page: the target KV, and the draft's replicated KV
+        when ``[spec]`` is on (``hicache.spec_format``)."""
         from .page_format import FormatSet
-        return FormatSet(self.page_format)
+        from .spec_format import draft_format
+        draft = draft_format(self)  # spec: the draft KV's companion format
+        return FormatSet(self.page_format, (draft,) if draft is not None else ())
 
     @property
     def state_format(self):

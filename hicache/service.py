@@ -73,6 +73,7 @@ class Prefix:
     state: object = None
     state_tier: str = ""
     lost_len: int = 0
+    draft_len: int = 0              # spec: leading hit tokens whose draft KV was restored
 
     @property
     def hit_len(self) -> int:
@@ -91,6 +92,8 @@ class _Request:
     own_pages: list = field(default_factory=list)   # pages from alloc_device (not yet in tree)
     restore_tries: int = 0          # steps an agreed L3 restore waited for L1 room
     state_l3: object = None         # hybrid: (position, snapshot) found in L3 (hybrid_cache)
+    draft_read: object = None       # spec: the L3 read of its draft pages (DraftRead)
+    draft_agreed: int = 0           # spec: draft pages of that read every rank holds
 
 
 @dataclass
@@ -115,13 +118,14 @@ class HiCache:
     def __init__(self, config: HiCacheConfig, rank: int = 0, group=None, *,
                  mode: str | None = None, device: str | torch.device | None = None,
                  replica: tuple[int, int] = (0, 1), debug: bool = False,
-                 weights_signature: str | None = None) -> None:
+                 weights_signature: str | None = None, draft=None) -> None:
         # Construction is agreed: whatever fails here on one rank (a preflight check, a pool,
         # the L3 store, a bad argument), every rank still takes the construction's collectives
         # (the control group, then one checkpoint) and then every rank raises at that point;
         # what was built is closed on every rank.
         self._closed = True  # until built: close() has nothing to do
         self.io: TierIO | None = None
+        self.draft_spec, self.draft = draft, None  # spec: a DraftSpec -> DraftPages
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         error: BaseException | None = None
         try:
@@ -175,6 +179,11 @@ class HiCache:
         self.transfer = self.io.transfer
         self.namespace = self.io.namespace
         hybrid_cache.open_l3(self, config, replica, weights_signature)
+        if self.draft_spec is not None:  # spec: the draft's companion pages in every tier
+            from .draft_pages import build_draft_pages
+            self.draft = self.io.draft = build_draft_pages(
+                self.draft_spec, config, rank, device, host_pages, "l3" in self.tiers,
+                weights_signature)
 
     @staticmethod
     def _check_args(config: HiCacheConfig, world: int, mode: str | None,
@@ -215,6 +224,9 @@ class HiCache:
         # together against the node's total, since its siblings may have allocated already
         need = preflight.memory_need(config, hd.local_world_size(), l2="l2" in self.tiers,
                                      cuda=pick_device(device).type != "cpu")
+        if self.draft_spec is not None:  # spec: the draft's pools beside the target's
+            from .draft_pages import draft_need
+            need = draft_need(need, config, self.draft_spec, host_pages)
         preflight.check_node_memory(need, machine.host_total, "is the node's total")
         fmt = config.page_format  # every pool size below is the format's
         self.l1 = DeviceKVPool.for_format(self.layout, fmt, config.l1.num_pages, device=device)
@@ -243,7 +255,8 @@ class HiCache:
         key = (self.mode, self.page_tokens, c.l1.num_pages, self.ctrl.host.num_pages,
                repr(p), self.agreement.debug,  # the whole [policy]: every key drives a
                self.weights_signature if self.l3 is not None else "",  # replicated choice
-               repr(c.hybrid))
+               repr(c.hybrid),
+               self.draft_spec.signature if self.draft_spec is not None else "")  # spec
         raw = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
         return int.from_bytes(raw, "little") >> 4
 
@@ -311,10 +324,15 @@ class HiCache:
                                      + ([req.load_job] if req.load_job else []))
             if self.l3 is not None and self.states is not None:
                 hybrid_cache.find_l3(self, req, arr)
+            if self.draft is not None:  # spec: L1/L2 presence came with the loads
+                prefix.draft_len = self.draft.present_pages(prefix.page_table, arr) \
+                    * self.page_tokens
             if self.l3 is not None:
                 req.prefetch = self.io.start_prefetch(request_id, arr, prefix.hit_len)
                 if req.prefetch is not None:
                     self._pending.append(req)
+                    if self.draft is not None:
+                        req.draft_read = self._read_draft(arr, prefix)
         prefix.ready = req.prefetch is None
         if prefix.ready:
             self._count_hits(prefix)
@@ -384,6 +402,8 @@ class HiCache:
             pages = self.ctrl.alloc_device(need)
         self.io.unmap(pages)
         self.kv.forget(pages)
+        if self.draft is not None:
+            self.draft.forget(pages)
         self.io.launch(self.ctrl.take_ops())
         self._owned[pages] = True
         req.own_pages += pages
@@ -455,10 +475,12 @@ class HiCache:
         hand to ``finish`` (empty for other models). Replicated."""
         return hybrid_cache.positions(self, request_id, end)
 
-    def finish(self, request_id, tokens, snapshots=None) -> None:
+    def finish(self, request_id, tokens, snapshots=None, draft_len: int = 0) -> None:
         """The request is done; ``tokens`` are those whose KV is in its pages (prompt plus the
         generated tokens that were fed back). Whole pages are cached; the rest is freed.
-        ``snapshots`` (hybrid models): position -> the KDA state ``(conv, rec)`` after it."""
+        ``snapshots`` (hybrid models): position -> the KDA state ``(conv, rec)`` after it.
+        ``draft_len`` (spec): the leading tokens whose draft KV the drafter wrote; the
+        request's own whole pages below it keep their draft pages."""
         if self._closed:
             raise UsageError("finish after close()")
         req = self._reqs.get(request_id)
@@ -487,6 +509,8 @@ class HiCache:
                 if req.own_pages:
                     self.ctrl.free_device(req.own_pages)
             return
+        if self.draft is not None:
+            self._mark_drafts(req, min(int(draft_len), whole * self.page_tokens), arr)
         if self.tiers:
             end = whole * self.page_tokens  # the insert releases the lock (walks on from it)
             with self._timed():
@@ -564,6 +588,8 @@ class HiCache:
         done = self.io.poll()  # one state read per copy; failures recorded here
         handles = [r.prefetch.handle for r in self._pending]
         extras = [int(self._fault is None)] + prefetch_signals(handles)
+        if self.draft is not None:  # spec: draft pages read, MIN-agreed
+            extras += [getattr(r.draft_read, "pages", 0) for r in self._pending]
         if self.states is not None and handles:  # hybrid: the snapshot each L3 read ends at
             extras += hybrid_cache.l3_signals(self._pending)
         t0 = time.perf_counter()
@@ -582,10 +608,13 @@ class HiCache:
         ready = []
         n = 1 + 2 * len(handles)
         decisions = agree_prefetch(handles, agreed=list(res.extras[1:n])) if handles else []
+        m = n + (len(handles) if self.draft is not None else 0)
+        agreed_drafts = list(res.extras[n:m]) or [0] * len(handles)
         if self.states is not None and handles:
             decisions = hybrid_cache.l3_decisions(self, self._pending, decisions,
-                                                  res.extras[n:])
-        for req, (ok, pages) in zip(list(self._pending), decisions):
+                                                  res.extras[m:])
+        for req, (ok, pages), nd in zip(list(self._pending), decisions, agreed_drafts):
+            req.draft_agreed = nd
             if ok and self._restore(req, pages):
                 self._pending.remove(req)
                 ready.append(req.prefix)
@@ -632,6 +661,8 @@ class HiCache:
         }
         if self.states is not None:  # hybrid models: KDA state snapshots
             out["hybrid"] = self.states.report()
+        if self.draft is not None:  # spec: the draft's companion pages, by tier
+            out["draft"] = self.draft.report()
         if self.l3 is not None:
             l3 = self.l3.stats
             out["evictions"]["l3"] = l3.evictions
@@ -676,6 +707,8 @@ class HiCache:
             self.io.close()  # copies stop before the pools go; failures were reported already
             if self.states is not None:
                 self.states.close()
+            if self.draft is not None:
+                self.draft.close()
 
     def _agree_close(self, flush: bool, error: BaseException | None) -> bool:
         """Whether every rank flushes (the same answer on every rank), raising ``PeerError`` on
@@ -783,6 +816,8 @@ class HiCache:
             dev, pages = [], 0
             self._stats.restore_fallbacks += 1
         self.io.launch(self.ctrl.take_ops())
+        if self.draft is not None:  # spec: the agreed draft pages come with the target's
+            self._restore_drafts(req, dev, pages)
         if pages:
             req.load_job = join(req.load_job, self.io.restore(req.prefetch, dev))
             self.kv.fill(dev)
@@ -797,6 +832,34 @@ class HiCache:
         prefix.ready = True
         self._count_hits(prefix)
         return True
+
+    # ---- spec: the draft's companion pages (hicache/draft_pages.py) ----------------------------
+    def _read_draft(self, arr: np.ndarray, prefix: Prefix):
+        """The L3 draft pages after the L1/L2 hit, when that hit has all its draft pages."""
+        if prefix.draft_len < prefix.hit_len:
+            return None
+        from .l3 import chain_hashes
+        w, first = self.page_tokens, prefix.hit_len // self.page_tokens
+        chains = chain_hashes(arr[:-1], w)[first:]
+        nxt = arr[(np.arange(first, first + len(chains)) + 1) * w]  # the token after each
+        return self.draft.read_l3(chains, nxt)
+
+    def _restore_drafts(self, req: _Request, dev: list, pages: int) -> None:
+        """The agreed L3 draft pages (at most the target's restored ``pages``) into ``dev``;
+        they extend ``draft_len`` only when the L1/L2 hit had all its draft pages."""
+        self.draft.forget(dev)
+        n = self.draft.restore(req.draft_read, dev, min(pages, req.draft_agreed))
+        if req.prefix.draft_len == req.prefix.hit_len:
+            req.prefix.draft_len += n * self.page_tokens
+        req.draft_read = None
+
+    def _mark_drafts(self, req: _Request, draft_len: int, arr: np.ndarray) -> None:
+        """The request's own pages wholly below ``draft_len`` hold their draft KV (with the
+        token after each page, -1 past ``arr``)."""
+        w, own = self.page_tokens, set(req.own_pages)
+        idx = [i for i, p in enumerate(req.prefix.page_table[:draft_len // w]) if p in own]
+        self.draft.mark([req.prefix.page_table[i] for i in idx],
+                        [int(arr[(i + 1) * w]) if (i + 1) * w < arr.size else -1 for i in idx])
 
     def _count_hits(self, prefix: Prefix) -> None:
         """Counted once the prefix is final, so hit + miss == prompt tokens of ready requests

@@ -153,6 +153,7 @@ class TierIO:
         self.l3: GuardedStore | None = None
         self.writer: AsyncWriter | None = None
         self.prefetcher: Prefetcher | None = None
+        self.draft = None  # spec: hicache.draft_pages.DraftPages (companion pages), or None
         if l3:
             try:
                 self._open_l3(weights_signature)
@@ -206,6 +207,8 @@ class TierIO:
             except Exception as err:
                 self.record(err)
                 job = FailedJob(err, "d2h" if backup else "h2d")
+            if self.draft is not None:  # spec: the draft pages move with the target's
+                self._draft_copy(op, backup)
             if backup:
                 chains = tuple(self.chain_of_page.get(p) for p in op.device_pages)
                 self.inflight[op.op_id] = InFlight(job, op, chains)
@@ -213,6 +216,17 @@ class TierIO:
                 self.inflight[op.op_id] = InFlight(job, op)
                 loads.append(job)
         return loads
+
+    def _draft_copy(self, op: Union[BackupOp, LoadOp], backup: bool) -> None:
+        """spec: copy the op's draft companion pages now (immutable while the op is in
+        flight); a failure is recorded and agreed like a copy's."""
+        try:
+            if backup:
+                self.draft.backup(list(op.device_pages), list(op.host_pages))
+            else:
+                self.draft.load(list(op.host_pages), list(op.device_pages))
+        except Exception as err:
+            self.record(err)
 
     def jobs_of(self, op_ids: Iterable[int]) -> list[Job]:
         """The jobs of those ops still in flight."""
@@ -258,6 +272,8 @@ class TierIO:
             keys = self.keys([c for c, _ in pairs])
             try:
                 self.writer.submit(keys, [self.l2.read_page(h).clone() for _, h in pairs])
+                if self.draft is not None:  # spec: one copy for the group (rank 0 writes)
+                    self.draft.write_l3([c for c, _ in pairs], [h for _, h in pairs])
             except Exception as err:  # agreed at the next step
                 self.record(err)
 

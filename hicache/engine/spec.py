@@ -104,15 +104,23 @@ class SpecStats:
                 "draft_recomputed_tokens": self.draft_recomputed_tokens}
 
 
-def replicated_runner(model, page_tokens: int, num_pages: int, attn_backend: str = "auto"):
+def replicated_runner(model, page_tokens: int, num_pages: int, attn_backend: str = "auto",
+                      pool=None):
     """A draft engine on this rank alone: a ``DCPLayout(1, 0, page_tokens)`` pool (every row
-    here, pages of the target's widened size) and no DCP collective."""
+    here, pages of the target's widened size) and no DCP collective. ``pool``: the cache's
+    draft pool (``HiCache.draft.l1``) instead of a new one."""
     from hicache.engine.runner import DCPRunner
     from hicache.l1 import DeviceKVPool
     from hicache.layout import DCPLayout
     cfg = model.cfg
-    pool = DeviceKVPool(DCPLayout(1, 0, page_tokens), cfg.num_layers, cfg.kv_dim,
-                        cfg.torch_dtype, num_pages, device=model.embed_tokens.device)
+    if pool is None:
+        pool = DeviceKVPool(DCPLayout(1, 0, page_tokens), cfg.num_layers, cfg.kv_dim,
+                            cfg.torch_dtype, num_pages, device=model.embed_tokens.device)
+    elif (pool.num_layers, pool.kv_dim, pool.rows_per_page) != \
+            (cfg.num_layers, cfg.kv_dim, page_tokens):
+        raise UsageError(f"the cache's draft pool holds {pool.num_layers} layers x "
+                         f"{pool.rows_per_page} rows x {pool.kv_dim} a page; the draft needs "
+                         f"{cfg.num_layers} x {page_tokens} x {cfg.kv_dim}")
     return DCPRunner(model, pool, backend="a2a", replicate_q=True, group=None,
                      attn_backend=attn_backend)
 
@@ -136,6 +144,16 @@ class Drafter(abc.ABC):
         target's KV)."""
 
     @abc.abstractmethod
+    def restored(self, draft_len: int, hit_len: int) -> int:
+        """A cache hit of ``hit_len`` tokens brought the draft KV of the first ``draft_len``
+        (``HiCache.prefix(rid).draft_len``): start from there. Returns the draft tokens of
+        the hit to recompute (``SpecStats.draft_recomputed_tokens``)."""
+
+    @abc.abstractmethod
+    def valid_len(self) -> int:
+        """Leading positions whose draft KV is this request's (for ``HiCache.finish``)."""
+
+    @abc.abstractmethod
     def catch_up(self, seq: Sequence[int]) -> None:
         """Run the draft over what is committed, but the last position ``propose`` starts
         from (the draft's prefill, outside the decode rounds)."""
@@ -146,6 +164,13 @@ class DraftModelDrafter(Drafter):
 
     def observe(self, hidden, start: int, end: int) -> None:
         self.state.length = min(self.state.length, end)
+
+    def restored(self, draft_len: int, hit_len: int) -> int:
+        self.state.length = draft_len  # catch_up recomputes the rest of the hit
+        return hit_len - draft_len
+
+    def valid_len(self) -> int:
+        return self.state.length
 
     @torch.no_grad()
     def catch_up(self, seq: Sequence[int]) -> None:
@@ -171,9 +196,48 @@ class MTPDrafter(Drafter):
         self.offset: Optional[int] = None  # the global position of the module's position 0
         self.hidden: Optional[torch.Tensor] = None  # target hidden rows not yet consumed
         self.hidden_start = 0  # their first global position
+        self.table: Optional[list] = None  # started past a cache hit: the target's table ...
+        self.page_off = 0                  # ... and the module's first page in it
+
+    def restored(self, draft_len: int, hit_len: int) -> int:
+        """All of the hit's MTP rows came back (each page's last row computed with the token
+        that follows it here: ``HiCache`` checks): go on from them. Otherwise they cannot be
+        recomputed (they need the target's hidden states of the hit, which a hit skips): the
+        module starts at the hit's end, as after a PCP prefill, with its rows in the
+        request's own pages from there (never in the hit's shared pages); nothing is
+        recomputed."""
+        if hit_len and draft_len >= hit_len:
+            self.offset, self.state.length = 0, hit_len
+        elif hit_len:
+            self._start_past(hit_len)
+        return 0
+
+    def _start_past(self, hit_len: int) -> None:
+        """Run the module from the first position it gets hidden states for, with its rows
+        in the pages after the hit's (never in the hit's shared pages)."""
+        w = self.runner.page_tokens
+        if hit_len % w:
+            raise UsageError(f"a cache hit of {hit_len} tokens is not whole pages of {w}")
+        self.offset, self.state.length = None, 0
+        self.table, self.page_off = self.state.page_table, hit_len // w
+        self.state.page_table = list(self.table[self.page_off:])
+
+    def _follow_table(self) -> None:
+        """Started past a hit: the module's own page table is the target's from there (it
+        grows with the target's, the same list object kept)."""
+        table, own = self.table, self.state.page_table
+        if table is not None and len(table) - self.page_off > len(own):
+            own.extend(table[self.page_off + len(own):])
+
+    def valid_len(self) -> int:
+        return self.state.length if self.offset == 0 else 0
 
     def observe(self, hidden, start: int, end: int) -> None:
         if hidden is None or end <= start:
+            if self.offset == 0 and self.table is None and start > self.state.length:
+                # restored from a cache hit, but no hidden states after it (a PCP prefill):
+                # the module cannot go on from the hit, so it starts at the first decoded one
+                self._start_past(self.state.length)
             return
         hidden = hidden[: end - start]
         if self.offset is None:
@@ -191,6 +255,7 @@ class MTPDrafter(Drafter):
         None when there is nothing to run."""
         if self.offset is None or self.hidden is None:
             return None  # nothing to draft from yet (a plain target step gives it)
+        self._follow_table()
         st, mtp = self.state, self.runner.model
         first = self.offset + st.length  # the first global position to run
         if first < self.hidden_start:
