@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hicache.errors import TopologyError
-from hicache.pcp.relayout import _global, _slots
+from hicache.pcp.relayout import _slots, exchange
 
 __all__ = ["DraftHandoff", "plan_pd_draft", "copy_draft_local", "run_pd_draft"]
 
@@ -107,17 +107,9 @@ def run_pd_draft(plan: DraftHandoff, src_draft: Optional[torch.Tensor], dst_pool
             raise TopologyError(f"group rank {me} is a prefill rank but has no draft KV")
         if me == d and dst_pool is None:
             raise TopologyError(f"group rank {me} is decode rank {j} but has no draft pool")
-        if me == s and me == d:
-            stored = _unpack(dst_pool, plan, _pack(src_draft, plan))
-        elif me == s and plan.token_count:
-            packed = _pack(src_draft, plan).contiguous()
-            sends.append((dist.isend(packed, _global(group, d), group), packed))
-        elif me == d:
-            buf = torch.empty(dst_pool.num_layers, plan.token_count, dst_pool.kv_dim,
-                              dtype=dst_pool.dtype, device=dst_pool.device)
-            if plan.token_count:
-                dist.recv(buf, _global(group, s), group)
-            stored = _unpack(dst_pool, plan, buf)
+        got = exchange(me, s, d, group, plan.token_count, dst_pool, sends,
+                       lambda: _pack(src_draft, plan), lambda buf: _unpack(dst_pool, plan, buf))
+        stored = stored if got is None else got
     for work, _packed in sends:
         work.wait()
     return stored

@@ -25,7 +25,7 @@ use different page ids and page sizes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -131,6 +131,26 @@ def _global(group, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
+def exchange(me: int, s: int, d: int, group, num_rows: int, dst_pool, sends: list,
+             pack: Callable[[], torch.Tensor], unpack: Callable[[torch.Tensor], int]
+             ) -> Optional[int]:
+    """One point-to-point piece of a hand-off from group rank ``s`` to ``d``, as rank ``me``:
+    a local copy when both are ``me``, else the packed rows ``isend`` (kept in ``sends`` with
+    their tensor until waited) or received into a buffer. Rows stored here, or None."""
+    if me == s and me == d:
+        return unpack(pack())
+    if me == s and num_rows:
+        packed = pack().contiguous()
+        sends.append((dist.isend(packed, _global(group, d), group), packed))
+    elif me == d:
+        buf = torch.empty(dst_pool.num_layers, num_rows, dst_pool.kv_dim,
+                          dtype=dst_pool.dtype, device=dst_pool.device)
+        if num_rows:
+            dist.recv(buf, _global(group, s), group)
+        return unpack(buf)
+    return None
+
+
 def run_pd_transfer(plan: PDTransferPlan, src_kv: Optional[torch.Tensor], dst_pool,
                     src_ranks: Sequence[int], dst_ranks: Sequence[int], group=None) -> int:
     """Run a plan across processes: prefill rank i is group rank ``src_ranks[i]``, decode rank j
@@ -149,17 +169,9 @@ def run_pd_transfer(plan: PDTransferPlan, src_kv: Optional[torch.Tensor], dst_po
                 f"group rank {me} is prefill rank {t.src_rank} but has no source KV")
         if me == d and dst_pool is None:
             raise TopologyError(f"group rank {me} is decode rank {t.dst_rank} but has no pool")
-        if me == s and me == d:
-            stored = unpack_shard(dst_pool, t, pack_shard(src_kv, t))
-        elif me == s and t.num_rows:
-            packed = pack_shard(src_kv, t).contiguous()
-            sends.append((dist.isend(packed, _global(group, d), group), packed))
-        elif me == d:
-            buf = torch.empty(dst_pool.num_layers, t.num_rows, dst_pool.kv_dim,
-                              dtype=dst_pool.dtype, device=dst_pool.device)
-            if t.num_rows:
-                dist.recv(buf, _global(group, s), group)
-            stored = unpack_shard(dst_pool, t, buf)
+        got = exchange(me, s, d, group, t.num_rows, dst_pool, sends,
+                       lambda: pack_shard(src_kv, t), lambda buf: unpack_shard(dst_pool, t, buf))
+        stored = stored if got is None else got
     for work, _packed in sends:  # the packed tensor stays alive until its send completes
         work.wait()
     return stored
