@@ -15,7 +15,10 @@ all ``P*c`` rows of a page. Device page ``p`` of the target has a companion draf
   backup (D2H) or load-back (H2D) of target pages copies their draft pages too, at launch
   (the pages are immutable while the op is in flight), presence with them.
 - L3: a draft page is stored ONCE for the whole DCP group: rank 0 writes (among TP replicas,
-  the page's writer, as for the target), every rank reads the same key. The namespace signs
+  the page's writer, as for the target), every rank reads the same key. Rank 0's writes go
+  through a ``CompanionWriter`` (a background ``AsyncWriter`` over the draft's store, beside
+  the target's): no store round trip in ``step``; ``TierIO`` agrees its errors and flushes it
+  with the target's writer. The namespace signs
   the draft format and the draft (``DraftSpec.signature``: the MTP module or the draft
   weights) beside the target's weights, so another draft never hits.
 
@@ -27,6 +30,8 @@ collective). No collective here, no controller import (tests/test_layering.py).
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -38,6 +43,8 @@ from .l1.pool import DeviceKVPool
 from .l2.pool import HostKVPool
 from .layout import DCPLayout
 from .page_format import PageFormat, PageKind
+
+log = logging.getLogger("hicache")
 
 __all__ = ["DraftSpec", "DraftPages", "DraftRead", "build_draft_pages", "draft_need"]
 
@@ -100,6 +107,8 @@ class DraftPages:
         self.store = None        # GuardedStore of the draft namespace (L3 on)
         self.namespace = None
         self.writes = False      # this rank writes the group's draft pages to L3
+        self.writer = None       # rank 0: CompanionWriter of ``store`` (hicache.l3.companion)
+        self._lock = threading.Lock()  # ``stats``: the writer's thread counts L3 writes
         self.stats = DraftStats()
 
     # ---- L1 presence ---------------------------------------------------------------------------
@@ -159,15 +168,19 @@ class DraftPages:
             self._count("h2d", int(has.sum()))
 
     def _count(self, what: str, pages: int) -> None:
-        self.stats.pages[what] += pages
-        self.stats.bytes[what] += pages * self.format.page_bytes
+        with self._lock:
+            self.stats.pages[what] += pages
+            self.stats.bytes[what] += pages * self.format.page_bytes
 
     # ---- L3: one copy for the whole DCP group --------------------------------------------------
     def open_l3(self, open_store, namespace, rank: int) -> None:
         """``open_store(namespace)``: a store (GuardedStore) whose keys carry rank 0 on every
         rank (one copy per group); rank 0 writes."""
+        from .l3.companion import CompanionWriter
         self.namespace, self.writes = namespace, rank == 0
         self.store = open_store(namespace)
+        if self.writes:
+            self.writer = CompanionWriter(self.store, lambda n: self._count("l3_write", n))
 
     def _keys(self, chains: Sequence[bytes], next_tokens=None) -> list[bytes]:
         """Rank 0's keys of ``chains`` (``pairs_next``: each chain salted with the token after
@@ -178,14 +191,14 @@ class DraftPages:
         return keys_for_rank(chains, self.namespace, 0)
 
     def write_l3(self, chains: Sequence[bytes], host_pages: Sequence[int]) -> None:
-        """Rank 0: store the draft pages of ``host_pages`` (just backed up) that have one."""
-        if self.store is None or not self.writes:
+        """Rank 0: queue the draft pages of ``host_pages`` (just backed up) that have one for
+        the background writer (copies: the host pages may be reused before they are written)."""
+        if self.writer is None:
             return
         pairs = [(c, h) for c, h in zip(chains, host_pages) if self.l2_has[h]]
         if pairs:
             keys = self._keys([c for c, _ in pairs], [self.l2_next[h] for _, h in pairs])
-            res = self.store.put(keys, [self.l2[h].clone() for _, h in pairs])
-            self._count("l3_write", res.written)
+            self.writer.submit(keys, [self.l2[h].clone() for _, h in pairs])
 
     def read_l3(self, chains: Sequence[bytes], next_tokens=None) -> Optional[DraftRead]:
         """Read the leading draft pages of ``chains`` (every rank reads the same keys;
@@ -213,16 +226,28 @@ class DraftPages:
         return n
 
     def report(self) -> dict:
-        """Pages and bytes moved per tier, and L1 pages holding draft KV now."""
-        return {"pages": dict(self.stats.pages), "bytes": dict(self.stats.bytes),
+        """Pages and bytes moved per tier (L3 writes: those the writer finished, every one
+        after the service's drain), and L1 pages holding draft KV now."""
+        with self._lock:
+            pages, nbytes = dict(self.stats.pages), dict(self.stats.bytes)
+        return {"pages": pages, "bytes": nbytes,
                 "l1_pages_present": int(self.l1_has.sum()),
                 "l1_bytes": self.l1.num_pages * self.format.page_bytes,
                 "l2_bytes": self.l2.numel() * self.l2.element_size()}
 
     def close(self) -> None:
-        if self.store is not None:
-            self.store.close()
-            self.store = None
+        """Stop the writer (flushed by the service's drain already; a write error here was
+        agreed already or is past any step: logged), then close the store."""
+        try:
+            if self.writer is not None:
+                self.writer.close()
+        except Exception as err:  # noqa: BLE001
+            log.warning("draft L3 writer: %s", err)
+        finally:
+            self.writer = None
+            if self.store is not None:
+                self.store.close()
+                self.store = None
 
 
 def _salted(chain: bytes, next_token: int) -> bytes:

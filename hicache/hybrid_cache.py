@@ -8,7 +8,8 @@ striped MLA KV pages (docs/hybrid.md).
   the controller is replicated); the tokens cut are counted as lost; the snapshot's tensors go
   in ``prefix.state`` for the engine to restore before its first extend;
 - ``positions`` / ``attach``: where a request should snapshot, and the snapshots it hands over
-  at ``finish`` kept on the pages that end at their positions (L1, L2 copy, L3 once).
+  at ``finish`` kept on the pages that end at their positions (L1, L2 copy, L3 once: queued
+  for a background writer that ``TierIO`` polls and flushes with the target's).
 
 Imports no engine: a snapshot is a pair of tensors ``(conv, rec)``.
 """
@@ -95,8 +96,11 @@ def attach(hc, arr: np.ndarray, snapshots) -> None:
             hc.states.put(state, s.l1, s.l2)
         except Exception as err:  # noqa: BLE001 (any copy failure: agreed, not raised here)
             hc._record(err)
-        if l3 is not None:  # once for the group (the designated rank writes)
-            l3.put(arr[:s.pages * pt], state)
+        if l3 is not None:  # once for the group (the designated rank queues a copy)
+            try:
+                l3.put(arr[:s.pages * pt], state)
+            except Exception as err:  # noqa: BLE001 (agreed at the next step, like a copy's)
+                hc._record(err)
 
 
 # ---- L3 (hicache.state_l3): snapshots written once for the group, agreed on every read -------
@@ -105,8 +109,10 @@ def open_l3(hc, config, replica, weights_signature: str) -> None:
     if hc.states is None or hc.io.l3 is None:
         return
     from .state_l3 import StateL3
-    hc.states.l3 = StateL3(config, hc.rank, replica, weights_signature, hc.states.format,
-                           conv_elems(config))
+    hc.states.l3 = l3 = StateL3(config, hc.rank, replica, weights_signature, hc.states.format,
+                                conv_elems(config))
+    if l3.writer is not None:  # its errors agreed, its writes flushed with the target's
+        hc.io.companions.append(l3.writer)
 
 
 def find_l3(hc, req, arr: np.ndarray) -> None:

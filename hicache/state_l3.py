@@ -3,8 +3,11 @@
 A snapshot is replicated data (the same on every DCP rank), so it is stored once, under the
 group's rank-0 key of the page that ends at its position, in the namespace of its STATE
 ``PageFormat`` (the weights signature, the layout and the format sign it: a KV page and a
-snapshot never share a key). One designated rank writes (DCP rank 0 of replica 0); every rank
-reads. The value is the L3 value format of every page (header, XXH3 checksum or, in an
+snapshot never share a key). One designated rank writes (DCP rank 0 of replica 0), through a
+``CompanionWriter`` (a background ``AsyncWriter`` over this namespace's store): ``finish`` only
+queues a copy, the service's ``TierIO`` agrees the writer's errors and flushes it with the
+target's at ``drain``; every rank reads. The value is the L3 value format of every page
+(header, XXH3 checksum or, in an
 authenticated store, the keyed MAC, payload): a forged or damaged value is a miss. Its payload
 is ``[layers, 1, conv + rec]`` fp32 (the short-conv window widened exactly, then the recurrent
 matrix), split back by ``conv_elems``.
@@ -16,10 +19,14 @@ rank that lacks a snapshot into a miss on every rank.
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import numpy as np
 import torch
 
 from .l3.backends import open_store
+from .l3.companion import CompanionWriter
 from .l3.guard import GuardedStore
 from .l3.keys import Namespace, chain_hashes, keys_for_rank
 
@@ -33,25 +40,31 @@ class StateL3:
         self.conv_elems = conv_elems
         self.page_tokens = config.page_tokens
         self.namespace = Namespace.from_config(config, model=weights_signature, fmt=fmt)
-        self.writer = rank == 0 and replica[0] == 0
+        self.writes = rank == 0 and replica[0] == 0
         ns = self.namespace
         self.store = GuardedStore(lambda: open_store(config.l3, ns, 0), config.l3, 0, ns)
-        self.written = self.read = 0  # bytes
+        self.written = self.read = 0  # bytes (written: by the writer's thread, once stored)
+        self._lock = threading.Lock()
+        self.writer = CompanionWriter(self.store, self._wrote) if self.writes else None
+
+    def _wrote(self, pages: int) -> None:
+        with self._lock:
+            self.written += pages * self.format.page_bytes
 
     def _key(self, tokens: np.ndarray) -> bytes:
         """The group's key of the snapshot after ``tokens`` (whole pages)."""
         return keys_for_rank(chain_hashes(tokens, self.page_tokens)[-1:], self.namespace, 0)[0]
 
     def put(self, tokens: np.ndarray, state) -> None:
-        """Store the snapshot after ``tokens`` (the designated rank only; the others skip)."""
-        if not self.writer or self.store.failed:
+        """Queue the snapshot after ``tokens`` for the background writer (the designated rank
+        only; the others skip). The tensor queued is a new one (a copy): ``state`` may be reused."""
+        if self.writer is None or self.store.failed:
             return
         conv, rec = state
         layers = conv.shape[0]
         shard = torch.cat([conv.detach().to("cpu", torch.float32).reshape(layers, -1),
                            rec.detach().to("cpu", torch.float32).reshape(layers, -1)], 1)
-        res = self.store.put([self._key(tokens)], [shard.reshape(self.format.shape)])
-        self.written += res.written * self.format.page_bytes
+        self.writer.submit([self._key(tokens)], [shard.reshape(self.format.shape)])
 
     def find(self, tokens: np.ndarray, lo: int, hi: int):
         """``(p, (conv, rec))`` of the deepest snapshot held for ``tokens`` at a page end in
@@ -74,4 +87,13 @@ class StateL3:
         return lo, None
 
     def close(self) -> None:
-        self.store.close()
+        """Stop the writer (flushed by the service's drain already; an error left here was
+        agreed already or comes after the last step: logged), then close the store."""
+        writer, self.writer = self.writer, None
+        try:
+            if writer is not None:
+                writer.close()
+        except Exception as err:  # noqa: BLE001
+            logging.getLogger("hicache").warning("snapshot L3 writer: %s", err)
+        finally:
+            self.store.close()

@@ -8,6 +8,8 @@ agreement; what it decides, ``TierIO`` carries out on this rank:
   each job's state once per step; ``complete`` applies an agreed op);
 - which L3 chain each device page holds (``PageChain``), so a backup writes its L3 key;
 - L3 write-back of finished backups (one writer per page among the replicas sharing a store);
+  the companion pages' background writers (the draft's, the KDA snapshots': ``writers``) are
+  polled for errors and flushed with the target's;
 - the L3 prefetch of a request's pages after its L1/L2 hit (``L3Read``: the read and the
   staging buffer it fills) and the load-or-recompute decision (one ``CostModel``);
 - the restore of agreed L3 pages into L1: a transfer job like a load (per-layer completion,
@@ -154,6 +156,7 @@ class TierIO:
         self.writer: AsyncWriter | None = None
         self.prefetcher: Prefetcher | None = None
         self.draft = None  # spec: hicache.draft_pages.DraftPages (companion pages), or None
+        self.companions: list = []  # other companion writers (hybrid: the snapshots')
         if l3:
             try:
                 self._open_l3(weights_signature)
@@ -253,8 +256,9 @@ class TierIO:
             else:
                 pending.append(rec)
         self.restores = pending
-        if self.writer is not None and self.writer.error is not None:
-            self.record(self.writer.error)
+        for w in self.writers():
+            if w.error is not None:
+                self.record(w.error)
         return done
 
     def complete(self, op_ids: Iterable[int]) -> None:
@@ -386,12 +390,21 @@ class TierIO:
         self.stats.prefetch["cancelled"] += bool(read.handle.keys)
 
     # ---- shutdown -----------------------------------------------------------------------------
+    def writers(self) -> list:
+        """This rank's L3 writers: the target's, then the companions' (the draft's pages on
+        DCP rank 0, the snapshots' on the designated rank; their owners close them, after
+        ``close`` here and before their stores)."""
+        ws = [self.writer, getattr(self.draft, "writer", None), *self.companions]
+        return [w for w in ws if w is not None]
+
     def flush_writes(self) -> None:
-        """Wait for the L3 writes queued so far; an error is recorded (agreed next step)."""
-        try:
-            self.writer.flush()
-        except Exception as err:
-            self.record(err)
+        """Wait for the L3 writes queued so far (the companions' too); an error is recorded
+        (agreed next step)."""
+        for w in self.writers():
+            try:
+                w.flush()
+            except Exception as err:
+                self.record(err)
 
     def close(self) -> None:
         """Stop copies before the pools go, close the writer (flushed already by the service's
@@ -409,6 +422,7 @@ class TierIO:
             if self.l3 is not None:
                 self.l3.close()
             self.writer = self.prefetcher = self.l3 = None
+            self.companions = []
             self.transfer.close()
 
 

@@ -121,3 +121,26 @@ def secret_file(directory, name: str = "fleet") -> str:
     path.write_text(hashlib.sha256(name.encode()).hexdigest())
     os.chmod(path, 0o600)
     return str(path)
+
+
+class BlockedPuts:
+    """``store.put`` (one store object) held on an event: ``entered`` once a put started,
+    ``returned`` once one ended, ``keys`` what was put. ``release`` lets them through (a bound
+    of ``limit_s`` keeps a wrong, synchronous caller from hanging: it then sees ``returned``)."""
+
+    def __init__(self, store, limit_s: float = 60.0) -> None:
+        import threading
+        self.entered, self.release, self.returned = (threading.Event() for _ in range(3))
+        self.keys: list = []
+        real = store.put
+
+        def put(keys, shards):
+            self.keys += list(keys)
+            self.entered.set()
+            self.release.wait(limit_s)
+            try:
+                return real(keys, shards)
+            finally:
+                self.returned.set()
+
+        store.put = put

@@ -53,6 +53,7 @@ def serve_runs(path, l3_dir, runs, mode, rank=0, group=None, damage=None):
             server = Server(model, cache, group=group, chunk_tokens=6, max_running=1)
             res = {r.request_id: (r.output, r.hit) for j in run for r in server.run([j])}
             assert cache.leaks() == {"l1": 0, "l2": 0, "locks": 0}
+            cache.drain()  # the L3 writes land (in the background): the stats count them all
             out.append((res, cache.stats().get("hybrid")))
     return out
 
@@ -69,6 +70,30 @@ def check_warm(runs, ref):
     assert warm["B"][1] == {"l1": 0, "l2": 0, "l3": 16}
     assert h["hits"]["l3"] == 2 and h["read_bytes"]["l3"] == 2 * h["snapshot_bytes"]
     assert h["lost_tokens"] == 0
+
+
+def test_the_snapshots_are_written_to_l3_off_finish(kimi, tmp_path):  # noqa: F811
+    # the snapshots' L3 put runs on their writer's thread: the requests finish (and the
+    # server steps on) while it is held; released, drain() flushes it, the snapshots are in
+    # the store, counted, and a warm restart restores from them
+    from hicache.checkpoints.hf import load_model
+    from helpers import BlockedPuts
+    first, second = jobs()
+    with HiCache(cfg_of(kimi, tmp_path / "l3"), mode="l1+l2+l3") as cache:
+        gate = BlockedPuts(cache.states.l3.store)
+        server = Server(load_model(kimi), cache, chunk_tokens=6, max_running=1)
+        for j in first:
+            server.run([j])
+        assert gate.entered.wait(60) and not gate.returned.is_set()
+        assert cache.stats()["hybrid"]["written_bytes"]["l3"] == 0  # counted once written
+        gate.release.set()
+        cache.drain()
+        h = cache.stats()["hybrid"]
+        assert gate.returned.is_set() and len(gate.keys) == 3  # snapshots at 8, 16, 20
+        assert h["written_bytes"]["l3"] == 3 * h["snapshot_bytes"]
+        assert all(cache.states.l3.store.exists_prefix([k]) for k in gate.keys)
+    (warm, h), = serve_runs(kimi, tmp_path / "l3", [second], "l1+l2+l3")
+    assert warm["A2"][1] == {"l1": 0, "l2": 0, "l3": 20} and h["hits"]["l3"] == 2
 
 
 def reference(path, tmp):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import l3_writes_land_at_once, make_cfg
+from helpers import BlockedPuts, l3_writes_land_at_once, make_cfg
 from spec_cache_loop import draft_rows, spec_request
 
 from hicache import HiCache
@@ -124,6 +124,46 @@ def test_l2_and_l3_hits_restore_the_draft_kv(tmp_path, models):
         assert out == ref_out == model.generate(p.tolist(), NEW)
         torch.testing.assert_close(rows, ref_rows, rtol=0, atol=1e-5)
         assert st.to_dict() == ref_stats.to_dict()
+
+
+def test_the_draft_pages_are_written_to_l3_off_the_step(tmp_path, models):
+    # the draft's L3 put runs on its writer's thread: the step that queues it returns while the
+    # put is held; released, drain() flushes it, the pages are in the store and a warm
+    # restart hits them
+    model, draft = models
+    cfg = make_cfg(tmp_path / "l3", prefetch="wait_complete")
+    a, c, _ = prompts(seed=8)
+    with cache_of(cfg, draft, mode="l1+l2+l3") as cache:
+        gate = BlockedPuts(cache.draft.store)
+        spec_request(cache, model, draft, "a", a, K, NEW)
+        cache.io.wait_all()
+        cache.step()  # the backups are agreed: their pages (target and draft) go to L3
+        assert gate.entered.wait(60) and not gate.returned.is_set()
+        assert cache.draft.stats.pages["l3_write"] == 0  # counted once written
+        gate.release.set()
+        cache.drain()
+        assert gate.returned.is_set() and len(gate.keys) > 0
+        assert cache.draft.store.exists_prefix(gate.keys) == len(gate.keys)
+        assert cache.draft.stats.pages["l3_write"] == len(gate.keys)
+    with cache_of(cfg, draft, mode="l1+l2+l3") as cache:  # warm restart: L3 only
+        out, p, st, _ = spec_request(cache, model, draft, "c", c, K, NEW)
+    assert p.storage_len == 40 and p.draft_len == 40 and st.draft_recomputed_tokens == 0
+    assert out == model.generate(c.tolist(), NEW)
+
+
+def test_a_draft_l3_write_error_is_agreed_like_the_targets(tmp_path, models):
+    # an error the draft's background put raises is recorded and agreed at a step, as the
+    # target writer's: drain() (its flush, then the step) stops the cache with TransferError
+    from hicache.errors import TransferError
+    model, draft = models
+    with cache_of(make_cfg(tmp_path / "l3"), draft, mode="l1+l2+l3") as cache:
+        def put(keys, shards):
+            raise RuntimeError("draft store lost")
+        cache.draft.store.put = put
+        spec_request(cache, model, draft, "a", prompts(seed=9)[0], K, NEW)
+        with pytest.raises(TransferError, match="draft store lost"):
+            cache.drain()
+        assert cache.draft.stats.pages["l3_write"] == 0
 
 
 def test_another_draft_never_hits_the_l3_draft_pages(tmp_path, models):
