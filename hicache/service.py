@@ -265,8 +265,9 @@ class HiCache:
         io, self.io = self.io, None
         if io is not None:
             io.close()
-        if getattr(self, "states", None) is not None:
-            self.states.close()
+        for part in (getattr(self, "states", None), getattr(self, "draft", None)):
+            if part is not None:  # the snapshots' and the draft's pools, writers and stores
+                part.close()
         self.l1 = self.l2 = self.ctrl = self.transfer = None
 
     @property

@@ -248,3 +248,21 @@ def test_draft_pages_on_a_shared_redis_store(tmp_path, models, redis_url, monkey
             out, p, st, _ = spec_request(cache, model, draft, "c", c, K, NEW)
             assert p.storage_len == 40 and p.draft_len == 40 and st.draft_recomputed_tokens == 0
     assert out == model.generate(c.tolist(), NEW)
+
+
+def test_a_failed_construction_closes_the_draft_pages(tmp_path, models, monkeypatch):
+    # construction failing after the draft's pages were built (here: the settings digest the
+    # ranks agree on raises) closes them too: the writer thread stopped, the store closed
+    import hicache.draft_pages as dp
+    built = []
+    real = dp.build_draft_pages
+    monkeypatch.setattr(dp, "build_draft_pages", lambda *a, **k: built.append(real(*a, **k))
+                        or built[-1])
+
+    def fail(*a, **k):
+        raise RuntimeError("set-up after the draft failed")
+    monkeypatch.setattr(HiCache, "_settings_digest", fail)
+    _, draft = models
+    with pytest.raises(RuntimeError, match="set-up after the draft failed"):
+        cache_of(make_cfg(tmp_path / "l3"), draft, mode="l1+l2+l3")
+    assert len(built) == 1 and built[0].store is None and built[0].writer is None
