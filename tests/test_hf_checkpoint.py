@@ -340,7 +340,7 @@ def test_bench_runs_a_checkpoint(ckpts, tmp_path, capsys):
     path = ckpts["v3_moe_halfrope_published"][0]
     policy_file = tmp_path / "p.toml"
     policy_file.write_text('[model]\nnum_layers = 7\n[cache]\npage_size = 4\n[l1]\nnum_pages = 64\n'
-                           f'[l3]\nenabled = true\npath = "{tmp_path / "l3"}"\n')
+                           f'[l3]\nenabled = true\n[l3.lmdb]\npath = "{tmp_path / "l3"}"\n')
     out = tmp_path / "b.json"
     rc = bench_cli.main(["--config", str(policy_file), "--model", path, "--workload", "chat",
                          "--scale", "0.01", "--max-output", "2", "--modes", "recompute,l1+l2+l3",
