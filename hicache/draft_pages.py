@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -108,6 +109,7 @@ class DraftPages:
         self.namespace = None
         self.writes = False      # this rank writes the group's draft pages to L3
         self.writer = None       # rank 0: CompanionWriter of ``store`` (hicache.l3.companion)
+        self._reads = None       # L3 on: the thread that reads at admission (``start_read_l3``)
         self._lock = threading.Lock()  # ``stats``: the writer's thread counts L3 writes
         self.stats = DraftStats()
 
@@ -179,6 +181,7 @@ class DraftPages:
         from .l3.companion import CompanionWriter
         self.namespace, self.writes = namespace, rank == 0
         self.store = open_store(namespace)
+        self._reads = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-draft-read")
         if self.writes:
             self.writer = CompanionWriter(self.store, lambda n: self._count("l3_write", n))
 
@@ -213,6 +216,15 @@ class DraftPages:
         return DraftRead(got, staging, [int(t) for t in next_tokens[:got]]
                          if self.spec.pairs_next else None)
 
+    def start_read_l3(self, chains: Sequence[bytes], next_tokens=None) -> Optional[Future]:
+        """``read_l3`` on this rank's read thread (admission never waits on the store): a
+        Future of its ``DraftRead``, None without L3 or chains. The service resolves it, with a
+        bound, at the step that agrees the target's prefetch; a read still running at ``close``
+        is waited for, one not started is dropped."""
+        if self.store is None or self._reads is None or not chains:
+            return None
+        return self._reads.submit(self.read_l3, list(chains), next_tokens)
+
     def restore(self, read: Optional[DraftRead], device_pages: Sequence[int], pages: int) -> int:
         """Copy the first ``pages`` (agreed) read pages into ``device_pages``; how many."""
         n = min(pages, len(device_pages), read.pages if read is not None else 0)
@@ -236,8 +248,12 @@ class DraftPages:
                 "l2_bytes": self.l2.numel() * self.l2.element_size()}
 
     def close(self) -> None:
-        """Stop the writer (flushed by the service's drain already; a write error here was
-        agreed already or is past any step: logged), then close the store."""
+        """Stop the read thread (a read running ends first, queued ones are dropped) and the
+        writer (flushed by the service's drain already; a write error here was agreed already
+        or is past any step: logged), then close the store."""
+        reads, self._reads = self._reads, None
+        if reads is not None:
+            reads.shutdown(wait=True, cancel_futures=True)
         try:
             if self.writer is not None:
                 self.writer.close()

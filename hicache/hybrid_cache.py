@@ -116,13 +116,30 @@ def open_l3(hc, config, replica, weights_signature: str) -> None:
 
 
 def find_l3(hc, req, arr: np.ndarray) -> None:
-    """At admission: the deepest snapshot in L3 past the hit, within the KV pages this rank's
-    store holds past it (one lookup), read now: ``req.state_l3``."""
+    """At admission: start looking for the deepest snapshot in L3 past the hit, within the KV
+    pages this rank's store holds past it (one lookup), and reading it, on the snapshots' read
+    thread: ``req.state_find`` (a Future), ``req.state_l3`` none found until ``resolve_l3``."""
     from .l3.keys import chain_hashes
     hit, l3, pt = req.prefix.hit_len, hc.states.l3, hc.page_tokens
+    req.state_l3 = (hit, None)
     chains = chain_hashes(arr[:-1], pt)[hit // pt:]
-    n = hc.io.l3.exists_prefix(hc.io.keys(chains)) if chains and l3 is not None else 0
-    req.state_l3 = l3.find(arr, hit, hit + n * pt) if n else (hit, None)
+    if not chains or l3 is None:
+        return
+    store, keys = hc.io.l3, hc.io.keys(chains)
+
+    def look():
+        n = store.exists_prefix(keys)
+        return l3.find(arr, hit, hit + n * pt) if n else (hit, None)
+    req.state_find = l3.submit(look)
+
+
+def resolve_l3(req, wait) -> None:
+    """Before the step's agreement, once the request's target prefetch is ready on this rank:
+    ``req.state_l3`` becomes what the read found (``wait(future, default)``: the bounded wait;
+    a timeout or an error is no snapshot, which the agreement makes a miss on every rank)."""
+    if req.state_find is not None:
+        req.state_l3 = wait(req.state_find, (req.prefix.hit_len, None), "KDA snapshot")
+        req.state_find = None
 
 
 def l3_signals(pending) -> list[int]:

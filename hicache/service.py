@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -47,6 +48,7 @@ from .l2.pool import HostKVPool
 from .l3 import agree_prefetch, prefetch_signals
 from .tier_io import PREFETCH_OUTCOMES, Job, L3Read, TierIO, Waits, join
 
+log = logging.getLogger("hicache")
 TIERS = ("l1", "l2", "l3")
 RESTORE_RETRIES = 64  # steps an agreed L3 restore may wait for L1 room before recomputing
 CACHE_MODES = {"recompute": (), "l1": ("l1",), "l1+l2": ("l1", "l2"),
@@ -92,7 +94,9 @@ class _Request:
     own_pages: list = field(default_factory=list)   # pages from alloc_device (not yet in tree)
     restore_tries: int = 0          # steps an agreed L3 restore waited for L1 room
     state_l3: object = None         # hybrid: (position, snapshot) found in L3 (hybrid_cache)
+    state_find: object = None       # hybrid: the Future of that L3 lookup, until resolved
     draft_read: object = None       # spec: the L3 read of its draft pages (DraftRead)
+    draft_future: object = None     # spec: the Future of that read, until resolved
     draft_agreed: int = 0           # spec: draft pages of that read every rank holds
 
 
@@ -323,17 +327,17 @@ class HiCache:
             if m.wait_ops:  # device pages still being loaded for an earlier request
                 req.load_job = Waits(self.io.jobs_of(m.wait_ops)
                                      + ([req.load_job] if req.load_job else []))
-            if self.l3 is not None and self.states is not None:
-                hybrid_cache.find_l3(self, req, arr)
             if self.draft is not None:  # spec: L1/L2 presence came with the loads
                 prefix.draft_len = self.draft.present_pages(prefix.page_table, arr) \
                     * self.page_tokens
             if self.l3 is not None:
                 req.prefetch = self.io.start_prefetch(request_id, arr, prefix.hit_len)
-                if req.prefetch is not None:
+                if req.prefetch is not None:  # companion reads: started, resolved at a step
                     self._pending.append(req)
+                    if self.states is not None:
+                        hybrid_cache.find_l3(self, req, arr)
                     if self.draft is not None:
-                        req.draft_read = self._read_draft(arr, prefix)
+                        req.draft_future = self._read_draft(arr, prefix)
         prefix.ready = req.prefetch is None
         if prefix.ready:
             self._count_hits(prefix)
@@ -494,6 +498,9 @@ class HiCache:
         if req.prefetch is not None:  # finished before its prefetch resolved
             self.io.cancel_prefetch(req.prefetch)
             self._pending.remove(req)
+            for f in (req.draft_future, req.state_find):  # companion reads: dropped
+                if f is not None:
+                    f.cancel()  # one running ends on its thread; its result is dropped
         if req.load_job is not None:
             try:
                 req.load_job.wait()
@@ -588,7 +595,9 @@ class HiCache:
         self.io.launch(self.ctrl.take_ops())
         done = self.io.poll()  # one state read per copy; failures recorded here
         handles = [r.prefetch.handle for r in self._pending]
-        extras = [int(self._fault is None)] + prefetch_signals(handles)
+        signals = prefetch_signals(handles)
+        self._resolve_reads(signals)
+        extras = [int(self._fault is None)] + signals
         if self.draft is not None:  # spec: draft pages read, MIN-agreed
             extras += [getattr(r.draft_read, "pages", 0) for r in self._pending]
         if self.states is not None and handles:  # hybrid: the snapshot each L3 read ends at
@@ -836,14 +845,42 @@ class HiCache:
 
     # ---- spec: the draft's companion pages (hicache/draft_pages.py) ----------------------------
     def _read_draft(self, arr: np.ndarray, prefix: Prefix):
-        """The L3 draft pages after the L1/L2 hit, when that hit has all its draft pages."""
+        """Start reading the L3 draft pages after the L1/L2 hit, when that hit has all its draft
+        pages: a Future (``DraftPages.start_read_l3``), resolved by ``_resolve_reads``."""
         if prefix.draft_len < prefix.hit_len:
             return None
         from .l3 import chain_hashes
         w, first = self.page_tokens, prefix.hit_len // self.page_tokens
         chains = chain_hashes(arr[:-1], w)[first:]
         nxt = arr[(np.arange(first, first + len(chains)) + 1) * w]  # the token after each
-        return self.draft.read_l3(chains, nxt)
+        return self.draft.start_read_l3(chains, nxt)
+
+    def _resolve_reads(self, signals: list) -> None:
+        """The companion reads (draft pages, KDA snapshot) of each request whose target
+        prefetch is ready on this rank (``signals``: ``prefetch_signals``), waited for within
+        the prefetch's deadline: only a step where every rank is ready restores, so each rank
+        then contributes what its read found (a timeout or an error: nothing, which the MIN
+        makes a miss on every rank alike)."""
+        for i, req in enumerate(self._pending):
+            if not signals[2 * i]:
+                continue
+            if req.draft_future is not None:
+                req.draft_read = self._await(req.draft_future, None, "draft pages", req)
+                req.draft_future = None
+            if self.states is not None:
+                hybrid_cache.resolve_l3(req, lambda f, d, what: self._await(f, d, what, req))
+
+    @staticmethod
+    def _await(future, default, what: str, req: _Request):
+        """``future``'s result within the request's prefetch deadline, else ``default``."""
+        bound = req.prefetch.handle.policy.deadline_s(int(req.tokens.size))
+        try:
+            return future.result(timeout=bound)
+        except Exception as err:  # noqa: BLE001 (a timeout or the read's error: a miss here)
+            future.cancel()
+            log.warning("L3 read of the %s of request %r: %s (recomputed)", what,
+                        req.prefix.request_id, err or type(err).__name__)
+            return default
 
     def _restore_drafts(self, req: _Request, dev: list, pages: int) -> None:
         """The agreed L3 draft pages (at most the target's restored ``pages``) into ``dev``;

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -46,6 +47,8 @@ class StateL3:
         self.written = self.read = 0  # bytes (written: by the writer's thread, once stored)
         self._lock = threading.Lock()
         self.writer = CompanionWriter(self.store, self._wrote) if self.writes else None
+        # the lookups and the read at admission run here (``submit``): admit never waits on them
+        self._reads = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-snapshot-read")
 
     def _wrote(self, pages: int) -> None:
         with self._lock:
@@ -66,10 +69,15 @@ class StateL3:
                            rec.detach().to("cpu", torch.float32).reshape(layers, -1)], 1)
         self.writer.submit([self._key(tokens)], [shard.reshape(self.format.shape)])
 
+    def submit(self, fn, *args) -> Future:
+        """Run ``fn(*args)`` (a ``find`` and the lookups before it) on the read thread."""
+        return self._reads.submit(fn, *args)
+
     def find(self, tokens: np.ndarray, lo: int, hi: int):
         """``(p, (conv, rec))`` of the deepest snapshot held for ``tokens`` at a page end in
-        ``(lo, hi]``, read now (``conv`` [L, conv_elems] fp32, ``rec`` flat); ``(lo, None)``
-        when none is there or readable."""
+        ``(lo, hi]``, read in the call (the service's runs on the read thread: ``submit``;
+        ``conv`` [L, conv_elems] fp32, ``rec`` flat); ``(lo, None)`` when none is there or
+        readable."""
         pt = self.page_tokens
         if self.store.failed:
             return lo, None
@@ -81,14 +89,17 @@ class StateL3:
             buf = torch.empty(self.format.shape, dtype=self.format.dtype)
             if self.store.get(key, [buf]) != 1:
                 continue  # damaged or gone since: try a shallower one
-            self.read += self.format.page_bytes
+            with self._lock:  # the read thread counts
+                self.read += self.format.page_bytes
             flat = buf.reshape(self.format.layers, -1)
             return page * pt, (flat[:, :self.conv_elems], flat[:, self.conv_elems:])
         return lo, None
 
     def close(self) -> None:
-        """Stop the writer (flushed by the service's drain already; an error left here was
-        agreed already or comes after the last step: logged), then close the store."""
+        """Stop the read thread (a read running ends first, queued ones are dropped) and the
+        writer (flushed by the service's drain already; an error left here was agreed already
+        or comes after the last step: logged), then close the store."""
+        self._reads.shutdown(wait=True, cancel_futures=True)
         writer, self.writer = self.writer, None
         try:
             if writer is not None:

@@ -144,3 +144,39 @@ class BlockedPuts:
                 self.returned.set()
 
         store.put = put
+
+
+class BlockedGets:
+    """``store.get`` (one store object) held on an event, as ``BlockedPuts`` holds puts:
+    ``entered`` once a get started, ``returned`` once one ended, ``release`` lets them through
+    (``limit_s`` bounds a wrong, synchronous caller: it then sees ``returned``)."""
+
+    def __init__(self, store, limit_s: float = 30.0) -> None:
+        import threading
+        self.entered, self.release, self.returned = (threading.Event() for _ in range(3))
+        real = store.get
+
+        def get(keys, out):
+            self.entered.set()
+            self.release.wait(limit_s)
+            try:
+                return real(keys, out)
+            finally:
+                self.returned.set()
+
+        store.get = get
+
+
+def admit_gated(cache, gate, seen: list) -> None:
+    """``cache``'s next ``admit`` only: ``seen`` gets whether it returned while ``gate``'s get
+    was held (started, not ended) with its prefix not ready, then the gate is released."""
+    real = cache.admit
+
+    def admit(request_id, tokens):
+        prefix = real(request_id, tokens)
+        seen.append(gate.entered.wait(60) and not gate.returned.is_set() and not prefix.ready)
+        gate.release.set()
+        cache.admit = real
+        return prefix
+
+    cache.admit = admit

@@ -96,6 +96,20 @@ def test_the_snapshots_are_written_to_l3_off_finish(kimi, tmp_path):  # noqa: F8
     assert warm["A2"][1] == {"l1": 0, "l2": 0, "l3": 20} and h["hits"]["l3"] == 2
 
 
+def test_the_snapshot_is_read_from_l3_off_admit(kimi, tmp_path):  # noqa: F811
+    # the snapshot's lookups and read run on its read thread: the warm run's first admit
+    # returns while its get is held (the request not ready); released, the next steps agree
+    # and restore it as a synchronous read did (the same tokens, hits and bytes)
+    from helpers import BlockedGets, admit_gated
+    seen: list = []
+
+    def gate(cache):
+        admit_gated(cache, BlockedGets(cache.states.l3.store), seen)
+    runs = serve_runs(kimi, tmp_path / "l3", jobs(), "l1+l2+l3", damage=gate)
+    assert seen == [True]
+    check_warm(runs, reference(kimi, tmp_path / "ref"))
+
+
 def reference(path, tmp):
     first, second = jobs()
     return {k: v for res, _ in serve_runs(path, tmp, [first + second], "recompute")

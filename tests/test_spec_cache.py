@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import BlockedPuts, l3_writes_land_at_once, make_cfg
+from helpers import BlockedGets, BlockedPuts, admit_gated, l3_writes_land_at_once, make_cfg
 from spec_cache_loop import draft_rows, spec_request
 
 from hicache import HiCache
@@ -146,6 +146,47 @@ def test_the_draft_pages_are_written_to_l3_off_the_step(tmp_path, models):
         assert cache.draft.store.exists_prefix(gate.keys) == len(gate.keys)
         assert cache.draft.stats.pages["l3_write"] == len(gate.keys)
     with cache_of(cfg, draft, mode="l1+l2+l3") as cache:  # warm restart: L3 only
+        out, p, st, _ = spec_request(cache, model, draft, "c", c, K, NEW)
+    assert p.storage_len == 40 and p.draft_len == 40 and st.draft_recomputed_tokens == 0
+    assert out == model.generate(c.tolist(), NEW)
+
+
+def test_the_draft_pages_are_read_from_l3_off_admit(tmp_path, models):
+    # the draft's L3 read runs on its read thread: admit returns while its get is held (the
+    # request not ready); released, the next steps agree and restore it as a synchronous read
+    # did: every draft page from L3, nothing recomputed, the tokens of an uncached run
+    model, draft = models
+    cfg = make_cfg(tmp_path / "l3", prefetch="wait_complete")
+    a, c, _ = prompts(seed=10)
+    with cache_of(cfg, draft, mode="l1+l2+l3") as cache:
+        spec_request(cache, model, draft, "a", a, K, NEW)
+        cache.drain()
+    seen: list = []
+    with cache_of(cfg, draft, mode="l1+l2+l3") as cache:  # warm restart: L3 only
+        admit_gated(cache, BlockedGets(cache.draft.store), seen)
+        out, p, st, _ = spec_request(cache, model, draft, "c", c, K, NEW)
+        assert cache.draft.stats.pages["l3_read"] == 10
+    assert seen == [True]
+    assert p.storage_len == 40 and p.draft_len == 40 and st.draft_recomputed_tokens == 0
+    assert out == model.generate(c.tolist(), NEW)
+
+
+def test_an_abort_with_its_draft_read_in_flight_drops_the_read(tmp_path, models):
+    # aborted while its draft read is held: nothing leaks, the read ends on its thread once
+    # released, and the same request admitted again restores every draft page from L3
+    model, draft = models
+    cfg = make_cfg(tmp_path / "l3", prefetch="wait_complete")
+    a, c, _ = prompts(seed=11)
+    with cache_of(cfg, draft, mode="l1+l2+l3") as cache:
+        spec_request(cache, model, draft, "a", a, K, NEW)
+        cache.drain()
+    with cache_of(cfg, draft, mode="l1+l2+l3") as cache:
+        gate = BlockedGets(cache.draft.store)
+        assert not cache.admit("c", c).ready
+        assert gate.entered.wait(60) and not gate.returned.is_set()
+        cache.abort("c")
+        assert cache.leaks() == {"l1": 0, "l2": 0, "locks": 0}
+        gate.release.set()
         out, p, st, _ = spec_request(cache, model, draft, "c", c, K, NEW)
     assert p.storage_len == 40 and p.draft_len == 40 and st.draft_recomputed_tokens == 0
     assert out == model.generate(c.tolist(), NEW)
