@@ -123,48 +123,40 @@ def secret_file(directory, name: str = "fleet") -> str:
     return str(path)
 
 
-class BlockedPuts:
-    """``store.put`` (one store object) held on an event: ``entered`` once a put started,
-    ``returned`` once one ended, ``keys`` what was put. ``release`` lets them through (a bound
-    of ``limit_s`` keeps a wrong, synchronous caller from hanging: it then sees ``returned``)."""
+class _Held:
+    """``store.<method>`` (one store object) held on an event: ``entered`` once a call started,
+    ``returned`` once one ended, ``keys`` the keys it was given. ``release`` lets them through
+    (a bound of ``limit_s`` keeps a wrong, synchronous caller from hanging: it then sees
+    ``returned``)."""
+
+    method = ""
 
     def __init__(self, store, limit_s: float = 60.0) -> None:
         import threading
         self.entered, self.release, self.returned = (threading.Event() for _ in range(3))
         self.keys: list = []
-        real = store.put
+        real = getattr(store, self.method)
 
-        def put(keys, shards):
+        def held(keys, arg):
             self.keys += list(keys)
             self.entered.set()
             self.release.wait(limit_s)
             try:
-                return real(keys, shards)
+                return real(keys, arg)
             finally:
                 self.returned.set()
 
-        store.put = put
+        setattr(store, self.method, held)
 
 
-class BlockedGets:
-    """``store.get`` (one store object) held on an event, as ``BlockedPuts`` holds puts:
-    ``entered`` once a get started, ``returned`` once one ended, ``release`` lets them through
-    (``limit_s`` bounds a wrong, synchronous caller: it then sees ``returned``)."""
+class BlockedPuts(_Held):
+    """``store.put`` held (``_Held``)."""
+    method = "put"
 
-    def __init__(self, store, limit_s: float = 30.0) -> None:
-        import threading
-        self.entered, self.release, self.returned = (threading.Event() for _ in range(3))
-        real = store.get
 
-        def get(keys, out):
-            self.entered.set()
-            self.release.wait(limit_s)
-            try:
-                return real(keys, out)
-            finally:
-                self.returned.set()
-
-        store.get = get
+class BlockedGets(_Held):
+    """``store.get`` held (``_Held``)."""
+    method = "get"
 
 
 def admit_gated(cache, gate, seen: list) -> None:

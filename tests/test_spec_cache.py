@@ -60,6 +60,19 @@ def reference(cfg, model, draft, prompt):
     return out, rows, stats
 
 
+def write_to_l3(cfg, model, draft, prompt) -> None:
+    """One speculative request through a cache with L3, drained: its pages are in the store."""
+    with cache_of(cfg, draft, mode="l1+l2+l3") as cache:
+        spec_request(cache, model, draft, "w", prompt, K, NEW)
+        cache.drain()
+
+
+def assert_whole_l3_hit(model, prompt, out, p, st) -> None:
+    """A 40-token hit restored from L3 with all its draft pages, plain decoding's tokens."""
+    assert p.storage_len == 40 and p.draft_len == 40 and st.draft_recomputed_tokens == 0
+    assert out == model.generate(prompt.tolist(), NEW)
+
+
 def test_l1_hit_restores_the_draft_kv(tmp_path, models):
     model, draft = models
     cfg = make_cfg(tmp_path / "l3")
@@ -147,8 +160,7 @@ def test_the_draft_pages_are_written_to_l3_off_the_step(tmp_path, models):
         assert cache.draft.stats.pages["l3_write"] == len(gate.keys)
     with cache_of(cfg, draft, mode="l1+l2+l3") as cache:  # warm restart: L3 only
         out, p, st, _ = spec_request(cache, model, draft, "c", c, K, NEW)
-    assert p.storage_len == 40 and p.draft_len == 40 and st.draft_recomputed_tokens == 0
-    assert out == model.generate(c.tolist(), NEW)
+    assert_whole_l3_hit(model, c, out, p, st)
 
 
 def test_the_draft_pages_are_read_from_l3_off_admit(tmp_path, models):
@@ -158,17 +170,14 @@ def test_the_draft_pages_are_read_from_l3_off_admit(tmp_path, models):
     model, draft = models
     cfg = make_cfg(tmp_path / "l3", prefetch="wait_complete")
     a, c, _ = prompts(seed=10)
-    with cache_of(cfg, draft, mode="l1+l2+l3") as cache:
-        spec_request(cache, model, draft, "a", a, K, NEW)
-        cache.drain()
+    write_to_l3(cfg, model, draft, a)
     seen: list = []
     with cache_of(cfg, draft, mode="l1+l2+l3") as cache:  # warm restart: L3 only
         admit_gated(cache, BlockedGets(cache.draft.store), seen)
         out, p, st, _ = spec_request(cache, model, draft, "c", c, K, NEW)
         assert cache.draft.stats.pages["l3_read"] == 10
     assert seen == [True]
-    assert p.storage_len == 40 and p.draft_len == 40 and st.draft_recomputed_tokens == 0
-    assert out == model.generate(c.tolist(), NEW)
+    assert_whole_l3_hit(model, c, out, p, st)
 
 
 def test_an_abort_with_its_draft_read_in_flight_drops_the_read(tmp_path, models):
@@ -177,9 +186,7 @@ def test_an_abort_with_its_draft_read_in_flight_drops_the_read(tmp_path, models)
     model, draft = models
     cfg = make_cfg(tmp_path / "l3", prefetch="wait_complete")
     a, c, _ = prompts(seed=11)
-    with cache_of(cfg, draft, mode="l1+l2+l3") as cache:
-        spec_request(cache, model, draft, "a", a, K, NEW)
-        cache.drain()
+    write_to_l3(cfg, model, draft, a)
     with cache_of(cfg, draft, mode="l1+l2+l3") as cache:
         gate = BlockedGets(cache.draft.store)
         assert not cache.admit("c", c).ready
@@ -188,8 +195,7 @@ def test_an_abort_with_its_draft_read_in_flight_drops_the_read(tmp_path, models)
         assert cache.leaks() == {"l1": 0, "l2": 0, "locks": 0}
         gate.release.set()
         out, p, st, _ = spec_request(cache, model, draft, "c", c, K, NEW)
-    assert p.storage_len == 40 and p.draft_len == 40 and st.draft_recomputed_tokens == 0
-    assert out == model.generate(c.tolist(), NEW)
+    assert_whole_l3_hit(model, c, out, p, st)
 
 
 def test_a_draft_l3_write_error_is_agreed_like_the_targets(tmp_path, models):
@@ -287,8 +293,7 @@ def test_draft_pages_on_a_shared_redis_store(tmp_path, models, redis_url, monkey
             assert cache.draft.stats.pages["l3_write"] > 0
         with cache_of(cfg, draft) as cache:
             out, p, st, _ = spec_request(cache, model, draft, "c", c, K, NEW)
-            assert p.storage_len == 40 and p.draft_len == 40 and st.draft_recomputed_tokens == 0
-    assert out == model.generate(c.tolist(), NEW)
+            assert_whole_l3_hit(model, c, out, p, st)
 
 
 def test_a_failed_construction_closes_the_draft_pages(tmp_path, models, monkeypatch):
