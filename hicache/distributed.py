@@ -91,9 +91,13 @@ def _worker(rank: int, world_size: int, port: int, backend: str | None, timeout_
     torch.set_num_threads(1)
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # every rank runs on this host
     os.environ["LOCAL_RANK"] = str(rank)
-    code = 0
+    code, port_taken = 0, False
     try:
-        init_process_group(rank, world_size, port, backend, timeout_s)
+        try:
+            init_process_group(rank, world_size, port, backend, timeout_s)
+        except Exception as e:  # rank 0's store could not listen: another process took the port
+            port_taken = rank == 0 and _port_in_use(e)
+            raise
         result = fn(rank, world_size, *args)
         # pickled here: tensors would otherwise travel as shared memory that dies with us
         queue.put((rank, True, pickle.dumps(result)))
@@ -105,7 +109,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str | None, timeout_
             pickle.loads(cause)
         except Exception:
             cause = None
-        queue.put((rank, False, (line, traceback.format_exc(), cause)))
+        queue.put((rank, None if port_taken else False, (line, traceback.format_exc(), cause)))
     finally:
         if dist.is_initialized():
             try:
@@ -113,6 +117,13 @@ def _worker(rank: int, world_size: int, port: int, backend: str | None, timeout_
             except Exception:
                 code = code or 1
     _exit_now(code)
+
+
+def _port_in_use(err: BaseException) -> bool:
+    """The group's store failed to listen because its port was taken (between ``free_port``
+    and the listen, another process bound it)."""
+    text = str(err)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
 def _how_it_died(exitcode: int) -> str:
@@ -135,7 +146,21 @@ def launch(world_size: int, fn: Callable, *args: Any, backend: str | None = None
     the others are stopped within ``grace_s`` and ``launch`` raises ``RankError`` naming the
     rank that failed first and how: a rank that died without a word (a signal, an exit code)
     is the cause over ranks that merely lost their peer. Nothing hangs past ``timeout_s``.
+    A store port another process took before rank 0 listened on it starts the ranks again
+    on a fresh port (``PORT_TRIES`` times at most; no rank has run ``fn`` then).
     """
+    for attempt in range(PORT_TRIES):
+        reports = _run_once(world_size, fn, args, backend, timeout_s, grace_s)
+        if not (reports.port_taken and attempt + 1 < PORT_TRIES):
+            return _results_or_raise(reports, world_size, timeout_s)
+    raise AssertionError("unreachable")
+
+
+PORT_TRIES = 3
+
+
+def _run_once(world_size: int, fn: Callable, args: tuple, backend: str | None,
+              timeout_s: float, grace_s: float) -> "_Reports":
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
@@ -147,7 +172,7 @@ def launch(world_size: int, fn: Callable, *args: Any, backend: str | None = None
     timed_out = _watch(procs, reports, world_size, timeout_s, grace_s)
     _stop(procs, kill=bool(reports.errors or reports.deaths or timed_out))
     reports.drain()
-    return _results_or_raise(reports, world_size, timeout_s)
+    return reports
 
 
 class _Reports:
@@ -160,6 +185,7 @@ class _Reports:
         self.errors: dict[int, tuple] = {}
         # rank -> exit code of a rank that left without reporting
         self.deaths: dict[int, int] = {}
+        self.port_taken = False  # rank 0's store found its port taken (launch tries again)
 
     def drain(self) -> None:
         """Take every message the ranks have sent."""
@@ -169,6 +195,7 @@ class _Reports:
                 self.results[rank] = pickle.loads(payload)
             else:
                 self.errors[rank] = payload
+                self.port_taken |= ok is None
 
     def heard_from(self, rank: int) -> bool:
         return rank in self.results or rank in self.errors or rank in self.deaths

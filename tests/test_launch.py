@@ -50,6 +50,28 @@ def test_a_dead_rank_is_named_and_the_others_stopped(how, words, cause):
     assert time.monotonic() - t0 < GROUP_TIMEOUT / 2
 
 
+def _rank_sum(rank: int, world: int) -> int:
+    t = torch.tensor([rank + 1.0])
+    all_reduce(t)
+    return int(t.item())
+
+
+def test_a_store_port_taken_before_rank_0_listens_is_tried_again(monkeypatch):
+    # free_port() hands out a port another process binds before rank 0's store listens on
+    # it (a parallel test, say): the ranks start again on a fresh port instead of failing
+    import socket
+
+    import hicache.distributed as hd
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = [taken.getsockname()[1]]
+        real = hd.free_port
+        monkeypatch.setattr(hd, "free_port", lambda: ports.pop() if ports else real())
+        assert launch(2, _rank_sum, timeout_s=60) == [3, 3]
+        assert ports == []  # the taken port was handed out first
+
+
 def test_run_guarded_prints_one_line_per_failure(capsys):
     from hicache.cli import run_guarded
 
