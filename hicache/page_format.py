@@ -175,6 +175,39 @@ class PageFormat:
                 f"{self.page_bytes} bytes per page per rank")
 
 
+
+class FormatSized:
+    """The sizes of a pool of ``num_pages`` pages of one ``PageFormat`` (``self.format``), read
+    from the format: their one home, for the L1 and L2 pools alike."""
+
+    format: PageFormat
+    num_pages: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.format.layers
+
+    @property
+    def kv_dim(self) -> int:
+        return self.format.row_width
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.format.dtype
+
+    @property
+    def rows_per_page(self) -> int:
+        return self.format.rows
+
+    @property
+    def bytes_per_page(self) -> int:
+        """This rank's bytes for one page across all layers."""
+        return self.format.page_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.format.pool_bytes(self.num_pages)
+
 # ---- conversions between formats' dtypes -------------------------------------------------------
 @dataclass(frozen=True)
 class Conversion:

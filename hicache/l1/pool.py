@@ -19,7 +19,7 @@ from hicache.checks import check_int
 from hicache.errors import UsageError
 from hicache.kvport import RowWrite, Slots, checked_once
 from hicache.layout import DCPLayout
-from hicache.page_format import PageFormat, PageKind
+from hicache.page_format import FormatSized, PageFormat, PageKind
 
 
 def pick_device(device: torch.device | str | None) -> torch.device:
@@ -90,7 +90,7 @@ def check_shape_args(num_layers: int, kv_dim: int, num_pages: int, dtype: torch.
         raise UsageError(f"dtype must be a torch.dtype, got {dtype!r}")
 
 
-class DeviceKVPool:
+class DeviceKVPool(FormatSized):
     """Per-rank L1 storage for ``num_pages`` widened pages of one ``PageFormat``.
 
     ``DeviceKVPool(layout, num_layers, kv_dim, dtype, num_pages)`` holds the target KV (a
@@ -126,23 +126,7 @@ class DeviceKVPool:
         # [L, num_pages * rows, width]; every byte is written now, so the memory is faulted in.
         self.kv = zeroed(fmt.pool_shape(num_pages), fmt.dtype, self.device)
 
-    # ---- sizes (the format's) ------------------------------------------------------------------
-    @property
-    def num_layers(self) -> int:
-        return self.format.layers
-
-    @property
-    def kv_dim(self) -> int:
-        return self.format.row_width
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.format.dtype
-
-    @property
-    def rows_per_page(self) -> int:
-        return self.format.rows
-
+    # ---- sizes (the format's: FormatSized; rows and slots) -------------------------------------
     @property
     def num_rows(self) -> int:
         return self.num_pages * self.format.rows
@@ -151,15 +135,6 @@ class DeviceKVPool:
     def num_slots(self) -> int:
         """Virtual slots addressable: ``num_pages * P * c``."""
         return self.num_pages * self.layout.page_tokens
-
-    @property
-    def bytes_per_page(self) -> int:
-        """This rank's bytes for one widened page across all layers."""
-        return self.format.page_bytes
-
-    @property
-    def nbytes(self) -> int:
-        return self.format.pool_bytes(self.num_pages)
 
     def layer_view(self, layer: int) -> torch.Tensor:
         """The rows of one layer: [num_pages * P, kv_dim] (a view)."""

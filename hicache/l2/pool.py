@@ -29,7 +29,7 @@ from hicache.config import L2Section, choices, default
 from hicache.errors import HostMemoryError, UsageError
 from hicache.l1.pool import advise_hugepages, check_shape_args, format_row_layout
 from hicache.layout import DCPLayout
-from hicache.page_format import PageFormat
+from hicache.page_format import FormatSized, PageFormat
 
 # the policy file's choices and defaults (hicache.config is their one home)
 LAYOUTS: tuple[str, ...] = choices(L2Section, "layout")
@@ -118,7 +118,7 @@ def resolve_pin(pin: str) -> bool:
     return pin == "on" or (pin == "auto" and torch.cuda.is_available())
 
 
-class HostKVPool:
+class HostKVPool(FormatSized):
     """Per-rank L2 storage of ``num_pages`` widened pages of one ``PageFormat``.
 
     ``HostKVPool(layout, num_layers, kv_dim, dtype, num_pages, ...)`` holds the target KV (a
@@ -164,31 +164,7 @@ class HostKVPool:
             self.pinned = False
             self.buf = pinned_host_tensor(shape, fmt.dtype, False)
 
-    # ---- sizes (the format's) ------------------------------------------------------------------
-    @property
-    def num_layers(self) -> int:
-        return self.format.layers
-
-    @property
-    def kv_dim(self) -> int:
-        return self.format.row_width
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.format.dtype
-
-    @property
-    def rows_per_page(self) -> int:
-        return self.format.rows
-
-    @property
-    def bytes_per_page(self) -> int:
-        return self.format.page_bytes
-
-    @property
-    def nbytes(self) -> int:
-        return self.format.pool_bytes(self.num_pages)
-
+    # ---- sizes (the format's: FormatSized; the buffer's device) ---------------------------------
     @property
     def device(self) -> torch.device:
         return self.buf.device
