@@ -51,8 +51,7 @@ def test_an_lmdb_store_whose_files_are_fifos_is_refused_at_once(tmp_path, name):
     from hicache.l3.lmdb_check import precheck
     from test_l3_store import NS, SLOT
     d = tmp_path / "store"
-    with PageStore(d, NS, 0, capacity_bytes=10 * SLOT):
-        pass  # a real store first
+    PageStore(d, NS, 0, capacity_bytes=10 * SLOT).close()  # a real store first
     os.unlink(d / name)
     os.mkfifo(d / name)
     with pytest.raises(L3CorruptError, match=f"{name} must be a regular file, but this is a FIFO"):
