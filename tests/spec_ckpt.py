@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from hf_weights import seed_weights
+
 VOCAB = 96
 LAYERS = 2  # N: the main model's layers; the MTP module is layer N
 
@@ -34,19 +36,7 @@ def make_mtp_checkpoint(path, *, seed=0, own_head=False, with_mtp=True, moe=True
         bos_token_id=None, eos_token_id=None, pad_token_id=None)
     model = DeepseekV3ForCausalLM(cfg)
     g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-            elif "embed" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                gain = 3.0 if "lm_head" in name else 4.0 if "gate.weight" in name else 1.0
-                p.copy_(torch.randn(p.shape, generator=g) * gain / math.sqrt(p.shape[-1]))
-        for name, b in model.named_buffers():
-            if "e_score_correction_bias" in name:
-                b.copy_(0.3 * torch.randn(b.shape, generator=g))
-    model.eval()
+    seed_weights(model, g)
     path = Path(path)
     model.save_pretrained(path)
     raw = json.loads((path / "config.json").read_text())

@@ -13,12 +13,13 @@ the engine's absorbed attention sums in another order, measured ~1e-5 relative).
 """
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+from hf_weights import seed_weights
 
 from hicache.config import HiCacheConfig, loads
 from hicache.distributed import launch
@@ -77,19 +78,7 @@ def make_checkpoint(path, arch="v3", *, q_lora=12, yarn=False, moe=True, tie=Fal
             **common, rope_parameters=rope, topk_method="group_limited_greedy",
             routed_scaling_factor=1.5))
     g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-            elif "embed" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * (0.5 if tie else 1.0))
-            else:
-                gain = 3.0 if "lm_head" in name else 4.0 if "gate.weight" in name else 1.0
-                p.copy_(torch.randn(p.shape, generator=g) * gain / math.sqrt(p.shape[-1]))
-        for name, b in model.named_buffers():
-            if "e_score_correction_bias" in name:
-                b.copy_(0.3 * torch.randn(b.shape, generator=g))
-    model.eval()
+    seed_weights(model, g, embed_scale=0.5 if tie else 1.0)
     model.save_pretrained(path, max_shard_size="40KB" if shard else "50GB")
     if published:
         f = Path(path) / "config.json"

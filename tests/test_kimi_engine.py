@@ -12,12 +12,13 @@ configs with one line.
 """
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+from hf_weights import seed_weights
 
 from hicache.distributed import CollectiveCounter, launch
 from hicache.checkpoints import hf
@@ -62,21 +63,7 @@ def make_checkpoint(path, *, kda, full, first_dense=1, q_lora=None, heads=2, hea
     torch.manual_seed(seed)
     model = KimiLinearForCausalLM(cfg)
     g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "A_log" in name or "dt_bias" in name:
-                continue
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-            elif "embed" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                gain = 3.0 if "lm_head" in name else 4.0 if "gate.weight" in name else 1.0
-                p.copy_(torch.randn(p.shape, generator=g) * gain / math.sqrt(p.shape[-1]))
-        for name, b in model.named_buffers():
-            if "e_score_correction_bias" in name:
-                b.copy_(0.3 * torch.randn(b.shape, generator=g))
-    model.eval()
+    seed_weights(model, g, skip=("A_log", "dt_bias"))
     model.save_pretrained(path)
     return model
 
