@@ -20,7 +20,7 @@ from hicache.errors import ConfigError, L3CorruptError, L3ForeignError
 from hicache import cli
 from hicache.config import HiCacheConfig
 from hicache.engine.model import MLAModel
-from hicache.l3 import Namespace, PageStore, lmdb_check
+from hicache.l3 import Namespace, PageStore, lmdb_check, page_keys
 from hicache.l3.guard import GuardedStore
 from hicache.l3.store import _checksum
 from hicache.preflight import validate
@@ -114,6 +114,21 @@ def test_truncated_data_file_is_found_before_mapping(store, copy, caplog, cut):
     # the parent's check says so too, as a warning: the run goes on without L3
     (w,) = validate(damage_cfg(copy), engine=False, memory=False)
     assert "the store is damaged" in w and "--quarantine" in w
+
+
+def test_an_empty_data_file_is_a_store_being_created(tmp_path):
+    # a rank that opens the store while another rank's LMDB has created data.mdb but not yet
+    # written its meta pages (ranks of one node start together) sees 0 bytes: that is a new
+    # store (LMDB initialises an empty file under its lock), not damage
+    d = tmp_path / "new"
+    d.mkdir()
+    (d / "data.mdb").touch()
+    assert lmdb_check.precheck(str(d)) is None
+    ns = Namespace.from_config(damage_cfg(d))
+    with PageStore(d, ns, 0, 64 << 20) as st:
+        shard = torch.ones(ns.shard_shape, dtype=ns.torch_dtype)
+        key = page_keys(list(range(ns.page_tokens)), ns.page_tokens, ns, 0)
+        assert st.put(key, [shard]).written == 1 and st.exists_prefix(key) == 1
 
 
 def test_damaged_meta_page(store, copy, caplog):

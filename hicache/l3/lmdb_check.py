@@ -75,6 +75,8 @@ def precheck(path: str) -> dict | None:
             if not (st.st_mode & 0o170000 == 0o100000):
                 raise L3CorruptError(f"{where}: not a regular file")
             size = st.st_size
+            if size == 0:  # created, not yet written: another process's LMDB is initialising
+                return None  # it under its lock (LMDB makes an empty file a new store)
             head = f.read(_META.size)
             m0 = _meta(head, 0, where)
             psize = m0["psize"]
