@@ -95,6 +95,9 @@ class CacheController(RequestPages, Insert, Eviction):
         self._new_ops: list[Op] = []               # not yet taken
         self._next_op = 0
         self._evicting_pages = 0        # device pages freed once their write_back backups land
+        # a listener for pages entering and leaving a tier (KV events): on_tier(stored, tier,
+        # node) with tier "l1" or "l2", called as the node's pages arrive or before they go
+        self.on_tier = None
 
     # ---- lookup ---------------------------------------------------------------------------
     def match(self, tokens, *, lock: bool = False, scope: Scope | None = None) -> Match:
@@ -311,6 +314,8 @@ class CacheController(RequestPages, Insert, Eviction):
                     if not n.host_valid:
                         n.host_valid = True
                         self._host_valid_pages += n.npages
+                        if self.on_tier is not None:
+                            self.on_tier(True, "l2", n)
                 evicting = [n for n in rec.nodes if n.evicting]
                 if len(evicting) > 1:
                     evicting.sort(key=lambda n: -n.depth())  # children first: each is a leaf
