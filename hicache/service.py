@@ -35,7 +35,7 @@ import torch.distributed as dist
 import xxhash
 
 from . import distributed as hd
-from . import hybrid_cache, outcome, preflight
+from . import hybrid_cache, outcome, preflight, tenancy
 from .config import HiCacheConfig
 from .controller import CacheController, LockHandle, StepAgreement
 from . import minvec
@@ -98,6 +98,7 @@ class _Request:
     draft_read: object = None       # spec: the L3 read of its draft pages (DraftRead)
     draft_future: object = None     # spec: the Future of that read, until resolved
     draft_agreed: int = 0           # spec: draft pages of that read every rank holds
+    scope: object = None            # its hicache.scope.Scope (None: the shared scope)
 
 
 @dataclass
@@ -176,10 +177,13 @@ class HiCache:
         self.ctrl = CacheController(self.page_tokens, config.l1.num_pages, host_pages,
                                     policy=config.policy, snapshots=snapshots)
         self._init_request_state(config)
+        # KV events (group rank 0, [events] endpoint): the controller's tier changes, L3 writes
+        self.events = tenancy.open_events(config, rank, replica, self.page_tokens, self.ctrl)
         # the bytes: transfers, L3 store, writer, prefetcher, restores (hicache/tier_io.py)
         self.io = TierIO(config, rank, self.l1, self.l2, self.page_tokens, self._record,
                          replica=replica, l3="l3" in self.tiers,
                          weights_signature=weights_signature)
+        self.io.events = self.events
         self.transfer = self.io.transfer
         self.namespace = self.io.namespace
         hybrid_cache.open_l3(self, config, replica, weights_signature)
@@ -243,6 +247,8 @@ class HiCache:
         self._reqs: dict[object, _Request] = {}
         self._pending: list[_Request] = []                   # requests waiting on L3
         self._stats = TierStats()
+        self._scope_hits = tenancy.ScopeHits()
+        self.events = None
         # Failures: ``_fault`` is this rank's first failure not yet agreed (it rides as the
         # health flag in the next step's all-reduce); ``_failed`` is the agreed failure, after
         # which the cache is stopped on every rank alike (see ``step``).
@@ -269,6 +275,7 @@ class HiCache:
         io, self.io = self.io, None
         if io is not None:
             io.close()
+        tenancy.close_events(getattr(self, "events", None), None)
         for part in (getattr(self, "states", None), getattr(self, "draft", None)):
             if part is not None:  # the snapshots' and the draft's pools, writers and stores
                 part.close()
@@ -289,18 +296,24 @@ class HiCache:
         self.io.observer = obs
 
     # ---- the engine's API ---------------------------------------------------------------------
-    def admit(self, request_id, tokens) -> Prefix:
+    def admit(self, request_id, tokens, scope=None, public_tokens: int = 0) -> Prefix:
         """Match ``tokens`` (the prompt) and lock the hit. The last prompt token is never a hit
         (its logits are needed). L2 hits start loading now; an L3 hit is prefetched and becomes
-        usable after the next ``step`` on which every rank has it (``prefix.ready``)."""
+        usable after the next ``step`` on which every rank has it (``prefix.ready``).
+
+        ``scope`` (bytes or str; None: ``[tenancy] default_scope``, else the shared scope):
+        the request matches and caches pages only in its scope, in every tier; its first
+        ``public_tokens`` (rounded down to whole pages) are matched and cached in the shared
+        scope (a system prompt every tenant sends, prefilled once)."""
         self._check_usable("admit")
         if request_id in self._reqs:
             raise UsageError(f"request {request_id!r} is already admitted")
         arr = as_tokens(tokens)
         if arr.size == 0:
             raise UsageError(f"request {request_id!r} has no tokens")
+        sc = tenancy.request_scope(self.config, scope, public_tokens, self.page_tokens)
         prefix = Prefix(request_id, int(arr.size))
-        req = _Request(prefix, arr)
+        req = _Request(prefix, arr, scope=sc)
         self._reqs[request_id] = req
         self._stats.requests += 1
         if self.tiers:
@@ -308,7 +321,7 @@ class HiCache:
                 m = hybrid_cache.match(self, arr, prefix)
             else:
                 with self._timed():
-                    m = self.ctrl.match(arr[:-1], lock=True)
+                    m = self.ctrl.match(arr[:-1], lock=True, scope=sc)
             req.lock = m.lock
             prefix.device_len = m.device_len
             prefix.page_table = m.device_pages.tolist()
@@ -319,7 +332,7 @@ class HiCache:
                     prefix.host_len = m.host_len
                     prefix.page_table += list(op.device_pages)
                     # the loaded pages now hold these positions
-                    self.io.map_chains(prefix.page_table, arr[:prefix.hit_len])
+                    self.io.map_chains(prefix.page_table, arr[:prefix.hit_len], sc)
             if self.states is not None:  # no L2 load-back: end at a snapshot in L1
                 hybrid_cache.settle(self, arr, prefix)
             loads = self.io.launch(self.ctrl.take_ops())
@@ -331,17 +344,17 @@ class HiCache:
                 prefix.draft_len = self.draft.present_pages(prefix.page_table, arr) \
                     * self.page_tokens
             if self.l3 is not None:
-                req.prefetch = self.io.start_prefetch(request_id, arr, prefix.hit_len)
+                req.prefetch = self.io.start_prefetch(request_id, arr, prefix.hit_len, sc)
                 if req.prefetch is not None:  # companion reads: started, resolved at a step
                     self._pending.append(req)
                     if self.states is not None:
                         hybrid_cache.find_l3(self, req, arr)
                     if self.draft is not None:
-                        req.draft_future = self._read_draft(arr, prefix)
+                        req.draft_future = self._read_draft(arr, prefix, sc)
         prefix.ready = req.prefetch is None
         if prefix.ready:
-            self._count_hits(prefix)
-        self._note("admit", request_id, arr)
+            self._count_hits(prefix, sc)
+        self._note("admit", request_id, arr, *tenancy.scope_note(sc))
         return prefix
 
     def _note(self, what: str, request_id, tokens: np.ndarray | None = None, *more) -> None:
@@ -362,18 +375,24 @@ class HiCache:
         room is worth re-admitting (``abort`` then ``admit``) when this exceeds its
         ``prefix.hit_len``: a request that finished meanwhile put its prefix on the device."""
         self._check_usable("l1_hit_now")
-        return self.peek(self._req(request_id).tokens)[0]
+        req = self._req(request_id)
+        return self._peek(req.tokens, req.scope)[0]
 
-    def peek(self, tokens) -> tuple[int, int]:
-        """``(device_len, host_len)``: the L1 and L2 hit ``admit(tokens)`` would find now, with
-        nothing changed (no lock, no load, no LRU touch): a scheduler asks it before admitting
-        a request only if it fits. Replicated like the controller."""
+    def peek(self, tokens, scope=None, public_tokens: int = 0) -> tuple[int, int]:
+        """``(device_len, host_len)``: the L1 and L2 hit ``admit(tokens, scope,
+        public_tokens)`` would find now, with nothing changed (no lock, no load, no LRU
+        touch): a scheduler asks it before admitting a request only if it fits. Replicated
+        like the controller."""
         self._check_usable("peek")
+        sc = tenancy.request_scope(self.config, scope, public_tokens, self.page_tokens)
+        return self._peek(tokens, sc)
+
+    def _peek(self, tokens, sc) -> tuple[int, int]:
         arr = as_tokens(tokens)
         if not self.tiers or arr.size == 0:
             return 0, 0
         with self._timed():
-            dev, host = self.ctrl.peek(arr[:-1])
+            dev, host = self.ctrl.peek(arr[:-1], sc)
             if self.states is not None:
                 usable = hybrid_cache.usable_len(self, arr[:-1])
                 dev, host = min(dev, usable), max(0, min(host, usable - dev))
@@ -522,8 +541,9 @@ class HiCache:
         if self.tiers:
             end = whole * self.page_tokens  # the insert releases the lock (walks on from it)
             with self._timed():
-                res = self.ctrl.insert(arr[:end], table[:whole], after=req.lock)
-            self.io.map_chains(res.device_pages.tolist(), arr[:end])
+                res = self.ctrl.insert(arr[:end], table[:whole], after=req.lock,
+                                       scope=req.scope)
+            self.io.map_chains(res.device_pages.tolist(), arr[:end], req.scope)
             if self.states is not None:
                 hybrid_cache.attach(self, arr[:end], snapshots)
             own = set(req.own_pages)
@@ -576,6 +596,7 @@ class HiCache:
             s.hit_tokens["l1"] -= p.device_len
             s.hit_tokens["l2"] -= p.host_len
             s.hit_tokens["l3"] -= p.storage_len
+            self._scope_hits.add(p, req.scope, self.page_tokens, -1)
         self.finish(request_id, [])
 
     def step(self) -> list:
@@ -630,6 +651,8 @@ class HiCache:
                 ready.append(req.prefix)
         self.io.launch(self.ctrl.take_ops())
         self._stats.steps += 1
+        if self.events is not None:  # this step's tier changes: one batch
+            self.events.flush(time.time())
         return ready
 
     def drain(self) -> None:
@@ -668,6 +691,8 @@ class HiCache:
             "transfer_s": dict(io.transfer_s),
             # copy ops the controller issued: backups (d2h) and L2 load-backs (h2d)
             "copy_ops": {"d2h": ctrl.backups, "h2d": ctrl.loads},
+            "scope_hit_tokens": self._scope_hits.report(),
+            "kv_events": tenancy.events_report(self.events),
         }
         if self.states is not None:  # hybrid models: KDA state snapshots
             out["hybrid"] = self.states.report()
@@ -714,6 +739,7 @@ class HiCache:
                 self.drain()  # replicated condition: every rank takes this branch
         finally:
             self._closed = True
+            tenancy.close_events(self.events, self.ctrl)
             self.io.close()  # copies stop before the pools go; failures were reported already
             if self.states is not None:
                 self.states.close()
@@ -840,18 +866,18 @@ class HiCache:
         self.io.end_prefetch(req.prefetch)
         req.prefetch = None
         prefix.ready = True
-        self._count_hits(prefix)
+        self._count_hits(prefix, req.scope)
         return True
 
     # ---- spec: the draft's companion pages (hicache/draft_pages.py) ----------------------------
-    def _read_draft(self, arr: np.ndarray, prefix: Prefix):
+    def _read_draft(self, arr: np.ndarray, prefix: Prefix, scope):
         """Start reading the L3 draft pages after the L1/L2 hit, when that hit has all its draft
         pages: a Future (``DraftPages.start_read_l3``), resolved by ``_resolve_reads``."""
         if prefix.draft_len < prefix.hit_len:
             return None
         from .l3 import chain_hashes
         w, first = self.page_tokens, prefix.hit_len // self.page_tokens
-        chains = chain_hashes(arr[:-1], w)[first:]
+        chains = chain_hashes(arr[:-1], w, scope)[first:]
         nxt = arr[(np.arange(first, first + len(chains)) + 1) * w]  # the token after each
         return self.draft.start_read_l3(chains, nxt)
 
@@ -899,9 +925,10 @@ class HiCache:
         self.draft.mark([req.prefix.page_table[i] for i in idx],
                         [int(arr[(i + 1) * w]) if (i + 1) * w < arr.size else -1 for i in idx])
 
-    def _count_hits(self, prefix: Prefix) -> None:
+    def _count_hits(self, prefix: Prefix, scope) -> None:
         """Counted once the prefix is final, so hit + miss == prompt tokens of ready requests
-        (a request still waiting on L3 is in neither)."""
+        (a request still waiting on L3 is in neither); by scope kind too."""
+        self._scope_hits.add(prefix, scope, self.page_tokens)
         self._stats.prompt_tokens += prefix.prompt_len
         hits = self._stats.hit_tokens
         hits["l1"] += prefix.device_len

@@ -157,6 +157,7 @@ class TierIO:
         self.prefetcher: Prefetcher | None = None
         self.draft = None  # spec: hicache.draft_pages.DraftPages (companion pages), or None
         self.companions: list = []  # other companion writers (hybrid: the snapshots')
+        self.events = None  # KV events (hicache.events.tiers.TierEvents) on the publishing rank
         if l3:
             try:
                 self._open_l3(weights_signature)
@@ -181,12 +182,13 @@ class TierIO:
         return keys_for_rank(chains, self.namespace, self.rank)
 
     # ---- device page -> L3 chain --------------------------------------------------------------
-    def map_chains(self, pages: Sequence[int], tokens: np.ndarray) -> None:
-        """Device page i of a prefix holds page i of ``tokens``: remember its L3 chain hash, so
-        a later backup of the page writes it under the right key."""
+    def map_chains(self, pages: Sequence[int], tokens: np.ndarray, scope=None) -> None:
+        """Device page i of a prefix holds page i of ``tokens`` (in ``scope``): remember its L3
+        chain hash, so a later backup of the page writes it under the right key."""
         if self.l3 is None:
             return
-        for i, (page, chain) in enumerate(zip(pages, chain_hashes(tokens, self.page_tokens))):
+        chains = chain_hashes(tokens, self.page_tokens, scope)
+        for i, (page, chain) in enumerate(zip(pages, chains)):
             self.chain_of_page[page] = PageChain(chain, i)
 
     def unmap(self, pages: Iterable[int]) -> None:
@@ -275,7 +277,9 @@ class TierIO:
         if pairs:
             keys = self.keys([c for c, _ in pairs])
             try:
-                self.writer.submit(keys, [self.l2.read_page(h).clone() for _, h in pairs])
+                fut = self.writer.submit(keys, [self.l2.read_page(h).clone() for _, h in pairs])
+                if self.events is not None:  # KV events: announced once the store has them
+                    self.events.on_l3_write([c for c, _ in pairs], fut)
                 if self.draft is not None:  # spec: one copy for the group (rank 0 writes)
                     self.draft.write_l3([c for c, _ in pairs], [h for _, h in pairs])
             except Exception as err:  # agreed at the next step
@@ -302,14 +306,15 @@ class TierIO:
                 pass
 
     # ---- L3 reads -----------------------------------------------------------------------------
-    def start_prefetch(self, request_id, tokens: np.ndarray, hit_len: int) -> L3Read | None:
+    def start_prefetch(self, request_id, tokens: np.ndarray, hit_len: int,
+                       scope=None) -> L3Read | None:
         """Look the pages of ``tokens`` (a prompt, its last token never a hit) after the first
-        ``hit_len`` up in L3 and start reading them. None when fewer than the policy's
+        ``hit_len`` up in L3 (in ``scope``) and start reading them. None when fewer than the policy's
         ``prefetch_min_tokens`` could be read at all (replicated facts only: every rank returns
         None alike); otherwise a read, of 0 pages where this rank lacks them or would rather
         recompute (the MIN agreement then says 0 for every rank)."""
         P = self.page_tokens
-        chains = chain_hashes(tokens[:-1], P)
+        chains = chain_hashes(tokens[:-1], P, scope)
         first = hit_len // P
         min_tokens = self.config.policy.prefetch_min_tokens
         if (len(chains) - first) * P < max(1, min_tokens):

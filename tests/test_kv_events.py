@@ -10,8 +10,8 @@ import zmq
 
 from hicache.errors import UsageError
 from hicache.events import wire
-from hicache.events.publisher import (Publisher, PublisherSettings, check_endpoint,
-                                      offset_endpoint)
+from hicache.events.endpoints import check_endpoint, offset_endpoint
+from hicache.events.publisher import Publisher, PublisherSettings
 
 # what vLLM 0.33's own classes (vllm.distributed.kv_events) encode for BATCH below
 VLLM_BYTES = bytes.fromhex(

@@ -57,6 +57,11 @@ def expected_from_stats(s: dict, rank: str = "0") -> dict:
             v = v[k]
         if label is None:
             exp[(name, frozenset({("rank", rank)}))] = float(v)
+        elif isinstance(label, tuple):  # {second label's value: {first label's value: x}}
+            for outer, inner in v.items():
+                for key, x in inner.items():
+                    exp[(name, frozenset({("rank", rank), (label[0], key),
+                                          (label[1], outer)}))] = float(x)
         else:
             for key, x in v.items():
                 exp[(name, frozenset({("rank", rank), (label, key)}))] = float(x)

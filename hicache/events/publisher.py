@@ -24,6 +24,7 @@ import zmq
 
 from hicache.errors import UsageError
 from hicache.events import wire
+from hicache.events.endpoints import binds, offset_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -39,37 +40,6 @@ class PublisherSettings:
     queue_size: int = 10_000     # batches waiting for the thread; more are dropped
     buffer_steps: int = 10_000   # batches kept for replay
     hwm: int = 100_000           # the PUB socket's high-water mark
-
-
-def offset_endpoint(endpoint: str, index: int) -> str:
-    """The endpoint of publisher ``index`` (a DCP group's replica index): a tcp port moved up by
-    ``index`` (port 0 stays 0), ``inproc`` names suffixed ``_dp<index>``, as vLLM places its
-    data-parallel ranks' publishers."""
-    if not endpoint or index == 0:
-        return endpoint
-    if endpoint.startswith("inproc://"):
-        return f"{endpoint}_dp{index}"
-    if endpoint.startswith("tcp://"):
-        base, _, port = endpoint.rpartition(":")
-        return endpoint if int(port) == 0 else f"{base}:{int(port) + index}"
-    return endpoint
-
-
-def _binds(endpoint: str) -> bool:
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
-def check_endpoint(endpoint: str, what: str = "endpoint") -> str:
-    """``endpoint`` if ZMQ can use it (tcp://HOST:PORT, ipc://, inproc://), else UsageError."""
-    if not isinstance(endpoint, str) or not endpoint.startswith(("tcp://", "ipc://",
-                                                                   "inproc://")):
-        raise UsageError(f"{what} must be tcp://HOST:PORT, ipc://PATH or inproc://NAME, "
-                         f"got {endpoint!r}")
-    if endpoint.startswith("tcp://"):
-        host, _, port = endpoint[6:].rpartition(":")
-        if not host or not port.isdigit() or int(port) > 65535:
-            raise UsageError(f"{what} must be tcp://HOST:PORT, got {endpoint!r}")
-    return endpoint
 
 
 class Publisher:
@@ -90,7 +60,7 @@ class Publisher:
         self._replay = None
         self.endpoint = offset_endpoint(settings.endpoint, index)
         try:
-            if _binds(self.endpoint):
+            if binds(self.endpoint):
                 self._pub.bind(self.endpoint)
             else:
                 self._pub.connect(self.endpoint)
