@@ -39,8 +39,8 @@ from . import hybrid_cache, outcome, preflight, tenancy
 from .config import HiCacheConfig
 from .controller import CacheController, LockHandle, StepAgreement
 from . import minvec
-from .errors import (ConfigError, DeviceFullError, DivergenceError, PeerError, TransferError,
-                     UsageError)
+from .errors import (ConfigError, DeviceFullError, DivergenceError, L3Error, PeerError,
+                     TransferError, UsageError)
 from .ids import as_tokens
 from .kvport import CheckedPort, checked_once, span_slots
 from .l1.pool import DeviceKVPool, pick_device
@@ -665,6 +665,27 @@ class HiCache:
         if self.io.writer is not None:  # replicated: every rank takes this branch
             self.io.flush_writes()
             self.step()
+
+    def purge_l3(self) -> int:
+        """Delete this cache's target pages from L3 (every rank its own; call on every rank, at
+        the same point, like ``step``): the L3 writes queued so far land first (``drain``),
+        and the group's KV events say the pages it announced in L3 are gone. Returns this
+        rank's pages deleted. The KV events name every page deleted where the store's keys
+        name their pages (no fleet secret), else the pages this group wrote or found there."""
+        self._check_usable("purge_l3")
+        if self.l3 is None:
+            raise UsageError("purge_l3: this cache has no L3 tier")
+        self.drain()
+        from .l3 import registry
+        gone: list = []
+        try:
+            n = registry.purge(self.config.l3, self.namespace, self.rank, gone).keys
+        except L3Error:  # nothing of this rank's is stored
+            n = 0
+        if self.events is not None:
+            self.events.l3_purged(self.io.chains_named(gone))
+            self.events.flush(time.time())
+        return n
 
     def prefix(self, request_id) -> Prefix:
         return self._req(request_id).prefix

@@ -37,6 +37,7 @@ from .l2.transfer import DONE, FAILED, TransferEngine, TransferJob
 from .l3 import (AsyncWriter, CostModel, Namespace, Prefetcher, PrefetchHandle, PrefetchPolicy,
                  chain_hashes, keys_for_rank, open_store, should_write)
 from .l3.guard import GuardedStore
+from .l3.keys import DIGEST_BYTES, KEY_BYTES
 
 log = logging.getLogger("hicache")
 
@@ -191,6 +192,14 @@ class TierIO:
         for i, (page, chain) in enumerate(zip(pages, chains)):
             self.chain_of_page[page] = PageChain(chain, i)
 
+    def chains_named(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The chain hashes store keys end with; none where a fleet secret keys them (the keyed
+        chain names no page)."""
+        from .l3.keyed import KeyedStore
+        if isinstance(getattr(self.l3, "_store", None), KeyedStore):
+            return []
+        return [bytes(k[-DIGEST_BYTES:]) for k in keys if len(k) == KEY_BYTES]
+
     def unmap(self, pages: Iterable[int]) -> None:
         """Pages handed out afresh hold nothing yet: no backup may use an old key for them."""
         for p in pages:
@@ -323,6 +332,8 @@ class TierIO:
             return None
         keys = self.keys(chains[first:])
         n = self.l3.exists_prefix(keys)
+        if self.events is not None and n:  # pages this group knows are in L3 (a purge names)
+            self.events.l3_found(chains[first:first + n])
         if n and n * P < min_tokens:
             self.stats.prefetch["below_threshold"] += 1
             n = 0

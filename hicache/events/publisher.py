@@ -49,6 +49,7 @@ class Publisher:
     def __init__(self, settings: PublisherSettings, index: int = 0) -> None:
         self.settings, self.index = settings, index
         self.dropped = 0     # batches the full queue refused
+        self.queued = 0      # batches accepted (numbered 0 .. queued-1 as they are sent)
         self.sent = 0
         self._queue: queue.Queue = queue.Queue(maxsize=settings.queue_size)
         self._kept: deque = deque(maxlen=settings.buffer_steps)
@@ -83,6 +84,7 @@ class Publisher:
         batch = wire.KVEventBatch(ts=ts, events=events, data_parallel_rank=self.index)
         try:
             self._queue.put_nowait(batch)
+            self.queued += 1
             return True
         except queue.Full:
             self.dropped += 1

@@ -112,10 +112,16 @@ class TierEvents:
             self._add(self._stored([c for c, _ in run], run[0][1][0], tokens,
                                    extra if any(extra) else None, "l3"))
 
-    def l3_purged(self) -> None:
-        """Every page this group announced in L3 is gone."""
+    def l3_found(self, chains: Sequence[bytes]) -> None:
+        """This group found ``chains`` in L3 (announced by whichever group wrote them)."""
         with self._lock:
-            gone, self.l3_chains = sorted(self.l3_chains), set()
+            self.l3_chains.update(chains)
+
+    def l3_purged(self, named: Sequence[bytes] = ()) -> None:
+        """L3 lost this group's namespace: ``named`` (the pages the purge's keys name) and every
+        page this group announced or found there are gone."""
+        with self._lock:
+            gone, self.l3_chains = sorted(self.l3_chains.union(named)), set()
         if gone:
             self._add(wire.BlockRemoved(gone, wire.MEDIUM["l3"]))
 

@@ -288,9 +288,11 @@ def scan(section: RedisSection) -> registry.Scan:
     return registry.Scan(pages, records)
 
 
-def purge(section: RedisSection, digest: bytes, rank: int | None) -> tuple[int, int]:
+def purge(section: RedisSection, digest: bytes, rank: int | None,
+          gone: list | None = None) -> tuple[int, int]:
     """SCAN the namespace's keys and UNLINK them (pipelined, a thousand a round trip); then
-    its record. Writers running meanwhile may add pages back."""
+    its record. Writers running meanwhile may add pages back. The store keys deleted are
+    appended to ``gone`` (a list, when given)."""
     client = admin_client(section)
     prefix = KEY_PREFIX + digest + (rank.to_bytes(2, "big") if rank is not None else b"")
     n = nbytes = 0
@@ -303,10 +305,12 @@ def purge(section: RedisSection, digest: bytes, rank: int | None) -> tuple[int, 
             for k in batch:
                 pipe.unlink(k)
             res = pipe.execute(raise_on_error=False)
-            for size, gone in zip(res, res[len(batch):]):
-                if gone == 1:
+            for k, size, done in zip(batch, res, res[len(batch):]):
+                if done == 1:
                     n += 1
                     nbytes += size if isinstance(size, int) else 0
+                    if gone is not None:
+                        gone.append(k[len(KEY_PREFIX):])
         if rank is None:
             client.unlink(record_key(digest))
     finally:
