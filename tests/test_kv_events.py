@@ -148,9 +148,40 @@ def test_endpoints():
     assert offset_endpoint("tcp://10.0.0.1:5557", 2) == "tcp://10.0.0.1:5559"
     assert offset_endpoint("tcp://*:0", 2) == "tcp://*:0"
     assert offset_endpoint("inproc://x", 1) == "inproc://x_dp1"
+    assert offset_endpoint("ipc:///run/x", 1) == "ipc:///run/x_dp1"
     assert check_endpoint("tcp://router:5557") == "tcp://router:5557"
     for bad in ("router:5557", "tcp://router", "tcp://:5557", "http://x:1"):
         with pytest.raises(UsageError, match="tcp://HOST:PORT"):
             check_endpoint(bad)
     with pytest.raises(UsageError, match="cannot open"):
         Publisher(_settings(endpoint="ipc:///nonexistent-dir/x/y"))
+
+
+def test_each_dcp_group_publishes_on_its_own_port_with_its_index(tmp_path):
+    """Replica (DCP group) 1 of a fleet publishes on PORT + 1 (its replay socket likewise) and
+    stamps its batches 1, as vLLM's data-parallel ranks do."""
+    import time
+    from hicache.service import HiCache
+    from helpers import make_cfg
+    cfg = make_cfg(tmp_path / "l3").replace(
+        events={"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": f"ipc://{tmp_path}/r"})
+    ctx = zmq.Context()
+    try:
+        with HiCache(cfg, 0, None, mode="l1", replica=(1, 2)) as cache:
+            pub = cache.events.publisher
+            assert pub.endpoint == "tcp://127.0.0.1:5558"
+            for _ in range(100):
+                if pub.sent == pub.queued:
+                    break
+                time.sleep(0.05)
+            req = ctx.socket(zmq.DEALER)
+            req.setsockopt(zmq.RCVTIMEO, 5000)
+            req.connect(f"ipc://{tmp_path}/r_dp1")
+            req.send_multipart((b"", (0).to_bytes(8, "big")))
+            first = req.recv_multipart()
+            req.close(0)
+    finally:
+        ctx.term()
+    assert int.from_bytes(first[2], "big") == 0
+    got = read_batch(first[3])
+    assert got["dp"] == 1 and [k for k, _ in got["events"]] == ["AllBlocksCleared"]

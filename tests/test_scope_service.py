@@ -111,15 +111,19 @@ def _diverging_scopes(rank, world, cfg_dict):
     import torch.distributed as dist
     cfg = HiCacheConfig.from_dict(cfg_dict)
     with HiCache(cfg, rank, dist.group.WORLD, mode="l1+l2") as cache:
+        publishes = cache.events is not None
         cache.admit("r", PROMPT, scope="a" if rank == 0 else "b")
         try:
             cache.step()
         except DivergenceError as e:
-            return str(e)
-        return None
+            return publishes, str(e)
+        return publishes, None
 
 
 def test_ranks_admitting_in_two_scopes_stop_alike(tmp_path):
-    cfg = make_cfg(tmp_path / "l3", dcp=2)
+    """(And the DCP group has one KV event publisher: its rank 0.)"""
+    cfg = make_cfg(tmp_path / "l3", dcp=2).replace(
+        events={"endpoint": f"ipc://{tmp_path}/events"})
     out = launch(2, _diverging_scopes, cfg.to_dict(), timeout_s=120)
-    assert all(o is not None and "admit" in o for o in out), out
+    assert [o[0] for o in out] == [True, False]
+    assert all(o[1] is not None and "admit" in o[1] for o in out), out

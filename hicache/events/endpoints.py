@@ -8,11 +8,11 @@ from hicache.errors import UsageError
 
 def offset_endpoint(endpoint: str, index: int) -> str:
     """The endpoint of publisher ``index`` (a DCP group's replica index): a tcp port moved up by
-    ``index`` (port 0 stays 0), ``inproc`` names suffixed ``_dp<index>``, as vLLM places its
-    data-parallel ranks' publishers."""
+    ``index`` (port 0 stays 0), ``inproc`` (and ``ipc``) names suffixed ``_dp<index>``, as
+    vLLM places its data-parallel ranks' publishers."""
     if not endpoint or index == 0:
         return endpoint
-    if endpoint.startswith("inproc://"):
+    if endpoint.startswith(("inproc://", "ipc://")):
         return f"{endpoint}_dp{index}"
     if endpoint.startswith("tcp://"):
         base, _, port = endpoint.rpartition(":")
