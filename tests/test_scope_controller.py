@@ -124,3 +124,16 @@ def test_tree_matches_the_scoped_chain_model(reqs):
         assert c.peek(tokens, s) == (want * PT, 0)
         assert serve(c, tokens, s).device_len == want * PT
         seen.update(chains)
+
+
+def test_snapshots_stay_in_their_scope():
+    from hicache.controller import SnapshotSettings
+    c = CacheController(PT, 32, 0, snapshots=SnapshotSettings(8, 0, 0))
+    a, b = sc("a", 1), sc("b", 1)
+    serve(c, seq(1, 2, 3, 4), a)
+    assert [s.pages for s in c.snaps.attach(seq(1, 2, 3, 4), [PT, 4 * PT], a)] == [1, 4]
+    assert c.snaps.limit(seq(1, 2, 3, 4), scope=a)[:2] == (4 * PT, 4 * PT)
+    assert c.snaps.limit(seq(1, 2, 3, 4), scope=b)[:2] == (PT, PT)  # the public page's only
+    assert c.snaps.limit(seq(1, 2, 3, 4))[:2] == (PT, PT)
+    assert c.snaps.attach(seq(1, 2, 3, 4), [4 * PT], b) == []  # b has no such page cached
+    c.check()
