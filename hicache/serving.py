@@ -85,9 +85,10 @@ class _Active:
 
 
 def _scope(job) -> tuple:
-    """``(scope, public_tokens)`` of a job (``hicache.workloads.Request``; none: the shared
-    scope)."""
-    return getattr(job, "scope", None), getattr(job, "public_tokens", 0)
+    """The scope arguments of a job for ``admit`` / ``peek``: ``(scope, public_tokens)`` of a
+    ``hicache.workloads.Request`` in a scope, none for one in the shared scope."""
+    scope, public = getattr(job, "scope", None), getattr(job, "public_tokens", 0)
+    return (scope, public) if scope is not None or public else ()
 
 
 class Server:
