@@ -35,7 +35,9 @@ import torch.distributed as dist
 import xxhash
 
 from . import distributed as hd
-from . import hybrid_cache, outcome, preflight
+from . import outcome, preflight
+from .companions import Host, StepFields, build_all, controller_options, memory_need
+from .companions.base import wait_future
 from .config import HiCacheConfig
 from .controller import CacheController, LockHandle, StepAgreement
 from . import minvec
@@ -45,7 +47,7 @@ from .ids import as_tokens
 from .kvport import CheckedPort, checked_once, span_slots
 from .l1.pool import DeviceKVPool, pick_device
 from .l2.pool import HostKVPool
-from .l3 import agree_prefetch, prefetch_signals
+from .l3 import agree_prefetch, chain_hashes, prefetch_signals
 from .tier_io import PREFETCH_OUTCOMES, Job, L3Read, TierIO, Waits, join
 
 log = logging.getLogger("hicache")
@@ -69,9 +71,9 @@ class Prefix:
     page_table: list = field(default_factory=list)  # widened device page ids
     ready: bool = False
     room_wait: int = 0              # steps the agreed L3 restore has waited for L1 room
-    # hybrid models (hicache.hybrid_cache): the KDA state after hit_len tokens, to restore
-    # before the first extend ((hit_len, conv, rec); None: no hit), its tier, and the matched
-    # tokens past the deepest snapshot (recomputed)
+    # hybrid models (hicache.companions.snapshots): the KDA state after hit_len tokens, to
+    # restore before the first extend ((hit_len, conv, rec); None: no hit), its tier, and the
+    # matched tokens past the deepest snapshot (recomputed)
     state: object = None
     state_tier: str = ""
     lost_len: int = 0
@@ -93,11 +95,20 @@ class _Request:
     prefetch: Optional[L3Read] = None  # the L3 read, until its restore is agreed
     own_pages: list = field(default_factory=list)   # pages from alloc_device (not yet in tree)
     restore_tries: int = 0          # steps an agreed L3 restore waited for L1 room
-    state_l3: object = None         # hybrid: (position, snapshot) found in L3 (hybrid_cache)
-    state_find: object = None       # hybrid: the Future of that L3 lookup, until resolved
-    draft_read: object = None       # spec: the L3 read of its draft pages (DraftRead)
-    draft_future: object = None     # spec: the Future of that read, until resolved
-    draft_agreed: int = 0           # spec: draft pages of that read every rank holds
+    parts: dict = field(default_factory=dict)  # each companion's state of it, by name
+    _chains: list = field(default_factory=list)
+
+    def chains(self, tokens: np.ndarray) -> list[bytes]:
+        """The chain hash of every whole page of ``tokens`` (the prompt, or what ``finish``
+        caches: both start with the prompt), computed once per request: the one place a
+        request's pages get their L3 identity (the target's keys, the companions' keys)."""
+        w = self.page_tokens
+        n = tokens.size // w
+        if len(self._chains) < n:
+            self._chains = chain_hashes(tokens[:n * w], w)
+        return self._chains[:n]
+
+    page_tokens: int = 1
 
 
 @dataclass
@@ -117,19 +128,26 @@ class HiCache:
     """One rank's cache hierarchy. ``mode`` picks the tiers: recompute, l1, l1+l2, l1+l2+l3
     (default: l1+l2, plus l3 when the policy file enables it). ``weights_signature`` (default:
     the policy's ``[model] signature``) names the weights in the L3 keys, so a store written by
-    other weights of the same shapes never hits; L3 refuses to start without one."""
+    other weights of the same shapes never hits; L3 refuses to start without one.
+
+    Companions (``hicache.companions``) keep state beside the target KV under the same page
+    ids: KDA snapshots when the policy names a hybrid checkpoint, a draft's KV pages with
+    ``draft`` (a ``DraftSpec``), and any kind ``companions`` makes (factories ``Host ->
+    Companion``); ``companion(name)`` gives one, ``finish`` takes each one's value by its
+    ``finish_arg`` keyword, ``stats()[name]`` its report."""
 
     def __init__(self, config: HiCacheConfig, rank: int = 0, group=None, *,
                  mode: str | None = None, device: str | torch.device | None = None,
                  replica: tuple[int, int] = (0, 1), debug: bool = False,
-                 weights_signature: str | None = None, draft=None) -> None:
+                 weights_signature: str | None = None, draft=None, companions=()) -> None:
         # Construction is agreed: whatever fails here on one rank (a preflight check, a pool,
         # the L3 store, a bad argument), every rank still takes the construction's collectives
         # (the control group, then one checkpoint) and then every rank raises at that point;
         # what was built is closed on every rank.
         self._closed = True  # until built: close() has nothing to do
         self.io: TierIO | None = None
-        self.draft_spec, self.draft = draft, None  # spec: a DraftSpec -> DraftPages
+        self.draft_spec, self._extra = draft, tuple(companions)  # what the companions are
+        self.companions: list = []
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         error: BaseException | None = None
         try:
@@ -172,9 +190,9 @@ class HiCache:
         self.replica = replica
         self.tiers = CACHE_MODES[mode]
         host_pages = self._build_pools(config, rank, device)
-        snapshots, self.states = hybrid_cache.build(config, self.tiers, self.l1.device)
         self.ctrl = CacheController(self.page_tokens, config.l1.num_pages, host_pages,
-                                    policy=config.policy, snapshots=snapshots)
+                                    policy=config.policy,
+                                    **controller_options(config, self.tiers))
         self._init_request_state(config)
         # the bytes: transfers, L3 store, writer, prefetcher, restores (hicache/tier_io.py)
         self.io = TierIO(config, rank, self.l1, self.l2, self.page_tokens, self._record,
@@ -182,12 +200,12 @@ class HiCache:
                          weights_signature=weights_signature)
         self.transfer = self.io.transfer
         self.namespace = self.io.namespace
-        hybrid_cache.open_l3(self, config, replica, weights_signature)
-        if self.draft_spec is not None:  # spec: the draft's companion pages in every tier
-            from .draft_pages import build_draft_pages
-            self.draft = self.io.draft = build_draft_pages(
-                self.draft_spec, config, rank, device, host_pages, "l3" in self.tiers,
-                weights_signature)
+        self._host = Host(config, rank, replica, self.page_tokens, self.tiers, self.ctrl,
+                          self.io, self.l1.device, weights_signature, self._record,
+                          self._timed, self._owned, self._held, self._check_usable)
+        # what the cache keeps beside the target KV, in every tier (hicache.companions)
+        self.companions = self.io.companions = build_all(self._host, self.draft_spec,
+                                                         host_pages, self._extra)
 
     @staticmethod
     def _check_args(config: HiCacheConfig, world: int, mode: str | None,
@@ -228,9 +246,7 @@ class HiCache:
         # together against the node's total, since its siblings may have allocated already
         need = preflight.memory_need(config, hd.local_world_size(), l2="l2" in self.tiers,
                                      cuda=pick_device(device).type != "cpu")
-        if self.draft_spec is not None:  # spec: the draft's pools beside the target's
-            from .draft_pages import draft_need
-            need = draft_need(need, config, self.draft_spec, host_pages)
+        need = memory_need(need, config, self.draft_spec, host_pages)  # companions' pools
         preflight.check_node_memory(need, machine.host_total, "is the node's total")
         fmt = config.page_format  # every pool size below is the format's
         self.l1 = DeviceKVPool.for_format(self.layout, fmt, config.l1.num_pages, device=device)
@@ -249,6 +265,7 @@ class HiCache:
         self._fault: BaseException | None = None
         self._failed: BaseException | None = None
         self._owned = np.zeros(config.l1.num_pages, dtype=bool)  # pages of admitted requests
+        self._held = np.zeros(config.l1.num_pages, dtype=np.int32)  # in their tables (a count)
         self._released = 0  # times owned pages were released (ends a remembered write check)
         self._writable: np.ndarray | None = None  # the last write's pages found owned ...
         self._writable_at = -1                     # ... at this count of releases
@@ -259,8 +276,7 @@ class HiCache:
         key = (self.mode, self.page_tokens, c.l1.num_pages, self.ctrl.host.num_pages,
                repr(p), self.agreement.debug,  # the whole [policy]: every key drives a
                self.weights_signature if self.l3 is not None else "",  # replicated choice
-               repr(c.hybrid),
-               self.draft_spec.signature if self.draft_spec is not None else "")  # spec
+               repr(c.hybrid), tuple(x.signature for x in self.companions))
         raw = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
         return int.from_bytes(raw, "little") >> 4
 
@@ -269,10 +285,20 @@ class HiCache:
         io, self.io = self.io, None
         if io is not None:
             io.close()
-        for part in (getattr(self, "states", None), getattr(self, "draft", None)):
-            if part is not None:  # the snapshots' and the draft's pools, writers and stores
-                part.close()
+        for part in self.companions:  # their pools, copies, writers and stores
+            part.close()
+        self.companions = []
         self.l1 = self.l2 = self.ctrl = self.transfer = None
+
+    def companion(self, name: str):
+        """The companion named ``name`` (``"draft"``, ``"hybrid"``, ...), or None."""
+        return next((c for c in self.companions if c.name == name), None)
+
+    @property
+    def draft(self):
+        """The draft's companion pages (``hicache.companions.draft.DraftPages``: ``kv`` is
+        the checked port the drafter writes through), None without ``draft=``."""
+        return self.companion("draft")
 
     @property
     def l3(self):
@@ -300,15 +326,13 @@ class HiCache:
         if arr.size == 0:
             raise UsageError(f"request {request_id!r} has no tokens")
         prefix = Prefix(request_id, int(arr.size))
-        req = _Request(prefix, arr)
+        req = _Request(prefix, arr, page_tokens=self.page_tokens)
         self._reqs[request_id] = req
         self._stats.requests += 1
         if self.tiers:
-            if self.states is not None:  # hybrid: cut back to the deepest snapshot
-                m = hybrid_cache.match(self, arr, prefix)
-            else:
-                with self._timed():
-                    m = self.ctrl.match(arr[:-1], lock=True)
+            with self._timed():  # a companion may end the hit earlier (at a snapshot)
+                end = self._cap(arr[:-1], req)
+                m = self.ctrl.match(arr[:end], lock=True)
             req.lock = m.lock
             prefix.device_len = m.device_len
             prefix.page_table = m.device_pages.tolist()
@@ -319,25 +343,22 @@ class HiCache:
                     prefix.host_len = m.host_len
                     prefix.page_table += list(op.device_pages)
                     # the loaded pages now hold these positions
-                    self.io.map_chains(prefix.page_table, arr[:prefix.hit_len])
-            if self.states is not None:  # no L2 load-back: end at a snapshot in L1
-                hybrid_cache.settle(self, arr, prefix)
+                    self.io.map_chains(prefix.page_table, req.chains(arr[:prefix.hit_len]))
             loads = self.io.launch(self.ctrl.take_ops())
+            for c in self.companions:  # their part of the hit (presence came with the loads)
+                c.settle(self._host, req)
+            self._held[prefix.page_table] += 1
             req.load_job = loads[-1] if loads else None
             if m.wait_ops:  # device pages still being loaded for an earlier request
                 req.load_job = Waits(self.io.jobs_of(m.wait_ops)
                                      + ([req.load_job] if req.load_job else []))
-            if self.draft is not None:  # spec: L1/L2 presence came with the loads
-                prefix.draft_len = self.draft.present_pages(prefix.page_table, arr) \
-                    * self.page_tokens
             if self.l3 is not None:
-                req.prefetch = self.io.start_prefetch(request_id, arr, prefix.hit_len)
+                req.prefetch = self.io.start_prefetch(request_id, req.chains(arr[:-1]),
+                                                      prefix.hit_len)
                 if req.prefetch is not None:  # companion reads: started, resolved at a step
                     self._pending.append(req)
-                    if self.states is not None:
-                        hybrid_cache.find_l3(self, req, arr)
-                    if self.draft is not None:
-                        req.draft_future = self._read_draft(arr, prefix)
+                    for c in self.companions:
+                        c.start_read(self._host, req)
         prefix.ready = req.prefetch is None
         if prefix.ready:
             self._count_hits(prefix)
@@ -374,10 +395,19 @@ class HiCache:
             return 0, 0
         with self._timed():
             dev, host = self.ctrl.peek(arr[:-1])
-            if self.states is not None:
-                usable = hybrid_cache.usable_len(self, arr[:-1])
-                dev, host = min(dev, usable), max(0, min(host, usable - dev))
+            usable = self._cap(arr[:-1])
+            dev, host = min(dev, usable), max(0, min(host, usable - dev))
         return dev, (host if "l2" in self.tiers else 0)
+
+    def _cap(self, query: np.ndarray, req: _Request | None = None) -> int:
+        """The longest hit of ``query`` every companion can serve (with ``req``: admission,
+        where a companion remembers what it found)."""
+        end = int(query.size)
+        for c in self.companions:
+            cap = c.cap(self._host, query, req)
+            if cap is not None:
+                end = min(end, cap)
+        return end
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine reports prefill speed; with the store's read speed it decides whether an
@@ -407,10 +437,11 @@ class HiCache:
             pages = self.ctrl.alloc_device(need)
         self.io.unmap(pages)
         self.kv.forget(pages)
-        if self.draft is not None:
-            self.draft.forget(pages)
+        for c in self.companions:  # afresh: none of their data either
+            c.forget(pages)
         self.io.launch(self.ctrl.take_ops())
         self._owned[pages] = True
+        self._held[pages] += 1
         req.own_pages += pages
         req.prefix.page_table += pages
         self._note("alloc", request_id, None, n_tokens, len(pages))
@@ -477,37 +508,53 @@ class HiCache:
 
     def snapshot_positions(self, request_id, end: int) -> list[int]:
         """Hybrid models: the positions in ``(hit, end]`` whose KDA state the engine should
-        hand to ``finish`` (empty for other models). Replicated."""
-        return hybrid_cache.positions(self, request_id, end)
+        hand to ``finish`` (empty for other models). Replicated. (The serving loop's name for
+        ``companion("hybrid").positions``.)"""
+        snaps = self.companion("hybrid")
+        if snaps is None:
+            return []
+        return snaps.positions(self._host, self.prefix(request_id).hit_len, end)
 
-    def finish(self, request_id, tokens, snapshots=None, draft_len: int = 0) -> None:
+    def finish(self, request_id, tokens, snapshots=None, **handed) -> None:
         """The request is done; ``tokens`` are those whose KV is in its pages (prompt plus the
-        generated tokens that were fed back). Whole pages are cached; the rest is freed.
-        ``snapshots`` (hybrid models): position -> the KDA state ``(conv, rec)`` after it.
-        ``draft_len`` (spec): the leading tokens whose draft KV the drafter wrote; the
-        request's own whole pages below it keep their draft pages."""
+        generated tokens that were fed back). Whole pages are cached; the rest is freed. Each
+        companion takes its value by its ``finish_arg`` keyword, and its length goes into the
+        step's content digest (ranks that differ raise ``DivergenceError`` at the next step):
+        ``snapshots`` (hybrid models; also the third positional argument): position -> the
+        KDA state ``(conv, rec)`` after it; ``draft_len`` (spec): the leading tokens whose
+        draft KV the drafter wrote at every draft layer; the request's own whole pages below
+        it keep their draft pages."""
         if self._closed:
             raise UsageError("finish after close()")
         req = self._reqs.get(request_id)
         if req is None:
             raise UsageError(f"finish of unknown request {request_id!r}")
         arr = as_tokens(tokens)
-        self._check_finish(request_id, req, arr)  # everything that can refuse, before any change
+        if snapshots is not None:
+            handed["snapshots"] = snapshots
+        # everything that can refuse, before any change
+        values = self._check_finish(request_id, req, arr, handed)
         del self._reqs[request_id]
-        self._note("finish", request_id, arr)
+        self._note("finish", request_id, arr,
+                   *(v for c in self.companions for v in c.digest(values[c.name])))
         if req.prefetch is not None:  # finished before its prefetch resolved
             self.io.cancel_prefetch(req.prefetch)
             self._pending.remove(req)
-            for f in (req.draft_future, req.state_find):  # companion reads: dropped
-                if f is not None:
-                    f.cancel()  # one running ends on its thread; its result is dropped
+            for c in self.companions:  # their reads: dropped
+                c.drop(req)
         if req.load_job is not None:
             try:
                 req.load_job.wait()
             except TransferError as err:  # agreed at the next step; the bookkeeping goes on
                 self._record(err)
         self._owned[req.own_pages] = False
+        self._held[req.prefix.page_table] -= 1
         self._released += 1  # a write checked before may touch these pages no more
+        self._insert(req, arr, values)
+
+    def _insert(self, req: _Request, arr: np.ndarray, values: dict) -> None:
+        """Cache the whole pages of ``arr`` (the companions keep what they were handed), free
+        the rest; a stopped cache only releases."""
         table = req.prefix.page_table
         whole = min(arr.size // self.page_tokens, len(table))
         if self._failed is not None:  # stopped: insert nothing, only release
@@ -517,15 +564,13 @@ class HiCache:
                 if req.own_pages:
                     self.ctrl.free_device(req.own_pages)
             return
-        if self.draft is not None:
-            self._mark_drafts(req, min(int(draft_len), whole * self.page_tokens), arr)
         if self.tiers:
             end = whole * self.page_tokens  # the insert releases the lock (walks on from it)
             with self._timed():
                 res = self.ctrl.insert(arr[:end], table[:whole], after=req.lock)
-            self.io.map_chains(res.device_pages.tolist(), arr[:end])
-            if self.states is not None:
-                hybrid_cache.attach(self, arr[:end], snapshots)
+            self.io.map_chains(res.device_pages.tolist(), req.chains(arr[:end]))
+            for c in self.companions:
+                c.finish(self._host, req, arr, end, values[c.name])
             own = set(req.own_pages)
             tail = [p for p in table[whole:] if p in own]
             self.io.launch(self.ctrl.take_ops())
@@ -535,13 +580,19 @@ class HiCache:
             with self._timed():
                 self.ctrl.free_device(tail)
 
-    def _check_finish(self, request_id, req: _Request, arr: np.ndarray) -> None:
-        """UsageError (the request stays admitted, nothing changed) unless ``arr`` may be
-        cached for the request: it starts with the admitted prompt, has no negative id, and
-        every token past the hit that has a page has KV written at every layer (tokens past
-        the page table have nowhere to be and are never cached) (``CheckedPort.unwritten``): a
-        page is never cached with rows nobody wrote. A stopped cache caches nothing: only the
-        prompt is checked then."""
+    def _check_finish(self, request_id, req: _Request, arr: np.ndarray, handed: dict) -> dict:
+        """The companions' values by name; UsageError (the request stays admitted, nothing
+        changed) unless ``arr`` may be cached for the request: it starts with the admitted
+        prompt, has no negative id, and every token past the hit that has a page has KV
+        written at every layer (tokens past the page table have nowhere to be and are never
+        cached) (``CheckedPort.unwritten``): a page is never cached with rows nobody wrote;
+        each companion checks its value the same way. A stopped cache caches nothing: only
+        the prompt is checked then."""
+        values = {c.name: handed.pop(c.finish_arg, None) for c in self.companions}
+        extra = [k for k, v in handed.items() if v is not None and v != 0 and v != {}]
+        if extra:
+            raise UsageError(f"finish of request {request_id!r}: {extra[0]}= is no companion's "
+                             "value here (this cache keeps none that takes it)")
         n = min(arr.size, req.tokens.size)
         if not np.array_equal(arr[:n], req.tokens[:n]):
             bad = int(np.flatnonzero(arr[:n] != req.tokens[:n])[0])
@@ -552,9 +603,13 @@ class HiCache:
             raise UsageError(f"finish of request {request_id!r}: token {bad} is {int(arr[bad])};"
                              " token ids are non-negative")
         w, table = self.page_tokens, req.prefix.page_table
+        if self._failed is None:
+            whole = min(arr.size // w, len(table)) * w
+            for c in self.companions:
+                c.check_finish(self._host, req, arr, whole, values[c.name])
         start, end = req.prefix.hit_len, min(int(arr.size), len(table) * w)  # past: no page
         if self._failed is not None or end <= start:
-            return
+            return values
         slots = span_slots(table[start // w:], start, end, w)
         first = self.kv.unwritten(slots)
         if first >= 0:
@@ -562,6 +617,7 @@ class HiCache:
                 f"finish of request {request_id!r}: token {start + first} of {arr.size} has no "
                 "KV written at every layer; pass only the tokens whose KV the engine wrote "
                 f"(the first {start + first} here)")
+        return values
 
     def abort(self, request_id) -> None:
         """Drop an admitted request and cache nothing from it (preemption); a later ``admit``
@@ -596,12 +652,8 @@ class HiCache:
         done = self.io.poll()  # one state read per copy; failures recorded here
         handles = [r.prefetch.handle for r in self._pending]
         signals = prefetch_signals(handles)
-        self._resolve_reads(signals)
-        extras = [int(self._fault is None)] + signals
-        if self.draft is not None:  # spec: draft pages read, MIN-agreed
-            extras += [getattr(r.draft_read, "pages", 0) for r in self._pending]
-        if self.states is not None and handles:  # hybrid: the snapshot each L3 read ends at
-            extras += hybrid_cache.l3_signals(self._pending)
+        fields = self._companion_fields(signals)
+        extras = [int(self._fault is None)] + signals + fields.pack()
         t0 = time.perf_counter()
         try:
             res = self.ctrl.agree(self.agreement, done, extras)
@@ -618,13 +670,12 @@ class HiCache:
         ready = []
         n = 1 + 2 * len(handles)
         decisions = agree_prefetch(handles, agreed=list(res.extras[1:n])) if handles else []
-        m = n + (len(handles) if self.draft is not None else 0)
-        agreed_drafts = list(res.extras[n:m]) or [0] * len(handles)
-        if self.states is not None and handles:
-            decisions = hybrid_cache.l3_decisions(self, self._pending, decisions,
-                                                  res.extras[m:])
-        for req, (ok, pages), nd in zip(list(self._pending), decisions, agreed_drafts):
-            req.draft_agreed = nd
+        agreed = fields.unpack(res.extras[n:])
+        for i, (req, (ok, pages)) in enumerate(zip(list(self._pending), decisions)):
+            for c in self.companions:  # each may cut the pages restored (by its own fields)
+                mine = {k.split(".", 1)[1]: v[i] for k, v in agreed.items()
+                        if k.startswith(c.name + ".")}
+                pages = c.decide(self._host, req, mine, pages)
             if ok and self._restore(req, pages):
                 self._pending.remove(req)
                 ready.append(req.prefix)
@@ -645,6 +696,25 @@ class HiCache:
 
     def prefix(self, request_id) -> Prefix:
         return self._req(request_id).prefix
+
+    def _companion_fields(self, signals: list) -> StepFields:
+        """The companions' reads of each request whose target prefetch is ready on this rank
+        (``signals``: ``prefetch_signals``) taken within the prefetch's deadline (only a step
+        where every rank is ready restores, so each rank then contributes what its read found:
+        a timeout or an error is nothing, which the MIN makes a miss on every rank alike);
+        then their named fields, one value per request waiting on L3."""
+        for i, req in enumerate(self._pending):
+            if signals[2 * i]:
+                bound = req.prefetch.handle.policy.deadline_s(int(req.tokens.size))
+                rid = req.prefix.request_id
+                for c in self.companions:
+                    c.resolve(req, lambda f, d, what: wait_future(f, d, bound, what, rid))
+        fields = StepFields(len(self._pending))
+        for c in self.companions:
+            per = [c.fields(req) for req in self._pending]
+            for k in sorted(per[0]) if per else ():
+                fields.add(f"{c.name}.{k}", [p[k] for p in per])
+        return fields
 
     def stats(self) -> dict:
         s, io = self._stats, self.io.stats
@@ -669,10 +739,8 @@ class HiCache:
             # copy ops the controller issued: backups (d2h) and L2 load-backs (h2d)
             "copy_ops": {"d2h": ctrl.backups, "h2d": ctrl.loads},
         }
-        if self.states is not None:  # hybrid models: KDA state snapshots
-            out["hybrid"] = self.states.report()
-        if self.draft is not None:  # spec: the draft's companion pages, by tier
-            out["draft"] = self.draft.report()
+        for c in self.companions:  # e.g. "hybrid" (KDA snapshots), "draft" (spec)
+            out[c.name] = c.report()
         if self.l3 is not None:
             l3 = self.l3.stats
             out["evictions"]["l3"] = l3.evictions
@@ -715,10 +783,8 @@ class HiCache:
         finally:
             self._closed = True
             self.io.close()  # copies stop before the pools go; failures were reported already
-            if self.states is not None:
-                self.states.close()
-            if self.draft is not None:
-                self.draft.close()
+            for c in self.companions:
+                c.close()
 
     def _agree_close(self, flush: bool, error: BaseException | None) -> bool:
         """Whether every rank flushes (the same answer on every rank), raising ``PeerError`` on
@@ -826,78 +892,24 @@ class HiCache:
             dev, pages = [], 0
             self._stats.restore_fallbacks += 1
         self.io.launch(self.ctrl.take_ops())
-        if self.draft is not None:  # spec: the agreed draft pages come with the target's
-            self._restore_drafts(req, dev, pages)
         if pages:
             req.load_job = join(req.load_job, self.io.restore(req.prefetch, dev))
             self.kv.fill(dev)
             self._owned[dev] = True
+            self._held[dev] += 1
             req.own_pages += dev
             prefix.page_table += dev
             prefix.storage_len = pages * self.page_tokens
-            if self.states is not None:
-                hybrid_cache.restored_l3(self, req)
+        for c in self.companions:  # their agreed pages, as jobs beside the target's
+            job = c.restore(self._host, req, dev, pages)
+            if job is not None:
+                self.io.track(job)
+                req.load_job = join(req.load_job, job)
         self.io.end_prefetch(req.prefetch)
         req.prefetch = None
         prefix.ready = True
         self._count_hits(prefix)
         return True
-
-    # ---- spec: the draft's companion pages (hicache/draft_pages.py) ----------------------------
-    def _read_draft(self, arr: np.ndarray, prefix: Prefix):
-        """Start reading the L3 draft pages after the L1/L2 hit, when that hit has all its draft
-        pages: a Future (``DraftPages.start_read_l3``), resolved by ``_resolve_reads``."""
-        if prefix.draft_len < prefix.hit_len:
-            return None
-        from .l3 import chain_hashes
-        w, first = self.page_tokens, prefix.hit_len // self.page_tokens
-        chains = chain_hashes(arr[:-1], w)[first:]
-        nxt = arr[(np.arange(first, first + len(chains)) + 1) * w]  # the token after each
-        return self.draft.start_read_l3(chains, nxt)
-
-    def _resolve_reads(self, signals: list) -> None:
-        """The companion reads (draft pages, KDA snapshot) of each request whose target
-        prefetch is ready on this rank (``signals``: ``prefetch_signals``), waited for within
-        the prefetch's deadline: only a step where every rank is ready restores, so each rank
-        then contributes what its read found (a timeout or an error: nothing, which the MIN
-        makes a miss on every rank alike)."""
-        for i, req in enumerate(self._pending):
-            if not signals[2 * i]:
-                continue
-            if req.draft_future is not None:
-                req.draft_read = self._await(req.draft_future, None, "draft pages", req)
-                req.draft_future = None
-            if self.states is not None:
-                hybrid_cache.resolve_l3(req, lambda f, d, what: self._await(f, d, what, req))
-
-    @staticmethod
-    def _await(future, default, what: str, req: _Request):
-        """``future``'s result within the request's prefetch deadline, else ``default``."""
-        bound = req.prefetch.handle.policy.deadline_s(int(req.tokens.size))
-        try:
-            return future.result(timeout=bound)
-        except Exception as err:  # noqa: BLE001 (a timeout or the read's error: a miss here)
-            future.cancel()
-            log.warning("L3 read of the %s of request %r: %s (recomputed)", what,
-                        req.prefix.request_id, err or type(err).__name__)
-            return default
-
-    def _restore_drafts(self, req: _Request, dev: list, pages: int) -> None:
-        """The agreed L3 draft pages (at most the target's restored ``pages``) into ``dev``;
-        they extend ``draft_len`` only when the L1/L2 hit had all its draft pages."""
-        self.draft.forget(dev)
-        n = self.draft.restore(req.draft_read, dev, min(pages, req.draft_agreed))
-        if req.prefix.draft_len == req.prefix.hit_len:
-            req.prefix.draft_len += n * self.page_tokens
-        req.draft_read = None
-
-    def _mark_drafts(self, req: _Request, draft_len: int, arr: np.ndarray) -> None:
-        """The request's own pages wholly below ``draft_len`` hold their draft KV (with the
-        token after each page, -1 past ``arr``)."""
-        w, own = self.page_tokens, set(req.own_pages)
-        idx = [i for i, p in enumerate(req.prefix.page_table[:draft_len // w]) if p in own]
-        self.draft.mark([req.prefix.page_table[i] for i in idx],
-                        [int(arr[(i + 1) * w]) if (i + 1) * w < arr.size else -1 for i in idx])
 
     def _count_hits(self, prefix: Prefix) -> None:
         """Counted once the prefix is final, so hit + miss == prompt tokens of ready requests

@@ -4,8 +4,8 @@ copies by slot id (the slots are the controller's, ``hicache.controller.snapshot
 A snapshot is replicated (the same on every DCP rank), held as its engine tensors ``(conv,
 rec)``: the short-convolution window ``[L, 3D, K-1]`` and the fp32 recurrent matrix
 ``[L, H, Dk, Dv]`` of every KDA layer. Its size is the STATE ``PageFormat``'s
-(``hicache.hybrid_sizes``); the pools are slot-indexed like the page pools, filled lazily.
-The L3 copy is written by ``hicache.state_l3``. No collective; imports no controller, service
+(``hicache.companions.snapshot_format``); the pools are slot-indexed like the page pools, filled lazily.
+The L3 copy is written by ``hicache.companions.snapshot_l3``. No collective; imports no controller, service
 or engine.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import UsageError
+from hicache.errors import UsageError
 
 TIERS = ("l1", "l2", "l3")
 
@@ -42,7 +42,7 @@ class StateTier:
         self.l1: list = [None] * l1_slots
         self.l2: list = [None] * l2_slots
         self.stats = StateStats()
-        self.l3 = None  # hicache.state_l3.StateL3 when L3 is on
+        self.l3 = None  # hicache.companions.snapshot_l3.StateL3 when L3 is on
 
     def close(self) -> None:
         l3, self.l3 = self.l3, None
