@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence, Union
 
-import numpy as np
 import torch
 
 from .config import HiCacheConfig

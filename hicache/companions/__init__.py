@@ -19,10 +19,10 @@ from typing import Callable, Sequence
 
 from hicache.errors import UsageError
 
-from .base import Companion, Host, JobSet, StepFields
+from .base import Companion, Host, JobSet, StepFields, wait_future
 
 __all__ = ["Companion", "Host", "JobSet", "StepFields", "build_all", "controller_options",
-           "memory_need"]
+           "memory_need", "step_fields", "agreed_of"]
 
 
 def controller_options(config, tiers) -> dict:
@@ -76,3 +76,28 @@ def _check(c, made: list) -> None:
         if o.name == c.name or o.finish_arg == c.finish_arg:
             raise UsageError(f"two companions named {c.name!r} (or taking "
                              f"finish({c.finish_arg}=))")
+
+
+def step_fields(companions: Sequence[Companion], pending: Sequence, signals: list) -> StepFields:
+    """The companions' named fields of a step, one value per request waiting on L3
+    (``pending``). First each companion takes its read of every request whose target prefetch
+    is ready on this rank (``signals``: ``prefetch_signals``), within the prefetch's deadline:
+    only a step where every rank is ready restores, so each rank then contributes what its
+    read found (a timeout or an error is nothing, which the MIN makes a miss on every rank)."""
+    for i, req in enumerate(pending):
+        if signals[2 * i]:
+            bound = req.prefetch.handle.policy.deadline_s(int(req.tokens.size))
+            rid = req.prefix.request_id
+            for c in companions:
+                c.resolve(req, lambda f, d, what: wait_future(f, d, bound, what, rid))
+    fields = StepFields(len(pending))
+    for c in companions:
+        per = [c.fields(req) for req in pending]
+        for k in sorted(per[0]) if per else ():
+            fields.add(f"{c.name}.{k}", [p[k] for p in per])
+    return fields
+
+
+def agreed_of(agreed: dict, name: str, i: int) -> dict:
+    """Companion ``name``'s agreed fields for request ``i`` (``StepFields.unpack`` output)."""
+    return {k.split(".", 1)[1]: v[i] for k, v in agreed.items() if k.startswith(name + ".")}
