@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from .companions import Host, agreed_of, build_all, controller_options, step_fields
+from .companions import (Host, JobSet, agreed_of, build_all, controller_options,
+                         step_fields)
 from .config import HiCacheConfig
 from .controller import CacheController
 from .errors import DeviceFullError, DivergenceError, TransferError, UsageError
@@ -577,18 +578,19 @@ class HiCache:
             dev, pages = [], 0
             self._stats.restore_fallbacks += 1
         self.io.launch(self.ctrl.take_ops())
+        job = self.io.restore(req.prefetch, dev) if pages else None
         if pages:
-            req.load_job = join(req.load_job, self.io.restore(req.prefetch, dev))
             self.kv.fill(dev)
             self._pages.take(dev)
             req.own_pages += dev
             prefix.page_table += dev
             prefix.storage_len = pages * self.page_tokens
-        for c in self.companions:  # their agreed pages, as jobs beside the target's
-            job = c.restore(self._host, req, dev, pages)
-            if job is not None:
-                self.io.track(job)
-                req.load_job = join(req.load_job, job)
+        beside = [c.restore(self._host, req, dev, pages) for c in self.companions]
+        for j in beside:  # the companions' agreed pages, as jobs beside the target's
+            if j is not None:
+                self.io.track(j)
+        if job is not None:
+            req.load_job = join(req.load_job, JobSet(job, beside))
         self.io.end_prefetch(req.prefetch)
         req.prefetch = None
         prefix.ready = True

@@ -13,6 +13,7 @@ import pytest
 
 from hicache.config import HiCacheConfig
 from hicache.distributed import launch
+from hicache.l3 import chain_hashes
 from hicache.serving import Server
 from hicache.service import HiCache
 from hicache.workloads import Request
@@ -128,7 +129,8 @@ def _flip_snapshot(position):
     def damage(cache):
         l3 = cache.companion("hybrid").l3
         store = l3.store._store  # the PageStore under the guard
-        key = l3._key(jobs()[0][0].tokens[:position])
+        tokens = np.asarray(jobs()[0][0].tokens[:position])
+        key = l3._key(chain_hashes(tokens, cache.page_tokens)[-1])  # the page ending there
         with store._env.begin(write=True) as txn:
             value = bytearray(txn.get(key, db=store._data))
             value[len(value) // 2] ^= 0x40
