@@ -199,3 +199,23 @@ def test_a_companion_value_is_its_own_keyword_and_checked(tmp_path):
         assert cache.stats()["echo"]["l1_pages"] == 2
     with pytest.raises(UsageError, match="two companions named 'echo'"):
         HiCache(cfg, mode="l1", companions=[Echo, Echo])
+
+
+def test_a_snapshot_l2_copy_is_a_job_of_the_snapshots_transfer_engine():
+    """The KDA snapshots are pools too: the L2 copy of a snapshot is a backup job (timed, per
+    layer), and a hit served from L2 gets the bytes the L1 slot held, as a copy."""
+    from hicache.companions.snapshot_tier import StateTier
+    fmt = PageFormat.state(3, 10, "float32", name="kda_state")
+    tier = StateTier(fmt, 2, 2, "cpu", conv_elems=4)
+    conv, rec = torch.randn(3, 4), torch.randn(3, 2, 3)
+    job = tier.put((conv, rec), 0, 1)
+    assert job.direction == "d2h" and job.num_layers == 3 and job.nbytes == fmt.page_bytes
+    job.wait()
+    tier.put((torch.zeros(3, 4), torch.zeros(3, 6)), 0, None)  # L1 slot 0 reused
+    (c, r), where = tier.get(None, 1)
+    assert where == "l2" and torch.equal(c, conv) and torch.equal(r, rec.reshape(3, -1))
+    (c, _), _ = tier.get(0, None)
+    c += 1  # a copy: the slot is untouched
+    assert not tier.l1.kv.any()
+    assert tier.report()["held_bytes"] == {"l1": fmt.page_bytes, "l2": fmt.page_bytes}
+    tier.close()

@@ -1,8 +1,8 @@
 """``Snapshots``: a hybrid model's KDA state snapshots beside the striped MLA KV pages, as a
 ``Companion`` (``hicache.companions.base``; docs/hybrid.md). Allocated per snapshot position:
 the controller's snapshot index (``hicache.controller.snapshots``, bookkeeping only) gives each
-an L1 slot and an L2 slot; the bytes live in ``SnapshotTier`` (``snapshot_tier``) and, once for
-the DCP group, in L3 (``snapshot_l3``).
+an L1 slot and an L2 slot; the bytes live in ``StateTier`` (``snapshot_tier``: pools, the L2
+copy a job of its own transfer engine) and, once for the DCP group, in L3 (``snapshot_l3``).
 
 - ``controller_options``: the controller's snapshot settings when the policy's ``model.path``
   is a hybrid checkpoint (DeepSeek checkpoints and the built-in model are untouched);
@@ -183,7 +183,9 @@ class Snapshots(Companion):
         for s in placed:
             state = value[s.pages * pt]
             try:
-                self.tier.put(state, s.l1, s.l2)
+                job = self.tier.put(state, s.l1, s.l2)
+                if job is not None:  # the L2 copy: polled and agreed like the target's
+                    host.io.track(job)
                 if l3 is not None:  # once for the group (the designated rank queues a copy)
                     l3.put(chains[s.pages - 1], state)
             except Exception as err:  # noqa: BLE001 (any copy failure: agreed, not raised here)
@@ -213,7 +215,7 @@ def build(host: Host) -> Snapshots | None:
     if fmt is None or not host.tiers:
         return None
     l1, l2 = snapshot_slots(config, "l2" in host.tiers)
-    tier = StateTier(fmt, l1, l2, host.device)
+    tier = StateTier(fmt, l1, l2, host.device, conv_elems(config), pin=config.l2.pin)
     if host.io.l3 is not None:
         from .snapshot_l3 import StateL3
         tier.l3 = StateL3(config, host.rank, host.replica, host.weights_signature, fmt,
