@@ -109,6 +109,7 @@ class InFlight:
     job: Job
     op: Optional[Union[BackupOp, LoadOp]] = None
     chains: tuple[Optional[PageChain], ...] = ()
+    target: bool = True  # False: a companion's restore (its bytes are in its own stats)
 
     @property
     def direction(self) -> str:
@@ -237,7 +238,7 @@ class TierIO:
 
     def track(self, job) -> None:
         """A companion's restore job: polled (and its failure agreed) like the target's."""
-        self.restores.append(InFlight(job))
+        self.restores.append(InFlight(job, target=False))
 
     def jobs_of(self, op_ids: Iterable[int]) -> list[Job]:
         """The jobs of those ops still in flight."""
@@ -290,6 +291,8 @@ class TierIO:
                 self.record(err)
 
     def _account(self, rec: InFlight) -> None:
+        if not rec.target:
+            return
         job = rec.job
         if self.observer is not None:
             self.observer.observe("transfer", job.seconds, rec.direction)
