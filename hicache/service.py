@@ -589,8 +589,8 @@ class HiCache:
         for j in beside:  # the companions' agreed pages, as jobs beside the target's
             if j is not None:
                 self.io.track(j)
-        if job is not None:
-            req.load_job = join(req.load_job, JobSet(job, beside))
+        if job is not None:  # (the companions' jobs, if any, ride the target's)
+            req.load_job = join(req.load_job, JobSet(job, beside) if any(beside) else job)
         self.io.end_prefetch(req.prefetch)
         req.prefetch = None
         prefix.ready = True
