@@ -77,6 +77,23 @@ def close_events(events, ctrl) -> None:
     events.publisher.close()
 
 
+def purge_l3(cache) -> int:
+    """``HiCache.purge_l3`` once its writes landed: this rank's pages of the cache's namespace
+    deleted; the group's events name every page deleted where the store's keys name their
+    pages (no fleet secret), and every page the group wrote or found in L3."""
+    from .errors import L3Error
+    from .l3 import registry
+    gone: list = []
+    try:
+        n = registry.purge(cache.config.l3, cache.namespace, cache.rank, gone).keys
+    except L3Error:  # nothing of this rank's is stored
+        n = 0
+    if cache.events is not None:
+        cache.events.l3_purged(cache.io.chains_named(gone))
+        cache.events.flush(time.time())
+    return n
+
+
 def events_report(events) -> dict:
     """``stats()["kv_events"]``: batches sent and dropped by this group's publisher."""
     if events is None:
