@@ -127,3 +127,52 @@ def test_ranks_admitting_in_two_scopes_stop_alike(tmp_path):
     out = launch(2, _diverging_scopes, cfg.to_dict(), timeout_s=120)
     assert [o[0] for o in out] == [True, False]
     assert all(o[1] is not None and "admit" in o[1] for o in out), out
+
+
+def _serve_echo(cache, rid, prompt, scope):
+    from test_companions import _echo_rows
+    p = cache.admit(rid, prompt, scope)
+    while not p.ready:
+        cache.step()
+    cache.alloc(rid, len(prompt))
+    write_kv_rows(cache, rid, len(prompt))
+    for layer in range(cache.kv.num_layers):
+        cache.wait_layer(rid, layer)
+    hit = _echo_rows(cache, p)
+    cache.finish(rid, prompt, echo=True)
+    return p, hit
+
+
+def test_a_companions_l3_pages_stay_in_their_scope(tmp_path):
+    """A companion's L3 copy (keyed by the request's chains, as the draft's and the KDA
+    snapshots' are) is found in its scope only, after a warm restart."""
+    from helpers import l3_writes_land_at_once
+    from test_companions import Echo
+    cfg = make_cfg(tmp_path / "l3", l1_pages=24, prefetch="wait_complete")
+    with l3_writes_land_at_once():
+        with HiCache(cfg, mode="l1+l2+l3", companions=[Echo]) as cache:
+            _serve_echo(cache, "a", PROMPT, "a")
+            cache.drain()
+        with HiCache(cfg, mode="l1+l2+l3", companions=[Echo]) as cache:
+            p, _ = _serve_echo(cache, "b", PROMPT, "b")
+            assert p.storage_len == 0 and cache.stats()["echo"]["moved"]["l3_read"] == 0
+            p, hit = _serve_echo(cache, "a2", PROMPT, "a")
+            assert p.storage_len == 40 and np.array_equal(hit, PROMPT[:40])
+            assert cache.stats()["echo"]["moved"]["l3_read"] == 10
+
+
+def test_kda_snapshots_stay_in_their_scope(tmp_path_factory):
+    """A hybrid model (Kimi Linear): a snapshot in a request's public prefix serves another
+    scope; one in a scope's own pages serves that scope only; tokens equal recompute."""
+    from test_kimi_cache import cfg_of, jobs_sharing, same_as_recompute
+    from test_kimi_engine import make_checkpoint
+    d = tmp_path_factory.mktemp("kimi_scope") / "ckpt"
+    make_checkpoint(d, kda=[1, 2, 4], full=[3], first_dense=1, seed=3)
+    a, b, a2 = jobs_sharing(8)  # A and B share 8 tokens; snapshots every 4 tokens
+    jobs = [replace(a, scope="a", public_tokens=4), replace(b, scope="b", public_tokens=4),
+            replace(a2, scope="a", public_tokens=4), replace(a2, request_id="B2", scope="b")]
+    got, stats = same_as_recompute(cfg_of(str(d), every=2), jobs, "l1")
+    assert got["B"].hit["l1"] == 4    # the public snapshot at 4; not a's at 8
+    assert got["A2"].hit["l1"] == 12  # all of a's own
+    assert got["B2"].hit["l1"] == 0   # b without a public prefix: nothing of a's or shared
+    assert stats["hybrid"]["hits"]["l1"] == 2
