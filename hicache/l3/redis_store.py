@@ -130,6 +130,11 @@ class RedisStore(L3Store):
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                         redis.exceptions.ClusterError, redis.exceptions.BusyLoadingError,
                         OSError, IndexError)  # IndexError: a cluster client with no live node
+        from .cluster_route import ClusterRouter
+        self._router = ClusterRouter(
+            (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError),
+            self.retry_after_s, self._count_error,
+            ",".join(redact(self.url)) if self.cluster else redact(self.url))
         encoder = redis.connection.Encoder("utf-8", "strict", False)
         self._client_kw = dict(
             socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
@@ -164,6 +169,7 @@ class RedisStore(L3Store):
                     host = f"[{host}]" if ":" in host else host  # an IPv6 literal
                     client = r.RedisCluster(url=f"redis://{host}:{port}",
                                             startup_nodes=nodes[1:],
+                                            require_full_coverage=False,
                                             connection_class=Connection, **kw)
                 else:
                     client = r.Redis.from_url(self.url, **self._client_kw)
@@ -200,17 +206,21 @@ class RedisStore(L3Store):
                           f"maxmemory-policy={policy}; set maxmemory and an allkeys-lru policy "
                           "or the server fills up and refuses writes", stacklevel=3)
 
-    def _fail(self, err: BaseException) -> None:
-        """The server is unavailable: count it and answer at once for ``retry_after_s``."""
+    def _count_error(self, err: BaseException) -> None:
+        """One call (or one cluster node's share of it) found the store unavailable."""
         from .redis_backend import classify
         reason = classify(err)
         with self._lock:
             self.error_reasons[reason] = self.error_reasons.get(reason, 0) + 1
         self._bump(errors=1)
-        self._down_until = time.monotonic() + self.retry_after_s
         self.last_error = err
         if self.first_error is None:
             self.first_error = err
+
+    def _fail(self, err: BaseException) -> None:
+        """The server is unavailable: count it and answer at once for ``retry_after_s``."""
+        self._count_error(err)
+        self._down_until = time.monotonic() + self.retry_after_s
         client, self._client = self._client, None
         _close_quietly(client)
 
@@ -230,6 +240,8 @@ class RedisStore(L3Store):
         if client is None:
             return None
         try:
+            if self.cluster:  # node by node: a dead shard costs its own keys only
+                return self._router.run(client, commands)
             pipe = client.pipeline(transaction=False)
             for cmd in commands:
                 pipe.execute_command(*cmd)

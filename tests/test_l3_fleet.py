@@ -1,0 +1,132 @@
+"""A shared L3 that survives its own failures: a Redis Cluster with replicas (``localserver
+--cluster N --replicas R``), a master killed while writer processes run (hits resume after the
+failover, every page served checked, no call hangs), a dead master without a replica (only its
+own keys miss; one line names it), and the fleet's dedup of identical pages across writers.
+Real valkey-server processes started by PID on private ports; real writer processes."""
+
+import logging
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+import torch
+
+from hicache.l3 import RedisStore, page_keys
+from hicache.l3.cluster_route import slot_ranges
+from hicache.l3.fleet_load import FleetJob, run_fleet
+from hicache.l3.localserver import start_cluster
+from helpers import secret_file
+from test_l3_store import NS, PT, empty, shard, tokens
+
+
+def _roles(port: int) -> dict:
+    with redis.Redis(port=port, socket_timeout=5) as c:
+        nodes = c.execute_command("CLUSTER", "NODES")
+    nodes = nodes.decode() if isinstance(nodes, bytes) else nodes
+    out = {}
+    for line in nodes.splitlines():
+        f = line.split()
+        out[int(f[1].split("@")[0].rsplit(":", 1)[1])] = ("master" if "master" in f[2]
+                                                           else "replica", f[2])
+    return out
+
+
+def test_localserver_cluster_starts_replicas_and_refuses_bad_flags(tmp_path):
+    with start_cluster(str(tmp_path / "c"), masters=2, replicas=1, node_timeout_ms=500) as cl:
+        roles = _roles(cl.nodes[0].port)
+        assert [roles[n.port][0] for n in cl.nodes] == ["master"] * 2 + ["replica"] * 2
+        for n in cl.nodes[2:]:  # every replica's link to its master is up
+            with redis.Redis(port=n.port, socket_timeout=5) as c:
+                assert c.info("replication")["master_link_status"] == "up"
+    for argv, what in ((["--replicas", "1"], "--replicas needs --cluster"),
+                       (["--cluster", "2", "--replicas", "-1"], "must be >= 0"),
+                       (["--cluster", "2", "--node-timeout-ms", "5"], "--node-timeout-ms")):
+        r = subprocess.run([sys.executable, "-m", "hicache.l3.localserver", *argv],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert what in r.stderr
+
+
+def test_slot_ranges():
+    assert slot_ranges([0, 1, 2, 7, 9, 10]) == "0-2,7,9-10" and slot_ranges([]) == "-"
+
+
+# ---- a dead master without a replica: only its own keys miss ---------------------------------
+def _first_on(client, keys, port) -> int:
+    return next(i for i, k in enumerate(keys)
+                if client.get_node_from_key(b"hicache:" + k).port == port)
+
+
+def test_a_dead_master_costs_only_its_own_keys(tmp_path, caplog):
+    with start_cluster(str(tmp_path / "c"), masters=3, replicas=0, node_timeout_ms=300,
+                       maxmemory=64 << 20) as cl:
+        k = page_keys(tokens(48), PT, NS, 0)
+        with RedisStore(cl.urls, NS, 0, timeout_s=0.5, retry_after_s=0.2) as s:
+            assert s.put(k, [shard(i) for i in range(48)]).written == 48
+            c = s.raw_client()
+            owner = [c.get_node_from_key(b"hicache:" + x).port for x in k]
+            dead = owner[min(range(48), key=lambda i: (owner[i] == owner[0], i))]
+            first = _first_on(c, k, dead)  # the prefix ends at the first page on the dead shard
+            assert first > 0
+            cl.node(dead).kill()
+            time.sleep(1.5)  # past cluster-node-timeout: the cluster marked the node failed
+            live = [x for x, p in zip(k, owner) if p != dead]
+            with caplog.at_level(logging.WARNING, logger="hicache"):
+                for _ in range(3):
+                    t0 = time.monotonic()
+                    assert s.exists_prefix(k) == first
+                    out = empty(48)
+                    assert s.get(k, out) == first
+                    assert all(torch.equal(out[i], shard(i)) for i in range(first))
+                    assert s.exists_prefix(live) == len(live)
+                    assert time.monotonic() - t0 < 5  # answered, never a hang
+                got = empty(len(live))
+                assert s.get(live, got) == len(live)
+                res = s.put(k, [shard(i) for i in range(48)])  # the live shards keep writes
+                assert sum(res.stored) == len(live)
+            lines = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
+            assert len(lines) == 1 and f"127.0.0.1:{dead}" in lines[0], lines
+            assert "slots " in lines[0] and s.stats.errors >= 1
+
+
+# ---- a master killed mid-run, writer processes running: hits resume after the failover -------
+def test_master_killed_mid_run_fails_over_with_hits_and_no_wrong_page(tmp_path):
+    secret = secret_file(tmp_path)
+    with start_cluster(str(tmp_path / "c"), masters=3, replicas=1, node_timeout_ms=500,
+                       maxmemory=64 << 20) as cl:
+        jobs = [FleetJob(tuple(cl.urls), w, 3, secret, sequences=3, shared=2, pages=8,
+                         seconds=7.0, timeout_s=0.5, retry_after_s=0.2) for w in range(3)]
+        killed = {}
+
+        def kill_a_master():
+            time.sleep(0.3)
+            killed["port"], killed["t"] = cl.nodes[1].port, time.time()
+            cl.nodes[1].kill()
+
+        reports = run_fleet(jobs, timeout_s=240, aligned=False, during=kill_a_master)
+        roles = _roles(cl.nodes[0].port)
+        assert roles[cl.nodes[4].port][0] == "master"  # the replica of the killed master
+    assert all(r["wrong"] == 0 and r["stats"]["corrupt"] == 0 for r in reports)
+    window = [(t, g, n) for r in reports for t, g, n in r["timeline"] if t > killed["t"]]
+    assert any(g < n for _, g, n in window)  # the dead shard's pages missed for a while
+    assert sum(r["stats"]["errors"] for r in reports) >= 1
+    for r in reports:  # every process ends with full hits: the promoted replica serves
+        tail = r["timeline"][-6:]
+        assert tail[0][0] > killed["t"] and all(g == n for _, g, n in tail), tail
+        assert max(r["get_ms"] + r["put_ms"]) < 5000  # no call waited long (never a hang)
+
+
+def test_fleet_writers_dedup_identical_pages(tmp_path, redis_cluster):
+    with redis.RedisCluster.from_url(redis_cluster.urls[0]) as c:
+        c.flushall(target_nodes="primaries")
+    secret = secret_file(tmp_path)
+    jobs = [FleetJob(tuple(redis_cluster.urls), w, 3, secret, sequences=2, shared=3, pages=4,
+                     rounds=2) for w in range(3)]
+    reports = run_fleet(jobs, timeout_s=240)
+    written = sum(r["stats"]["pages_written"] for r in reports)
+    assert written == 3 * 2 * 4 + 3 * 4  # own pages once each, shared pages once in all
+    assert all(r["wrong"] == 0 for r in reports)
+    last = [x for r in reports for x in r["timeline"][-(3 * 2 + 3):]]  # the second round
+    assert all(g == n for _, g, n in last)  # every process reads every process's pages
