@@ -130,3 +130,64 @@ def test_fleet_writers_dedup_identical_pages(tmp_path, redis_cluster):
     assert all(r["wrong"] == 0 for r in reports)
     last = [x for r in reports for x in r["timeline"][-(3 * 2 + 3):]]  # the second round
     assert all(g == n for _, g, n in last)  # every process reads every process's pages
+
+
+# ---- serving through a failover: tokens equal to recompute, L3 hits after it -----------------
+def _serve_through_failover(rank, world, cfg_dict, ports, jobs):
+    import torch.distributed as dist
+
+    from hicache.config import HiCacheConfig
+    from test_service import serve
+    cfg = HiCacheConfig.from_dict(cfg_dict)
+    group = dist.group.WORLD
+    out = {}
+
+    def phase(name, mode="l1+l2+l3"):
+        results, stats = serve(cfg, mode, jobs, rank, group)
+        out[name] = ({r.request_id: (r.output, r.hit) for r in results}, stats)
+
+    phase("before")  # cold: computes, writes L3
+    dist.barrier()
+    if rank == 0:
+        import os
+        import signal
+        os.kill(ports["victim_pid"], signal.SIGKILL)  # a master dies mid-run
+    dist.barrier()
+    phase("window")  # fresh L1/L2: the dead shard's pages miss until its replica takes over
+    if rank == 0:
+        deadline = time.monotonic() + 60
+        while _roles(ports["live"])[ports["replica"]][0] != "master":
+            assert time.monotonic() < deadline, "the replica was not promoted"
+            time.sleep(0.1)
+    dist.barrier()
+    phase("after")  # fresh L1/L2 again: every prefix restored from L3
+    phase("recompute", "recompute")
+    return out
+
+
+def test_serving_through_a_failover_gives_recompute_tokens_and_l3_hits_after(tmp_path):
+    from hicache.distributed import launch
+    from helpers import make_cfg
+    from test_service import revisit_trace
+    with start_cluster(str(tmp_path / "c"), masters=3, replicas=1, node_timeout_ms=500,
+                       maxmemory=64 << 20) as cl:
+        cfg = make_cfg(tmp_path / "l3", dcp=2, l1_pages=16, l2_ratio=1.0,
+                       prefetch="wait_complete")
+        cfg = cfg.replace(l3={"backend": "redis", "url": list(cl.urls), "path": "unused",
+                              "secret_file": secret_file(tmp_path), "timeout_s": 0.5}).to_dict()
+        ports = {"victim_pid": cl.nodes[1].pid, "live": cl.nodes[0].port,
+                 "replica": cl.nodes[4].port}
+        jobs = revisit_trace(sessions=4, seed=7)
+        res = launch(2, _serve_through_failover, cfg, ports, jobs, timeout_s=400)
+    ref = {i: o for i, (o, _) in res[0]["recompute"][0].items()}
+    first = [j.request_id for j in jobs[:4]]
+    for name in ("before", "window", "after"):
+        r0, r1 = res[0][name][0], res[1][name][0]
+        assert {i: o for i, (o, _) in r0.items()} == ref, name  # tokens equal to recompute
+        assert r0 == r1  # both ranks: the same tokens and the same agreed hits
+        assert res[0][name][1]["corrupt"] == 0
+    assert all(res[0]["before"][0][i][1]["l3"] == 0 for i in first)
+    after = res[0]["after"][0]
+    # after the failover every whole page of each 33-token prompt comes from L3 again
+    assert all(after[i][1]["l3"] == 32 for i in first), after
+    assert res[0]["after"][1]["hit_tokens"]["l3"] >= res[0]["window"][1]["hit_tokens"]["l3"]
