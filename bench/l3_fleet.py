@@ -10,7 +10,8 @@ to the one-process run, each process's own GB/s, p50 / p99 latency of a put and 
 of one sequence, pages served wrong (must be 0) and the dedup (pages offered in the first round
 against pages the store wrote). The fleet model's per-process figure
 (``fleet_model.shared_process_gbs`` from the one-process GB/s and the store's aggregate as
-measured at the widest run) is printed next to the measured one.
+measured at the widest run) is printed next to the measured one, and its load time of one
+sequence (``fleet_model.load_seconds``) next to the measured p50 of a lookup + get.
 
 --dead-shard N: N masters without replicas, prefixes of ``--prefix-pages`` pages written with the
 keys spread over the shards (hicache's placement), one master killed: what a prefix keeps
@@ -116,20 +117,27 @@ def fleet(args) -> dict:
     return _fleet_result(args, runs)
 
 
+def _page_bytes(args) -> int:
+    return FleetJob((), 0, 1, layers=args.fleet_layers, kv_dim=576,
+                    page_size=args.page_size).namespace().shard_bytes
+
+
 def _fleet_result(args, runs: dict) -> dict:
     one, wide = runs[1], runs[args.fleet]
     n = args.fleet
     store_gbs = wide["get_gbs"]  # what the store gave all of them together
     model = fleet_model.shared_process_gbs(one["process_get_gbs"], n,
                                            store_gbs if n > 1 else 0.0)
+    seq_bytes = args.fleet_pages * _page_bytes(args)
+    model_ms = fleet_model.load_seconds(seq_bytes, model) * 1e3  # one sequence, one process
     return {"bench": "l3-fleet", "fleet": n, "masters": args.masters,
-            "page_bytes": FleetJob((), 0, 1, layers=args.fleet_layers, kv_dim=576,
-                                   page_size=args.page_size).namespace().shard_bytes,
+            "page_bytes": _page_bytes(args),
             "one": one, "wide": wide,
             "put_ratio": wide["put_gbs"] / one["put_gbs"],
             "get_ratio": wide["get_gbs"] / one["get_gbs"],
             "model_process_get_gbs": model,
             "model_vs_measured": model / wide["process_get_gbs"],
+            "model_get_ms": model_ms, "model_get_ms_vs_p50": model_ms / wide["get_p50_ms"],
             "machine": {"cpus": os.cpu_count()}}
 
 
@@ -147,7 +155,9 @@ def print_fleet(res: dict) -> None:
               f"{r['pages_written']:>7}/{r['pages_offered']:<8}")
     print(f"aggregate vs 1 process: put {res['put_ratio']:.2f}x, get {res['get_ratio']:.2f}x; "
           f"fleet model per-process get {res['model_process_get_gbs']:.2f} GB/s vs measured "
-          f"{res['wide']['process_get_gbs']:.2f} ({res['model_vs_measured']:.2f}x)")
+          f"{res['wide']['process_get_gbs']:.2f} ({res['model_vs_measured']:.2f}x); its load "
+          f"time of one sequence {res['model_get_ms']:.1f} ms vs measured p50 "
+          f"{res['wide']['get_p50_ms']:.1f} ms ({res['model_get_ms_vs_p50']:.2f}x)")
 
 
 # ---- one shard of N dead: what a prefix keeps ------------------------------------------------
@@ -162,7 +172,8 @@ def dead_shard(args) -> dict:
         with start_cluster(os.path.join(root, "c"), masters=n, node_timeout_ms=300) as cl:
             keys = [page_keys([10_000 + p] + list(range(1, pages * ns.page_tokens)),
                               ns.page_tokens, ns, 0) for p in range(prefixes)]
-            with RedisStore(cl.urls, ns, 0, timeout_s=0.5, retry_after_s=0.2) as s:
+            with RedisStore(cl.urls, ns, 0, timeout_s=0.5, retry_after_s=0.2,
+                            check_policy=False) as s:
                 page = torch.zeros(ns.shard_shape, dtype=ns.torch_dtype)
                 for k in tqdm(keys, desc="write prefixes", disable=args.json):
                     s.put(k, [page] * len(k))

@@ -87,6 +87,13 @@ class FleetPlan:
         return asdict(self)
 
 
+def load_seconds(nbytes: float, process_gbs: float) -> float:
+    """One rank loading ``nbytes`` from the store at ``process_gbs``."""
+    if not process_gbs > 0:
+        raise UsageError(f"process_gbs must be > 0, got {process_gbs!r}")
+    return nbytes / (process_gbs * GB)
+
+
 def store_bound_hit_ratio(bytes_per_token_per_rank: float, prefill_tokens_per_s: float,
                           process_gbs: float) -> float:
     """The hit ratio above which loading the hit KV takes longer than prefilling the misses."""
@@ -111,7 +118,7 @@ def plan(f: FleetInputs) -> FleetPlan:
     read_node = read_rank * f.tp
     write_node = miss_tokens * bpt * f.dcp
     node_gbs = f.requests_per_s * (read_node + write_node) / GB
-    load_s = read_rank / (f.process_gbs * GB)
+    load_s = load_seconds(read_rank, f.process_gbs)
     compute_s = miss_tokens / f.prefill_tokens_per_s
     return FleetPlan(
         bytes_per_token_per_rank=bpt, read_bytes_per_request_per_rank=read_rank,
