@@ -191,3 +191,22 @@ def test_serving_through_a_failover_gives_recompute_tokens_and_l3_hits_after(tmp
     # after the failover every whole page of each 33-token prompt comes from L3 again
     assert all(after[i][1]["l3"] == 32 for i in first), after
     assert res[0]["after"][1]["hit_tokens"]["l3"] >= res[0]["window"][1]["hit_tokens"]["l3"]
+
+
+def test_a_cluster_that_requires_full_coverage_is_warned_about(redis_cluster):
+    import warnings
+    nodes = [redis.Redis(port=n.port, socket_timeout=5) for n in redis_cluster.nodes]
+    try:
+        seen = {}
+        for value in ("no", "yes"):
+            for c in nodes:
+                c.config_set("cluster-require-full-coverage", value)
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                RedisStore(redis_cluster.urls, NS, 0).close()
+            seen[value] = [str(x.message) for x in w if "full-coverage" in str(x.message)]
+    finally:
+        for c in nodes:
+            c.config_set("cluster-require-full-coverage", "no")
+            c.close()
+    assert seen["no"] == [] and len(seen["yes"]) == 1, seen

@@ -77,6 +77,12 @@ def _packer(encode):
     return Packer(6000, encode)
 
 
+def _conf(reply) -> dict:
+    """A CONFIG GET reply as a dict of str."""
+    return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes)
+            else v) for k, v in dict(reply).items()}
+
+
 def _close_quietly(client) -> None:
     """Close a client that is being dropped (the server may already be gone)."""
     if client is None:
@@ -198,13 +204,28 @@ class RedisStore(L3Store):
                 conf = client.config_get("maxmemory*")
         except Exception:  # CONFIG may be disabled on a managed server: nothing to check
             return
-        conf = {(k.decode() if isinstance(k, bytes) else k):
-                (v.decode() if isinstance(v, bytes) else v) for k, v in dict(conf).items()}
+        conf = _conf(conf)
         policy = conf.get("maxmemory-policy", "")
         if not policy.startswith("allkeys-") or conf.get("maxmemory") in ("0", None):
             warnings.warn(f"L3 Redis {redact(self.url)}: maxmemory={conf.get('maxmemory')} "
                           f"maxmemory-policy={policy}; set maxmemory and an allkeys-lru policy "
                           "or the server fills up and refuses writes", stacklevel=3)
+        if self.cluster:
+            self._warn_coverage(client)
+
+    def _warn_coverage(self, client) -> None:
+        """A cluster whose nodes require full slot coverage refuses EVERY key while one shard
+        has no live node: say so once (``cluster-require-full-coverage no`` keeps the rest)."""
+        try:
+            vals = client.config_get("cluster-require-full-coverage", target_nodes="all")
+        except Exception:  # CONFIG disabled: nothing to check
+            return
+        confs = vals.values() if isinstance(vals, dict) and any(
+            isinstance(v, dict) for v in vals.values()) else [vals]
+        if any(_conf(c).get("cluster-require-full-coverage") == "yes" for c in confs):
+            warnings.warn(f"L3 Redis cluster {redact(self.url)}: cluster-require-full-coverage "
+                          "yes; one shard without a live node then makes every node refuse "
+                          "every key (all of L3 misses); set it to no", stacklevel=4)
 
     def _count_error(self, err: BaseException) -> None:
         """One call (or one cluster node's share of it) found the store unavailable."""
