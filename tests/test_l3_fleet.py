@@ -97,17 +97,20 @@ def test_master_killed_mid_run_fails_over_with_hits_and_no_wrong_page(tmp_path):
     with start_cluster(str(tmp_path / "c"), masters=3, replicas=1, node_timeout_ms=500,
                        maxmemory=64 << 20) as cl:
         jobs = [FleetJob(tuple(cl.urls), w, 3, secret, sequences=3, shared=2, pages=8,
-                         seconds=7.0, timeout_s=0.5, retry_after_s=0.2) for w in range(3)]
+                         seconds=120.0, timeout_s=0.5, retry_after_s=0.2) for w in range(3)]
         killed = {}
 
-        def kill_a_master():
+        def kill_a_master():  # the writers run until this returns
             time.sleep(0.3)
             killed["port"], killed["t"] = cl.nodes[1].port, time.time()
             cl.nodes[1].kill()
+            deadline = time.monotonic() + 60
+            while _roles(cl.nodes[0].port)[cl.nodes[4].port][0] != "master":
+                assert time.monotonic() < deadline, "the replica was not promoted"
+                time.sleep(0.1)
+            time.sleep(3.0)  # a few rounds: each writer puts its pages again
 
         reports = run_fleet(jobs, timeout_s=240, aligned=False, during=kill_a_master)
-        roles = _roles(cl.nodes[0].port)
-        assert roles[cl.nodes[4].port][0] == "master"  # the replica of the killed master
     assert all(r["wrong"] == 0 and r["stats"]["corrupt"] == 0 for r in reports)
     window = [(t, g, n) for r in reports for t, g, n in r["timeline"] if t > killed["t"]]
     assert any(g < n for _, g, n in window)  # the dead shard's pages missed for a while

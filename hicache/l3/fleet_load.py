@@ -6,8 +6,9 @@ sequences and the ``shared`` sequences every process writes (the same pages: the
 one copy, the others are skipped), then looks up and reads every process's sequences and checks
 each page served against the bytes its writer put (a page's bytes are a function of its key, so
 any process can check any page). Rounds are aligned by a barrier when one is given (the bench:
-every process puts, then every process gets); with ``seconds`` they run unaligned until then
-(a master killed meanwhile). :func:`run_fleet` starts the processes (spawned, each its own
+every process puts, then every process gets); with ``seconds`` they run unaligned until then, or
+until :func:`run_fleet`'s ``during()`` returns (a master killed meanwhile and its failover
+waited for). :func:`run_fleet` starts the processes (spawned, each its own
 interpreter) and collects their reports.
 """
 
@@ -36,7 +37,7 @@ class FleetJob:
     shared: int = 2       # sequences every process writes (identical pages)
     pages: int = 8        # pages per sequence
     rounds: int = 1
-    seconds: float = 0.0  # > 0: keep running rounds (unaligned) until this long
+    seconds: float = 0.0  # > 0: keep running rounds (unaligned) at most this long
     layers: int = 2
     kv_dim: int = 64
     page_size: int = 16
@@ -129,9 +130,10 @@ def _get_phase(store, job: FleetJob, reads: list, outs: list, rep: FleetReport) 
     rep.get_span.append([t0, time.time()])
 
 
-def worker(job: FleetJob, barrier=None, queue=None, ready=None) -> FleetReport:
+def worker(job: FleetJob, barrier=None, queue=None, ready=None, stop=None) -> FleetReport:
     """Run one process's rounds; the report goes to ``queue`` (when given) and is returned;
-    ``ready`` (a semaphore) is released once the first round is done."""
+    ``ready`` (a semaphore) is released once the first round is done; ``stop`` (an event) ends
+    a ``seconds`` run early."""
     ns = job.namespace()
     own, every = sequences(job)
     rep = FleetReport(job.worker)
@@ -143,7 +145,8 @@ def worker(job: FleetJob, barrier=None, queue=None, ready=None) -> FleetReport:
         outs = [torch.empty(ns.shard_shape, dtype=ns.torch_dtype) for _ in range(job.pages)]
         end = time.monotonic() + job.seconds
         r = 0
-        while r < job.rounds or time.monotonic() < end:
+        while r < job.rounds or (time.monotonic() < end and
+                                 not (stop is not None and stop.is_set())):
             for phase in (_put_phase, _get_phase):
                 if barrier is not None:
                     barrier.wait(timeout=600)
@@ -165,13 +168,14 @@ def worker(job: FleetJob, barrier=None, queue=None, ready=None) -> FleetReport:
 def run_fleet(jobs: list[FleetJob], timeout_s: float = 600.0, aligned: bool = True,
               during=None) -> list[dict]:
     """Start one spawned process per job (rounds aligned by a barrier when ``aligned``), call
-    ``during()`` (when given) once every process finished its first round, and return their
-    reports (sorted by worker). A process that does not report within ``timeout_s`` is killed
+    ``during()`` (when given) once every process finished its first round, end their
+    ``seconds`` runs when it returns, and return their reports (sorted by worker). A process that does not report within ``timeout_s`` is killed
     and raises."""
     ctx = mp.get_context("spawn")
-    queue, ready = ctx.Queue(), ctx.Semaphore(0)
+    queue, ready, stop = ctx.Queue(), ctx.Semaphore(0), ctx.Event()
     barrier = ctx.Barrier(len(jobs)) if aligned else None
-    procs = [ctx.Process(target=worker, args=(j, barrier, queue, ready), daemon=True)
+    procs = [ctx.Process(target=worker, args=(j, barrier, queue, ready, stop),
+                         daemon=True)
              for j in jobs]
     for p in procs:
         p.start()
@@ -182,6 +186,7 @@ def run_fleet(jobs: list[FleetJob], timeout_s: float = 600.0, aligned: bool = Tr
                 if not ready.acquire(timeout=max(deadline - time.monotonic(), 0.1)):
                     raise RuntimeError("a fleet process did not finish its first round")
             during()
+            stop.set()
         out = [queue.get(timeout=max(deadline - time.monotonic(), 0.1)) for _ in jobs]
         for p in procs:
             p.join(timeout=max(deadline - time.monotonic(), 0.1))
