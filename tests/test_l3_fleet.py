@@ -49,6 +49,24 @@ def test_localserver_cluster_starts_replicas_and_refuses_bad_flags(tmp_path):
         assert what in r.stderr
 
 
+def test_localserver_cli_gives_each_master_a_replica_by_default(tmp_path):
+    import signal
+    proc = subprocess.Popen([sys.executable, "-m", "hicache.l3.localserver", "--cluster", "2",
+                             "--node-timeout-ms", "500", "--dir", str(tmp_path / "cl")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        urls, pids = line.split()[0].split(","), line.split()[2:]
+        assert len(urls) == 4 and len(pids) == 4, line  # 2 masters, then their replicas
+        ports = [int(u.rsplit(":", 1)[1].split("/")[0]) for u in urls]
+        roles = _roles(ports[0])
+        assert [roles[p][0] for p in ports] == ["master"] * 2 + ["replica"] * 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert proc.returncode == 0
+
+
 def test_slot_ranges():
     assert slot_ranges([0, 1, 2, 7, 9, 10]) == "0-2,7,9-10" and slot_ranges([]) == "-"
 
