@@ -153,6 +153,9 @@ def _shape_from_args(args) -> KVShape:
 
 def _plan(args) -> int:
     shape = _shape_from_args(args)
+    if args.fleet:  # the shared L3 store at fleet width (hicache.fleet_cli)
+        from . import fleet_cli
+        return fleet_cli.run(args, shape)
     if args.memory is not None:
         number("--memory (GiB)", args.memory, 0, 1 << 30, lo_open=True)
     memory = (args.memory or 0) * GiB
@@ -342,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "layer; draft: --draft-shape)")
     p.add_argument("--draft-shape", help="--spec draft: mla:LAYERS:RANK:ROPE[:BYTES]")
     p.add_argument("--json", action="store_true")
+    from . import fleet_cli
+    fleet_cli.add_args(p)
     p.set_defaults(func=_plan)
     l3 = sub.add_parser("l3", help="L3 store maintenance").add_subparsers(dest="l3_command",
                                                                          required=True)

@@ -75,3 +75,22 @@ def test_gpu_check_says_there_is_no_gpu_and_exits_0():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "no GPU here" in r.stdout
+
+
+def test_l3_fleet_benchmark_json():
+    out = run("l3.py", "--fleet", "2", "--fleet-sequences", "2", "--fleet-shared", "2",
+              "--fleet-pages", "2")
+    one, wide = out["one"], out["wide"]
+    assert out["bench"] == "l3-fleet" and one["processes"] == 1 and wide["processes"] == 2
+    for r in (one, wide):
+        assert r["wrong"] == 0 and r["corrupt"] == 0 and r["errors"] == 0
+        assert r["put_gbs"] > 0 and r["get_gbs"] > 0 and r["get_p99_ms"] >= r["get_p50_ms"]
+        assert r["pages_written"] == r["unique_pages"]  # shared pages stored once
+    assert wide["dedup_skipped"] == 2 * 2  # the second process's copy of the shared pages
+    assert abs(out["get_ratio"] - wide["get_gbs"] / one["get_gbs"]) < 1e-9
+
+
+def test_l3_dead_shard_benchmark_json():
+    out = run("l3.py", "--dead-shard", "3", "--prefixes", "30", "--prefix-pages", "8")
+    assert out["shards"] == 3 and 0 < out["kept_mean_pages"] < 8
+    assert out["model_spread_pages"] < out["model_colocated_pages"]

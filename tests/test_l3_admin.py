@@ -171,7 +171,7 @@ def test_localserver_cluster_uses_consecutive_ports_and_prints_the_l3_url(tmp_pa
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert f"port {p + 1}" in r.stderr
     proc = subprocess.Popen([sys.executable, "-m", "hicache.l3.localserver", "--cluster", "3",
-                             "--port", str(p), "--dir", str(tmp_path / "cl")],
+                             "--replicas", "0", "--port", str(p), "--dir", str(tmp_path / "cl")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
