@@ -66,7 +66,7 @@ def block_tokens(ids: np.ndarray, block: int, vocab: int | None = None) -> np.nd
         mixed ^= mixed >> np.uint64(29)
         mixed *= _MIX
     out = (mixed % np.uint64(vocab)).astype(np.int64)
-    digits = id_digits(int(ids.max()) if len(ids) else 0, vocab)
+    digits = id_digits(MAX_HASH_ID, vocab)  # the same for every request (low digits first)
     rem = ids.copy()
     for d in range(min(digits, block)):
         out[:, d] = rem % vocab
@@ -196,3 +196,11 @@ def _token_trace(path, block, max_requests, vocab: int, seed: int) -> Trace:
     out = [TraceRequest(i, None, r.prompt_len, r.output_len, float(i), r.session, 1,
                         r.tokens.astype(np.int64)) for i, r in enumerate(reqs)]
     return Trace(str(path), "hicache", 1, 1, out)
+
+
+def as_requests(trace: Trace, vocab: int) -> list:
+    """The trace as the model-backed bench's jobs (``workloads.Request``, tokens below
+    ``vocab``), in arrival order."""
+    from .workloads import Request
+    return [Request(i, r.session, r.tokens(vocab).astype(np.int32), max(r.output_len, 1), i)
+            for i, r in enumerate(trace.requests)]
