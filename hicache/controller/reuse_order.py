@@ -54,7 +54,8 @@ class ReuseOrder:
         c = self._level.pop(n)
         t = self._lists[c].pop(n)
         if c == 0:  # how long level 0 lives now: the bonus one reuse buys
-            self.residency += _ALPHA * (max(self._now - t, 0) - self.residency)
+            age = max(self._now - t, 0)
+            self.residency += (_ALPHA if self.residency else 1.0) * (age - self.residency)
 
     def touch(self, n: Node) -> None:
         c, c2 = self._level[n], self._lvl(n)
