@@ -198,9 +198,15 @@ def _token_trace(path, block, max_requests, vocab: int, seed: int) -> Trace:
     return Trace(str(path), "hicache", 1, 1, out)
 
 
-def as_requests(trace: Trace, vocab: int) -> list:
-    """The trace as the model-backed bench's jobs (``workloads.Request``, tokens below
-    ``vocab``), in arrival order."""
+def as_requests(trace: Trace, vocab: int | None) -> list:
+    """The trace as the benches' jobs (``workloads.Request``, tokens below ``vocab``; None:
+    ``id * block + position``, which must fit int32), in arrival order."""
     from .workloads import Request
-    return [Request(i, r.session, r.tokens(vocab).astype(np.int32), max(r.output_len, 1), i)
-            for i, r in enumerate(trace.requests)]
+    out = []
+    for i, r in enumerate(trace.requests):
+        toks = r.tokens(vocab)
+        if vocab is None and len(toks) and toks.max() > np.iinfo(np.int32).max:
+            raise ConfigError(f"{trace.path}: hash ids too large for int32 tokens at "
+                              f"{trace.block_tokens} tokens per block")
+        out.append(Request(i, r.session, toks.astype(np.int32), max(r.output_len, 1), i))
+    return out
