@@ -147,3 +147,22 @@ def test_reuse_eviction_keeps_a_prefix_that_came_back():
             hits[policy] += run(hot)
         c.check()
     assert hits["lru"] == 0 and hits["reuse"] >= 6 * 16, hits
+
+
+def test_replay_of_a_hicache_trace_and_bench_trace_errors(tmp_path, capsys):
+    from hicache import bench_cli
+    h = write(tmp_path / "h.jsonl", [{"length": 40, "prefix_id": "s", "prefix_len": 32,
+                                      "output_len": 2} for _ in range(5)])
+    assert cli.main(["replay", str(h), "--trace-format", "hicache", "--page-tokens", "8",
+                     "--json", "--no-progress"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tiers"]["l1"]["hit_tokens"] == 4 * 32 and out["ideal_hit_ratio"] == 128 / 200
+    assert cli.main(["replay", str(h), "--trace-format", "hicache", "--block-tokens", "8",
+                     "--no-progress"]) == 2
+    assert "--block-tokens applies to hash-id traces" in capsys.readouterr().err
+    bad = write(tmp_path / "m.jsonl", ['{"timestamp": 0, "input_length": 5, "output_length": 1,'
+                                       ' "hash_ids": [1]}', '{"timestamp": 0}'])
+    assert bench_cli.main(["--trace", str(bad), "--trace-format", "mooncake",
+                           "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "m.jsonl:2" in err[0] and "missing" in err[0]
