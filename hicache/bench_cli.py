@@ -31,6 +31,7 @@ from .config import HiCacheConfig, load_config
 from .controller.policy import WRITE_POLICIES
 from .errors import UsageError
 from .report import table
+from .traces import FORMATS as TRACE_FORMATS
 from .service import CACHE_MODES, RESTORE_RETRIES, HiCache
 from .workloads import (MAX_REQUEST_TOKENS, SCALE_MAX, SEED_MAX, agentic_trace, chat_trace,
                         trace_summary)
@@ -421,7 +422,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                         "2 CPU cores)")
     p.add_argument("--seed", type=int, default=0, help="in [0, 2**63 - 1]")
     p.add_argument("--trace", help="replay a recorded JSONL trace instead of a workload")
-    p.add_argument("--trace-format", default="hicache", choices=("mooncake", "bailian", "hicache"),
+    p.add_argument("--trace-format", default="hicache", choices=TRACE_FORMATS,
                    help="--trace's format: Mooncake FAST'25 or Qwen-Bailian hash ids, or "
                         "hicache's own JSONL (default)")
     p.add_argument("--block-tokens", type=int, default=None,

@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 
 from .. import topology
+from ..config import PolicySection, default
 from ..controller.policy import EVICTION_POLICIES, WRITE_POLICIES
 from ..errors import ConfigError
 from ..report import table
@@ -27,13 +28,14 @@ def add_parser(sub) -> None:
     p.add_argument("--block-tokens", type=int, help="tokens per hash id (default: the "
                    "format's own, mooncake 512, bailian 16)")
     p.add_argument("--page-tokens", type=int, help="tokens per cache page (default: one block)")
-    for tier, default in (("l1", "100%"), ("l2", "0"), ("l3", "0")):
-        p.add_argument(f"--{tier}", default=default, metavar="SIZE",
+    for tier, size in (("l1", "100%"), ("l2", "0"), ("l3", "0")):
+        p.add_argument(f"--{tier}", default=size, metavar="SIZE",
                        help=f"{tier.upper()} capacity: tokens, bytes with a unit (KB..TB, needs "
                             f"--model) or N%% of the trace's unique pages; 0 turns it off "
-                            f"(default {default})")
-    p.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru")
-    p.add_argument("--write", choices=WRITE_POLICIES, default="write_through")
+                            f"(default {size})")
+    p.add_argument("--eviction", choices=EVICTION_POLICIES,
+                   default=default(PolicySection, "eviction"))
+    p.add_argument("--write", choices=WRITE_POLICIES, default=default(PolicySection, "write"))
     p.add_argument("--capacities", metavar="SIZES",
                    help="sweep the L1 capacity over these comma-separated sizes")
     p.add_argument("--max-requests", type=int, help="replay only the first N requests")

@@ -36,7 +36,7 @@ class ReplaySettings:
     l1_pages: int
     l2_pages: int = 0
     l3_pages: int = 0
-    eviction: str = "lru"
+    eviction: str = "lru"                  # the policy file's [policy] eviction (checked there)
     write: str = "write_through"
     bytes_per_token: float = 70272.0       # per rank; DeepSeek-V3, TP 8, no DCP
     prefill_tokens_per_s: float = 10000.0
