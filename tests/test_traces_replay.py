@@ -109,6 +109,24 @@ def test_in_flight_requests_hold_their_pages(tmp_path):
     assert res.uncached_requests == 2
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--page-tokens", "0"], "--page-tokens must be in [1, 65536]"),
+    (["--l1", "ten"], "--l1 'ten': expected a token count"),
+    (["--l2", "5PB"], "unknown unit 'PB'"),
+    (["--capacities", ","], "--capacities: give at least one size"),
+    (["--max-requests", "0"], "--max-requests must be"),
+    (["--block-tokens", "0"], "--block-tokens must be"),
+    (["--model", "deepseek-v3", "--tp", "8", "--dcp", "3"], "dcp"),
+    (["--plot", "x.png"], "--plot draws the --capacities sweep"),
+])
+def test_bad_replay_flags_are_one_line_exit_2(tmp_path, capsys, args, words):
+    f = mooncake(tmp_path)
+    assert cli.main(["replay", str(f), "--trace-format", "mooncake", "--no-progress",
+                     *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+
+
 def test_sizes_in_bytes_need_a_model(tmp_path, capsys):
     f = mooncake(tmp_path)
     assert cli.main(["replay", str(f), "--trace-format", "mooncake", "--l1", "1GB",

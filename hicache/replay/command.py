@@ -65,7 +65,7 @@ def _bytes_per_token(args) -> tuple[float | None, float]:
 
 def settings(args, trace) -> tuple[ReplaySettings, list[int] | None]:
     """The replay's settings and the L1 sweep (pages) from the command line."""
-    page = args.page_tokens or trace.block_tokens
+    page = trace.block_tokens if args.page_tokens is None else args.page_tokens
     if page < 1 or page > 1 << 16:
         raise ConfigError(f"--page-tokens must be in [1, 65536], got {page}")
     for flag, v in (("--prefill-tok-s", args.prefill_tok_s), ("--decode-ms", args.decode_ms)):
