@@ -127,6 +127,16 @@ def test_bad_replay_flags_are_one_line_exit_2(tmp_path, capsys, args, words):
     assert len(err) == 1 and words in err[0], err
 
 
+def test_replay_help_names_every_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["replay", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--trace-format", "--block-tokens", "--page-tokens", "--l1", "--l2", "--l3",
+                 "--eviction", "--capacities", "--json", "(default 100%)"):
+        assert flag in text, flag
+
+
 def test_sizes_in_bytes_need_a_model(tmp_path, capsys):
     f = mooncake(tmp_path)
     assert cli.main(["replay", str(f), "--trace-format", "mooncake", "--l1", "1GB",

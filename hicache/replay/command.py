@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
         p.add_argument(f"--{tier}", default=size, metavar="SIZE",
                        help=f"{tier.upper()} capacity: tokens, bytes with a unit (KB..TB, needs "
                             f"--model) or N%% of the trace's unique pages; 0 turns it off "
-                            f"(default {size})")
+                            f"(default {size.replace('%', '%%')})")
     p.add_argument("--eviction", choices=EVICTION_POLICIES,
                    default=default(PolicySection, "eviction"))
     p.add_argument("--write", choices=WRITE_POLICIES, default=default(PolicySection, "write"))
