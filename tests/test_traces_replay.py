@@ -89,8 +89,9 @@ def test_replay_counts_tiers_ideal_and_reference(tmp_path, capsys):
     assert reference_hits(small.keys, 3) > 0 and reference_hits(small.keys, 0) == 0
     rc = cli.main(["replay", str(f), "--trace-format", "mooncake", "--l1", "2048",
                    "--l2", "0", "--l3", "100%", "--capacities", "2048,4096,100%", "--json",
-                   "--no-progress"])
+                   "--no-progress", "--plot", str(tmp_path / "sweep.png")])
     assert rc == 0
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
     out = json.loads(capsys.readouterr().out)
     assert {"requests", "prompt_tokens", "hit_ratio", "tiers", "ideal_hit_ratio",
             "reference_hit_ratio", "evictions", "wall_s"} <= set(out)
