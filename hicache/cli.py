@@ -378,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
         c.set_defaults(func=func)
     from . import decode_cli as engine_cli
     engine_cli.add_parser(sub)
+    from .replay import command as replay_command
+    replay_command.add_parser(sub)
     return parser
 
 

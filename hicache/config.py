@@ -263,7 +263,10 @@ class PolicySection:
                      choices=("write_through", "write_through_selective", "write_back"))
     selective_threshold: int = opt(2, "write_through_selective: hits before a page is backed up",
                                    min=1, max=1 << 20)
-    eviction: str = opt("lru", "eviction order", choices=("lru", "lfu"))
+    eviction: str = opt("lru", "eviction order: least recently used (lru), least frequently "
+                                  "used (lfu), or least likely to be reused soon, by reuse "
+                                  "rates learnt per use count (reuse)",
+                         choices=("lru", "lfu", "reuse"))
     prefetch: str = opt("timeout", "L3 prefetch policy: wait for the read until it finishes or "
                                    "the timeout passes (timeout), until it finishes "
                                    "(wait_complete), or use what arrived by the next step "
