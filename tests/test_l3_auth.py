@@ -53,6 +53,7 @@ def authed(request, tmp_path):
         section = b.section(**fx.keys)
         ours = open_store(section_where(b, section), NS, 0, secrets=secrets)
         raw = b.open(section, NS, 0)  # the same store, no secret
+        request.node.where = section_where(b, section)
         yield fx, ours, raw
         ours.close()
         raw.close()
@@ -113,15 +114,49 @@ def test_rotation_reads_either_secret_and_writes_the_current_one(tmp_path):
         s.put(keys[:2], [shard(0), shard(1)])
     both = auth.load(None, env={auth.ENV: new, auth.ENV_PREVIOUS: old})
     with open_store(path, NS, 0, secrets=both) as s:
-        out = empty(4)
-        assert s.exists_prefix(keys) == 2 and s.get(keys, out) == 2
-        assert torch.equal(out[1], shard(1))
         s.put(keys[2:], [shard(2), shard(3)])
     with open_store(path, NS, 0, secrets=auth.load(None, env={auth.ENV: new})) as s:
-        assert s.exists_prefix(keys) == 0  # the old secret's pages are gone for it
+        assert s.exists_prefix(keys) == 0  # the old secret's pages are not the new one's
         assert s.exists_prefix(keys[2:]) == 2  # what the rotation wrote stays
     with open_store(path, NS, 0, secrets=auth.load(None, env={auth.ENV: old})) as s:
         assert s.exists_prefix(keys[2:]) == 0  # and the old secret alone cannot find it
+    with open_store(path, NS, 0, secrets=both) as s:
+        out = empty(2)
+        assert s.exists_prefix(keys) == 2 and s.get(keys[:2], out) == 2
+        assert torch.equal(out[1], shard(1))
+    # a hit on an old page rewrote it under the current secret: the new secret alone finds it
+    with open_store(path, NS, 0, secrets=auth.load(None, env={auth.ENV: new})) as s:
+        out = empty(4)
+        assert s.exists_prefix(keys) == 4 and s.get(keys, out) == 4
+        assert all(torch.equal(out[i], shard(i)) for i in range(4))
+
+
+def test_a_leaked_previous_secret_cannot_sign_pages_under_the_current_secrets_keys(authed,
+                                                                                     tmp_path,
+                                                                                     request):
+    """The attacker holds the previous (leaked) secret and lists the server's keys: it re-signs
+    the values stored under the current secret's keys with other KV. None is served; values
+    under the previous secret's own keys still are (the rotation window)."""
+    fx, ours, raw = authed
+    leaked = auth.read_secret(secret_file(tmp_path, "leaked"), "test")
+    rotated = open_store(request.node.where, NS, 0,
+                         secrets=auth.Secrets(ours.secrets.current, leaked))
+    request.addfinalizer(rotated.close)
+    keys = page_keys(PROMPT, PT, NS, 0)
+    assert rotated.put(keys, [shard(i) for i in range(4)]).written == 4
+    head = ours.inner._head_prefix
+    for i, k in enumerate(KeyedStore.store_keys(keys, rotated.secrets.current)):
+        other = shard(200 + i).view(torch.uint8).reshape(-1).numpy().tobytes()
+        fx.raw_put(ours.inner, k, head + leaked.tag(k, head, other) + other)
+    assert rotated.get(keys, empty(4)) == 0 and rotated.stats.auth_failures == 1
+    # the previous secret still vouches for the pages under its own keys, and a hit moves
+    # each of them under the current secret
+    keys2 = page_keys(PROMPT[::-1], PT, NS, 0)
+    with open_store(request.node.where, NS, 0, secrets=auth.Secrets(leaked)) as before:
+        assert before.put(keys2, [shard(i) for i in range(4)]).written == 4
+    out = empty(4)
+    assert rotated.get(keys2, out) == 4 and torch.equal(out[3], shard(3))
+    assert ours.exists_prefix(keys2) == 4 and ours.get(keys2, empty(4)) == 4
 
 
 def test_the_secret_file_must_be_private_regular_and_long_enough(tmp_path):
