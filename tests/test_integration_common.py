@@ -73,3 +73,30 @@ def test_weights_signature_follows_the_weight_bytes(tmp_path):
     (d / "model.safetensors").unlink()
     with pytest.raises(L3Error, match="cannot sign"):
         weights_signature(str(d))
+
+
+def test_adapter_stores_take_the_fleet_secret_rule(tmp_path, monkeypatch, redis_url):
+    """What both adapters call with their extra config: a Redis store without the fleet secret
+    is refused with the policy's one line; the config's secret or ``authenticate: false``."""
+    from helpers import secret_file
+
+    from hicache.errors import ConfigError
+    from hicache.integrations.common import open_stores, trust_of
+    from hicache.l3 import auth
+    from hicache.l3.keyed import KeyedStore
+    monkeypatch.delenv(auth.ENV, raising=False)
+    ns = Namespace(model="m", num_layers=1, kv_dim=8, dtype="uint8", page_size=1, dcp_size=2)
+    with pytest.raises(ConfigError, match="secret_file: the redis backend is shared"):
+        open_stores(redis_url, ns, [0, 1], trust=trust_of({"store": redis_url}))
+    sec = secret_file(tmp_path)
+    stores = open_stores(redis_url, ns, [0, 1], trust=trust_of({"secret_file": sec}))
+    assert all(isinstance(s, KeyedStore) for s in stores.values())
+    for s in stores.values():
+        s.close()
+    stores = open_stores(redis_url, ns, [0, 1], trust=trust_of({"authenticate": False}))
+    assert not any(isinstance(s, KeyedStore) for s in stores.values())
+    for s in stores.values():
+        s.close()
+    assert trust_of(None) == auth.Trust()
+    with pytest.raises(ConfigError, match="authenticate: must be true or false"):
+        trust_of({"authenticate": "false"})

@@ -204,6 +204,40 @@ def test_a_shared_store_without_a_secret_is_refused_unless_said_so(tmp_path, mon
     assert validate(lm, machine=m) == []  # LMDB may run without one
 
 
+def test_every_way_into_a_shared_store_takes_the_same_rule(tmp_path, monkeypatch, redis_url,
+                                                           caplog):
+    """open_store on a bare URL (what the engine adapters call, with their extra config as
+    ``trust``) refuses a shared store without the secret with the policy's one line, runs it
+    with the explicit ``authenticate = false`` and says so in one warning line."""
+    import logging
+    monkeypatch.delenv(auth.ENV, raising=False)
+    monkeypatch.setattr(auth, "_WARNED", set())
+    for kw in ({}, {"trust": auth.Trust()}, {"secrets": None}):
+        with pytest.raises(ConfigError, match="secret_file: the redis backend is shared") as e:
+            open_store(redis_url, NS, 0, **kw)
+        assert "\n" not in str(e.value) and "set authenticate = false" in str(e.value)
+    with pytest.raises(ConfigError, match="needs a fleet secret"):
+        open_store(["redis://127.0.0.1:1", "redis://127.0.0.1:2"], NS, 0)  # a cluster
+    with caplog.at_level(logging.WARNING, logger="hicache"):
+        for _ in range(2):  # one line per process, however many stores open
+            open_store(redis_url, NS, 0, trust=auth.Trust(authenticate=False)).close()
+    lines = [r.getMessage() for r in caplog.records if "without a fleet secret" in r.getMessage()]
+    assert len(lines) == 1 and "authenticate = false" in lines[0]
+    sec = secret_file(tmp_path)
+    with open_store(redis_url, NS, 0, trust=auth.Trust(secret_file=sec)) as s:
+        assert isinstance(s, KeyedStore) and s.secrets == auth.load(None, env={auth.ENV: sec})
+    monkeypatch.setenv(auth.ENV, sec)
+    with open_store(redis_url, NS, 0) as s:
+        assert isinstance(s, KeyedStore)
+    with pytest.raises(ConfigError, match="authenticate: must be true or false"):
+        auth.Trust.of({"authenticate": "no"})
+    with pytest.raises(ConfigError, match="secret_file: must be a path"):
+        auth.Trust.of({"secret_file": 3})
+    monkeypatch.delenv(auth.ENV)
+    with open_store(str(tmp_path / "l"), NS, 0) as s:  # LMDB may run without one
+        assert not isinstance(s, KeyedStore)
+
+
 def test_the_service_counts_auth_failures_in_stats_and_metrics(tmp_path):
     import re
 

@@ -10,6 +10,7 @@ from typing import Any, Iterable
 
 from ..errors import CheckpointError, L3Error
 from ..l3 import L3Store, Namespace, keys_for_rank, open_store
+from ..l3.auth import Trust
 from ..l3.keys import DIGEST_BYTES
 
 log = logging.getLogger(__name__)
@@ -121,16 +122,25 @@ def require_client(where: Any) -> None:
                           "pip install 'hicache[redis]'") from None
 
 
+def trust_of(extra: Any) -> Trust:
+    """The fleet-secret keys of an adapter's config (``secret_file``, ``previous_secret_file``,
+    ``authenticate``: the policy ``[l3]`` keys, the same rule); ConfigError naming a bad one."""
+    return Trust.of(extra)
+
+
 def open_stores(where: Any, namespace: Namespace, ranks: Iterable[int], *, writer: bool = True,
-                capacity_bytes: int | None = None, timeout_s: float | None = None
-                ) -> dict[int, L3Store]:
-    """One store per shard index (LMDB ranks in one process share one environment)."""
+                capacity_bytes: int | None = None, timeout_s: float | None = None,
+                trust: Trust | None = None) -> dict[int, L3Store]:
+    """One store per shard index (LMDB ranks in one process share one environment). A shared
+    store (Redis) without the fleet secret is refused, unless ``trust.authenticate`` is
+    False (one warning line)."""
     require_client(where)
     out: dict[int, L3Store] = {}
     try:
         for r in ranks:
             out[r] = open_store(where, namespace, r, writer=writer,
-                                capacity_bytes=capacity_bytes, timeout_s=timeout_s)
+                                capacity_bytes=capacity_bytes, timeout_s=timeout_s,
+                                trust=trust)
     except BaseException:
         for s in out.values():
             s.close()

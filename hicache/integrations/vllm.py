@@ -7,14 +7,17 @@ Turn it on with vLLM's own connector config, no patch to vLLM::
         "cpu_bytes_to_use": 68719476736,
         "secondary_tiers": [{"type": "HiCacheTier",
                              "module_path": "hicache.integrations.vllm",
-                             "store": "redis://l3-host:6379/0"}]}}'
+                             "store": "redis://l3-host:6379/0",
+                             "secret_file": "/etc/hicache/l3.secret"}]}}'
 
 Tier arguments: ``store`` (an LMDB directory, a Redis URL or a list of Redis Cluster node URLs),
 ``capacity_bytes`` (LMDB), ``timeout_s`` (Redis), ``mla`` (dedupe MLA copies; default: vLLM's
 ``use_mla`` when it can be read, else False), ``weights_signature`` (pins the weights when the
 model is a hub id), ``quantization`` and ``revision`` (default: vLLM's model config when one is
 current), ``io_threads``, ``locality`` (default: REMOTE for a Redis URL, LOCAL for LMDB; a remote
-tier gets vLLM's network backpressure water marks), ``enable_kv_events`` (BlockStored events with
+tier gets vLLM's network backpressure water marks), ``secret_file`` / ``previous_secret_file`` /
+``authenticate`` (the fleet secret, as in a policy's ``[l3]``: a Redis store without one is
+refused unless ``authenticate`` is false; default ``$HICACHE_L3_SECRET_FILE``), ``enable_kv_events`` (BlockStored events with
 medium STORAGE for what the tier stored, when vLLM's KV events are on).
 
 The tier runs in vLLM's scheduler process and sees, per chunk, one CPU row holding every worker's
@@ -52,7 +55,7 @@ from ..checks import check_int
 from ..errors import L3Error
 from ..l3 import Namespace
 from .common import (held, is_remote, kv_dtype_name, open_stores, signature, store_keys,
-                     weights_signature)
+                     trust_of, weights_signature)
 from .health import REASONS, Health
 from .rows import RowLayout, row_layout
 
@@ -112,6 +115,17 @@ def worker_bytes_of(config: Any) -> int:
     return int(config.worker_kv_bytes_per_block) * int(config.cache.blocks_per_chunk)
 
 
+def _events_list(spec: Any, enabled: bool) -> "list[OffloadingEvent] | None":
+    """Where the tier's KV events gather: a list when asked and vLLM's KV events are on."""
+    if not enabled:
+        return None
+    if spec.kv_events_config.enable_kv_cache_events:
+        return []
+    log.warning("hicache tier: enable_kv_events is set but vLLM's KV cache events are off; "
+                "the tier emits none")
+    return None
+
+
 class _Lookup(AsyncLookupManager):
     """vLLM's async lookup front end. A batch holds one scheduler step's keys in any order
     (a sliding-window lookup sends a request's keys last first): one answer per key, a hit when
@@ -136,11 +150,15 @@ class HiCacheTier(SecondaryTierManager):
                  weights_signature: str | None = None, io_threads: int = 2,
                  locality: str | None = None, enable_kv_events: bool = False,
                  quantization: str | None = None, revision: str | None = None,
+                 secret_file: str | None = None, previous_secret_file: str | None = None,
+                 authenticate: bool = True,
                  backpressure_detector: "BackpressureDetector | None" = None) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if store is None:
             raise L3Error("the hicache tier needs 'store': an LMDB directory, a Redis URL or a "
                           "list of Redis Cluster node URLs")
+        trust = trust_of({"secret_file": secret_file, "authenticate": authenticate,
+                          "previous_secret_file": previous_secret_file})
         check_int(io_threads, "io_threads", error=L3Error)
         # A Redis store is remote: say so (KV events, and vLLM's backpressure water marks)
         self.locality = Locality(locality if locality is not None else
@@ -172,20 +190,15 @@ class HiCacheTier(SecondaryTierManager):
         self._shards = range(self.layout.num_shards)
         self._slots = {s: self.layout.slots_of(s) for s in self._shards}
         self.stores = open_stores(store, self.namespace, self._shards,
-                                  capacity_bytes=capacity_bytes, timeout_s=timeout_s)
+                                  capacity_bytes=capacity_bytes, timeout_s=timeout_s,
+                                  trust=trust)
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="hicache_vllm_tier")
         self._lock = threading.Lock()
         self._finished: list[JobResult] = []
         self._inflight: dict[int, Future] = {}
         self._load_keys: dict[int, list[OffloadKey]] = {}
         self._store_keys: dict[int, list[OffloadKey]] = {}
-        self.events: list[OffloadingEvent] | None = None
-        if enable_kv_events:
-            if offloading_spec.kv_events_config.enable_kv_cache_events:
-                self.events = []
-            else:
-                log.warning("hicache tier: enable_kv_events is set but vLLM's KV cache events "
-                            "are off; the tier emits none")
+        self.events = _events_list(offloading_spec, enable_kv_events)
         self.health = Health()
         self._latency: list[tuple[str, float]] = []
         self._lookup = _Lookup(self, tier_type)

@@ -19,8 +19,10 @@ its fingerprint.
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -36,6 +38,8 @@ MAX_SECRET_BYTES = 4096
 _KEYS_CONTEXT = "hicache 2026 L3 store keys"
 _MAC_CONTEXT = "hicache 2026 L3 value MAC"
 _ID_CONTEXT = "hicache 2026 L3 secret fingerprint"
+
+log = logging.getLogger("hicache")
 
 
 @dataclass(frozen=True)
@@ -128,13 +132,60 @@ def load(l3: Any, env: Optional[dict] = None) -> Optional[Secrets]:
     return Secrets(current, previous)
 
 
-def required(l3: Any, shared: bool, backend: str) -> Optional[Secrets]:
+@dataclass(frozen=True)
+class Trust:
+    """The fleet-secret keys of a store opened from a bare URL or directory (``open_store``'s
+    ``trust``, the engine adapters' extra config): the policy ``[l3]`` section's keys, the same
+    rule."""
+
+    secret_file: str = ""
+    previous_secret_file: str = ""
+    authenticate: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("secret_file", "previous_secret_file"):
+            if not isinstance(getattr(self, key), str):
+                raise ConfigError(f"{key}: must be a path (str), got {getattr(self, key)!r}")
+        if not isinstance(self.authenticate, bool):
+            raise ConfigError(f"authenticate: must be true or false, got {self.authenticate!r}")
+
+    @classmethod
+    def of(cls, extra: Any) -> "Trust":
+        """The trust keys of an adapter's extra config (a dict; absent keys: the defaults)."""
+        extra = extra or {}
+        return cls(secret_file=extra.get("secret_file") or "",
+                   previous_secret_file=extra.get("previous_secret_file") or "",
+                   authenticate=extra.get("authenticate", True))
+
+
+_WARNED: set = set()
+_WARNED_LOCK = threading.Lock()
+
+
+def unauthenticated(l3: Any, shared: bool, backend: str, prefix: str = "l3.") -> None:
+    """A shared backend without a secret: refused (one line: ConfigError), unless the
+    explicit ``authenticate = false``, which says so once per process (a warning line on the
+    ``hicache`` logger)."""
+    if not shared:
+        return
+    if getattr(l3, "authenticate", True):
+        raise ConfigError(f"{prefix}secret_file: the {backend} backend is shared by every client "
+                          f"of the server, so L3 needs a fleet secret ({prefix}secret_file or "
+                          f"${ENV}: a file only its owner can read); set {prefix}authenticate = "
+                          "false to run it unauthenticated")
+    with _WARNED_LOCK:
+        if backend in _WARNED:
+            return
+        _WARNED.add(backend)
+    log.warning("hicache: warning: the %s L3 backend runs without a fleet secret "
+                "(%sauthenticate = false): any client of the server can plant or replace the KV "
+                "this engine is served", backend, prefix)
+
+
+def required(l3: Any, shared: bool, backend: str, prefix: str = "l3.") -> Optional[Secrets]:
     """:func:`load`, and the refusal of a shared backend without a secret (unless ``[l3]
-    authenticate = false``)."""
+    authenticate = false``, which warns once)."""
     secrets = load(l3)
-    if secrets is None and shared and getattr(l3, "authenticate", True):
-        raise ConfigError(f"l3.secret_file: the {backend} backend is shared by every client of "
-                          f"the server, so L3 needs a fleet secret (l3.secret_file or ${ENV}: a "
-                          "file only its owner can read); set l3.authenticate = false to run it "
-                          "unauthenticated")
+    if secrets is None:
+        unauthenticated(l3, shared, backend, prefix)
     return secrets

@@ -360,3 +360,33 @@ def test_tp_size_is_not_in_an_mla_namespace(tmp_path):
     assert r.batch_exists(HASHES[:2]) == 2
     w.close()
     r.close()
+
+
+def test_a_shared_store_takes_the_fleet_secret_rule(redis_url, monkeypatch, fleet_secret,
+                                                    caplog):
+    """SGLang's backend refuses a Redis store without the fleet secret with the policy's one
+    line; the extra config's ``secret_file`` or the environment gives it; ``authenticate:
+    false`` runs unauthenticated with one warning line; a bad key is refused at once."""
+    import logging
+
+    from hicache.errors import ConfigError
+    from hicache.l3 import auth
+    from hicache.l3.keyed import KeyedStore
+    monkeypatch.delenv(auth.ENV)
+    monkeypatch.setattr(auth, "_WARNED", set())
+    src = host_pool("page_first")
+    fill(src, 21)
+    with pytest.raises(ConfigError, match="secret_file: the redis backend is shared .*set "
+                                          "authenticate = false"):
+        backend(redis_url, src)
+    b = backend(redis_url, src, secret_file=fleet_secret)
+    assert isinstance(b.store, KeyedStore)
+    assert b.batch_set_v1(HASHES[:2], indices(src, [0, 1])) == [True] * 2
+    with caplog.at_level(logging.WARNING, logger="hicache"):
+        u = backend(redis_url, src, authenticate=False)
+    assert not isinstance(u.store, KeyedStore) and u.batch_exists(HASHES[:2]) == 0
+    assert len([r for r in caplog.records if "without a fleet secret" in r.getMessage()]) == 1
+    with pytest.raises(ConfigError, match="authenticate: must be true or false"):
+        backend(redis_url, src, authenticate="no")
+    b.close()
+    u.close()

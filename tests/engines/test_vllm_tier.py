@@ -534,3 +534,34 @@ def test_redis_timeouts_and_refusals_count_by_reason(redis_factory):
         assert set(seen) == {"refused"}
     finally:
         t.close()
+
+
+def test_a_shared_tier_takes_the_fleet_secret_rule(redis_url, monkeypatch, fleet_secret, caplog):
+    """The tier refuses a Redis store without the fleet secret with the policy's one line; the
+    secret comes from the tier's own config or the environment; ``authenticate: false`` runs
+    it unauthenticated with one warning line."""
+    import logging
+
+    from hicache.errors import ConfigError
+    from hicache.l3 import auth
+    from hicache.l3.keyed import KeyedStore
+    monkeypatch.delenv(auth.ENV)
+    monkeypatch.setattr(auth, "_WARNED", set())
+    with pytest.raises(ConfigError, match="secret_file: the redis backend is shared .*set "
+                                          "authenticate = false"):
+        Tiered(redis_url)
+    t = Tiered(redis_url, tier_extra={"secret_file": fleet_secret})
+    try:
+        assert all(isinstance(s, KeyedStore) for s in t.tier.stores.values())
+        a = stored_and_evicted(t)
+    finally:
+        t.close()
+    with caplog.at_level(logging.WARNING, logger="hicache"):
+        t = Tiered(redis_url, tier_extra={"authenticate": False})
+    try:
+        assert not any(isinstance(s, KeyedStore) for s in t.tier.stores.values())
+        assert t.resolve(t.request("c"), a) == [MISS] * 3  # the keyed pages are not its own
+    finally:
+        t.close()
+    warned = [r for r in caplog.records if "without a fleet secret" in r.getMessage()]
+    assert len(warned) == 1
