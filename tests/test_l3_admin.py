@@ -81,7 +81,7 @@ def test_ls_shows_what_service_runs_wrote_and_purge_deletes_exactly_one(kind, tm
     rc, out, err = run_cli(capsys, "l3", "purge", *store, "--namespace", gone["namespace"][:8])
     assert rc == 0, err
     assert out.strip() == (f"deleted namespace {gone['namespace']} ({gone['model']}, "
-                           f"{gone['layout']}): {gone['keys']} keys, {gone['bytes']} bytes")
+                           f"{gone['layout']}): {gone['keys']} keys, {gone['bytes']} bytes freed")
     rc, out, _ = run_cli(capsys, "l3", "ls", *store, "--json")
     assert json.loads(out) == [kept]  # the other namespace is untouched
     assert _held(kind, where) == (kept["keys"], kept["bytes"])

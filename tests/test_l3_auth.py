@@ -289,8 +289,19 @@ def test_l3_check_verifies_macs_with_the_secret(tmp_path):
     assert rc == 0 and "4 authenticated values not verified" in out
     rc, out = check("--secret-file", sec)
     assert rc == 0 and "MACs verified" in out
-    rc, out = check("--secret-file", other)
-    assert rc == 1 and "4 of 4 values fail their checksum or MAC" in out
+    for extra in ((), ("--quarantine",)):  # every MAC fails: a wrong secret, not damage
+        rc, out = check("--secret-file", other, *extra)
+        assert rc == 2 and "every MAC fails (4 of 4" in out and "secret is likely wrong" in out
+        assert os.path.isdir(path) and "\n" not in out  # never moved aside
+    # one value really damaged under the right secret: damage (quarantine allowed)
+    from hicache.l3.lmdb_backend import _tamper
+    with open_store(path, NS, 0, secrets=auth.load(None, env={auth.ENV: sec})) as s:
+        _tamper(s.inner, KeyedStore.store_keys(keys[:1], s.secrets.current)[0])
+    rc, out = check("--secret-file", sec)
+    assert rc == 1 and "1 of 4 values fail their checksum or MAC" in out
+    with open_store(path, NS, 0, secrets=auth.load(None, env={auth.ENV: sec})) as s:
+        s.delete(keys[:1])
+        s.put(keys[:1], [shard(0)])
     rc, out = check("--secret-file", other, "--previous-secret-file", sec)
     assert rc == 0 and "MACs verified" in out
     os.chmod(other, 0o640)
