@@ -73,8 +73,9 @@ class ModelSection:
     num_heads: int = opt(4, "built-in engine: attention heads", min=1, max=4096)
     vocab_size: int = opt(512, "built-in engine: vocabulary size", min=2, max=1 << 24)
     signature: str = opt("", "weights identity (a checkpoint hash or revision), part of the L3 "
-                             "namespace; required when L3 is on (HiCache(weights_signature=...) "
-                             "overrides it)")
+                             "namespace; required when L3 is on, unless model.path names a "
+                             "checkpoint (then its content signature: config, safetensors "
+                             "headers, sampled bytes); HiCache(weights_signature=...) overrides it")
     path: str = opt("", "Hugging Face DeepSeek-V2/V3 checkpoint directory the engine runs: its "
                         "config.json sets num_layers, kv_lora_rank, rope_dim, dtype, hidden_size, "
                         "num_heads and vocab_size; empty = the built-in model")

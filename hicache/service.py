@@ -200,7 +200,7 @@ class HiCache:
         if mode not in CACHE_MODES:
             raise UsageError(f"unknown mode {mode!r}; expected one of {', '.join(CACHE_MODES)}")
         if weights_signature is None:
-            weights_signature = config.model.signature
+            weights_signature = config.model.signature or _checkpoint_signature(config, mode)
         if not isinstance(weights_signature, str):
             raise UsageError(f"weights_signature must be a str, got {weights_signature!r}")
         if "l3" in CACHE_MODES[mode] and not weights_signature:
@@ -907,3 +907,12 @@ class HiCache:
         hits["l1"] += prefix.device_len
         hits["l2"] += prefix.host_len
         hits["l3"] += prefix.storage_len
+
+
+def _checkpoint_signature(config: HiCacheConfig, mode: str) -> str:
+    """With L3 on and no signature given, the checkpoint ``[model] path`` names (by content,
+    never by path: the engine's own ``MLAModel.weights_signature()`` for it); else ""."""
+    if not config.model.path or "l3" not in CACHE_MODES[mode]:
+        return ""
+    from .checkpoints.signature import weights_signature
+    return f"mla-file:{weights_signature(config.model.path)}"

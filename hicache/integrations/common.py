@@ -36,9 +36,9 @@ def weights_signature(model: str, override: str | None = None) -> str:
     """A signature of the weights a model name stands for.
 
     ``override`` (a revision, a checksum, ...) wins. A local checkpoint directory is signed by
-    the digest of its config and weight files (:func:`hicache.checkpoints.hf.weights_signature`,
-    cached in hicache's user cache directory, never in the model directory). For a hub id nothing local pins the weights: the id is used and a
-    warning asks for ``weights_signature``.
+    its content (:func:`hicache.checkpoints.signature.weights_signature`: config, safetensors
+    headers and sampled tensor bytes; never its path). For a hub id nothing local pins the
+    weights: the id is used and a warning asks for ``weights_signature``.
     """
     if override:
         return str(override)
@@ -49,12 +49,22 @@ def weights_signature(model: str, override: str | None = None) -> str:
                     "its weights; pass weights_signature (e.g. the revision) so a store written "
                     "with other weights never hits", model)
         return f"id:{model}"
-    from ..checkpoints.hf import weights_signature as checkpoint_signature
+    from ..checkpoints.signature import weights_signature as checkpoint_signature
     try:
         return checkpoint_signature(model)
     except CheckpointError as e:
         raise L3Error(f"cannot sign the weights of {model!r}: {e}; pass weights_signature") \
             from None
+
+
+def weights_fields(model: str, override: str | None = None) -> dict[str, str]:
+    """The namespace fields that name the weights: their content signature alone for a local
+    checkpoint (the same weights at another path share pages), else the model name (a hub id)
+    with the signature or the override the caller gave."""
+    weights = weights_signature(model, override)
+    if not override and isinstance(model, str) and os.path.isdir(model):
+        return {"weights": weights}
+    return {"model": model, "weights": weights}
 
 
 def held(store: L3Store, skeys: list[bytes]) -> list[bool]:

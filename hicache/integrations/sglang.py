@@ -45,7 +45,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from ..errors import L3Error
 from ..l3 import L3Store, Namespace, open_store
 from .common import (get_each, kv_dtype_name, require_client, signature,
-                     store_keys, trust_of, weights_signature)
+                     store_keys, trust_of, weights_fields)
 from .health import REASONS, Health
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class HiCacheL3Storage(HiCacheStorage):
         override = extra.get("weights_signature")
         if not (override or storage_config.model_name):
             raise L3Error("SGLang gave no model name; pass weights_signature in the extra config")
-        self.weights = weights_signature(storage_config.model_name or "", override)
+        self.weights = weights_fields(storage_config.model_name or "", override)
         self.writer = bool(storage_config.is_storage_writer)  # SGLang's rule for its backups
         self.rank = storage_config.dcp_rank
         args = _server_args()
@@ -134,7 +134,7 @@ class HiCacheL3Storage(HiCacheStorage):
             raise L3Error(f"host pool DCP {pool.dcp_rank}/{pool.dcp_size} differs from the "
                           f"storage config's {cfg.dcp_rank}/{cfg.dcp_size}")
         fields = {
-            "engine": "sglang", "model": cfg.model_name, "weights": self.weights,
+            "engine": "sglang", **self.weights,  # by content for a local checkpoint
             "pp": cfg.pp_size, "pp_rank": cfg.pp_rank, "layers": [pool.start_layer,
                                                                   pool.end_layer],
             "cp": cfg.attn_cp_size, "cp_rank": cfg.attn_cp_rank,

@@ -55,7 +55,7 @@ from ..checks import check_int
 from ..errors import L3Error
 from ..l3 import Namespace
 from .common import (held, is_remote, kv_dtype_name, open_stores, signature, store_keys,
-                     trust_of, weights_signature)
+                     trust_of, weights_fields)
 from .health import REASONS, Health
 from .rows import RowLayout, row_layout
 
@@ -81,7 +81,7 @@ def _detect_mla() -> bool:
     return bool(getattr(_current_model_config(), "use_mla", False))
 
 
-def namespace_for(config: Any, layout: RowLayout, mla: bool, weights: str, *,
+def namespace_for(config: Any, layout: RowLayout, mla: bool, weights: dict[str, str], *,
                   quantization: str | None = None, revision: str | None = None) -> Namespace:
     """The L3 namespace of a vLLM ``OffloadingConfig``: one shard = one worker slot's bytes.
 
@@ -93,7 +93,7 @@ def namespace_for(config: Any, layout: RowLayout, mla: bool, weights: str, *,
     par, model, cache = config.parallel, config.model, config.cache
     groups = [(g.tokens_per_block, list(g.layer_names)) for g in config.groups]
     fields = {
-        "engine": "vllm", "model": model.name, "weights": weights,
+        "engine": "vllm", **weights,  # by content for a local checkpoint (weights_fields)
         "revision": revision, "quantization": quantization,
         "kv_dtype": kv_dtype_name(model.dtype),
         "tokens_per_hash": cache.tokens_per_hash,
@@ -467,5 +467,6 @@ _DETECTOR_ATTRS = {"high_water_s": ("_high", "high_water_s"),
                    "low_water_s": ("_low", "low_water_s")}
 
 
-def weights_signature_of(config: Any, override: str | None) -> str:
-    return weights_signature(config.model.name, override)
+def weights_signature_of(config: Any, override: str | None) -> dict[str, str]:
+    """The namespace fields naming vLLM's model's weights (:func:`weights_fields`)."""
+    return weights_fields(config.model.name, override)

@@ -390,3 +390,24 @@ def test_a_shared_store_takes_the_fleet_secret_rule(redis_url, monkeypatch, flee
         backend(redis_url, src, authenticate="no")
     b.close()
     u.close()
+
+
+def test_weights_are_named_by_content_not_path(tmp_path):
+    """The same weights at another path share pages; other weights never (no
+    weights_signature given: the local checkpoint is signed by content)."""
+    import shutil
+
+    from test_vllm_tier import tiny_checkpoint
+    where = str(tmp_path / "l3")
+    a = tiny_checkpoint(tmp_path / "node-a" / "m", 0)
+    b = shutil.copytree(a, tmp_path / "node-b" / "weights")
+    other = tiny_checkpoint(tmp_path / "node-a" / "tuned", 1)
+    src = host_pool("page_first")
+    fill(src, 31)
+    w = backend(where, src, model=a, weights_signature=None)
+    assert w.batch_set_v1(HASHES[:2], indices(src, [0, 1])) == [True] * 2
+    r = backend(where, host_pool("page_first"), model=str(b), weights_signature=None)
+    o = backend(where, host_pool("page_first"), model=other, weights_signature=None)
+    assert r.batch_exists(HASHES[:2]) == 2 and o.batch_exists(HASHES[:2]) == 0
+    for x in (w, r, o):
+        x.close()

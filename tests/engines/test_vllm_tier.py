@@ -46,7 +46,7 @@ class Tiered:
 
     def __init__(self, where, *, tp=4, dcp=2, chunks=4, weights="w1", mla=True,
                  kv_dtype="bfloat16", replicated=False, events=False, tier_extra=None,
-                 extra=None):
+                 extra=None, model="tiny-mla"):
         tier = {"type": "HiCacheTier", "module_path": "hicache.integrations.vllm",
                 "store": where, "mla": mla, "weights_signature": weights,
                 "capacity_bytes": 32 << 20, "timeout_s": 5.0, **(tier_extra or {})}
@@ -61,7 +61,7 @@ class Tiered:
             extra_config={"cpu_bytes_to_use": chunks * row, "secondary_tiers": [tier],
                           "tier_poll_interval_s": 0, **(extra or {})},
             engine_id=f"hicache-test-{uuid.uuid4().hex[:12]}",
-            model=OffloadingModelConfig(name="tiny-mla", dtype=kv_dtype),
+            model=OffloadingModelConfig(name=model, dtype=kv_dtype),
             cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
             parallel=OffloadingParallelConfig(
                 rank=0, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=dcp,
@@ -565,3 +565,45 @@ def test_a_shared_tier_takes_the_fleet_secret_rule(redis_url, monkeypatch, fleet
         t.close()
     warned = [r for r in caplog.records if "without a fleet secret" in r.getMessage()]
     assert len(warned) == 1
+
+
+def tiny_checkpoint(path, seed: int) -> str:
+    """A local checkpoint directory: config.json and one safetensors file."""
+    import json
+    import os
+
+    from safetensors.numpy import save_file
+    os.makedirs(path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 8}, f)
+    g = np.random.default_rng(seed)
+    save_file({"model.embed_tokens.weight": g.standard_normal((64, 8)).astype(np.float32)},
+              os.path.join(path, "model.safetensors"))
+    return str(path)
+
+
+def test_weights_are_named_by_content_not_path(tmp_path):
+    """Two nodes mounting the same weights at different paths share pages; other weights at
+    the first node's path never hit."""
+    import shutil
+    where = str(tmp_path / "l3")
+    a = tiny_checkpoint(tmp_path / "node-a" / "models" / "m", 0)
+    b = shutil.copytree(a, tmp_path / "node-b" / "mnt" / "weights")
+    t1 = Tiered(where, weights=None, model=a)
+    try:
+        keys = stored_and_evicted(t1)
+    finally:
+        t1.close()
+    t2 = Tiered(where, weights=None, model=str(b))
+    try:
+        assert t2.tier.namespace.digest == t1.tier.namespace.digest
+        assert t2.resolve(t2.request("c"), keys) == [HIT] * 3
+    finally:
+        t2.close()
+    shutil.rmtree(a)
+    tiny_checkpoint(a, 1)  # other weights at the same path
+    t3 = Tiered(where, weights=None, model=a)
+    try:
+        assert t3.resolve(t3.request("d"), keys) == [MISS] * 3
+    finally:
+        t3.close()
