@@ -125,3 +125,13 @@ def test_namespaces_name_local_weights_by_content_not_path(tmp_path):
     assert weights_fields(other) != fa
     assert weights_fields("org/model") == {"model": "org/model", "weights": "id:org/model"}
     assert weights_fields(a, "rev-1") == {"model": a, "weights": "rev-1"}
+
+
+def test_a_tier_too_small_for_its_job_is_one_line_naming_the_sizes():
+    from hicache.integrations.common import undersized
+    line = undersized("CPU tier", 4 * 4096, 4096, 64 * 4096, 1024)
+    assert line.count("\n") == 0 and "holds 16,384 B" in line
+    assert "one request's KV (262,144 B at 1,024 tokens)" in line
+    assert "less than one block across all layers (4,096 B)" in undersized("t", 100, 4096)
+    assert undersized("t", 64 * 4096, 4096, 64 * 4096, 1024) is None
+    assert undersized("t", 4096, 4096) is None  # max_model_len unknown: only the block rule

@@ -67,6 +67,21 @@ def weights_fields(model: str, override: str | None = None) -> dict[str, str]:
     return {"model": model, "weights": weights}
 
 
+def undersized(tier: str, tier_bytes: int, block_bytes: int, request_bytes: int | None = None,
+               max_len: int | None = None) -> str | None:
+    """The one warning line for a tier that cannot do its job (None when it can): smaller
+    than one block across all layers (it holds nothing), or than one request's KV at the
+    engine's longest request (``max_len`` tokens: such a request is never offloaded whole)."""
+    if tier_bytes < block_bytes:
+        return (f"hicache: warning: the {tier} holds {tier_bytes:,} B, less than one block "
+                f"across all layers ({block_bytes:,} B): it can offload nothing")
+    if request_bytes and tier_bytes < request_bytes:
+        return (f"hicache: warning: the {tier} holds {tier_bytes:,} B, less than one "
+                f"request's KV ({request_bytes:,} B at {max_len:,} tokens): a request that "
+                "long is never offloaded whole; size it for at least one request")
+    return None
+
+
 def held(store: L3Store, skeys: list[bytes]) -> list[bool]:
     """Per key: is it stored? (``exists_prefix`` runs from each miss on; one call when all are
     held, one more per missing key.) The keys need not be in chunk order."""

@@ -55,7 +55,7 @@ from ..checks import check_int
 from ..errors import L3Error
 from ..l3 import Namespace
 from .common import (held, is_remote, kv_dtype_name, open_stores, signature, store_keys,
-                     trust_of, weights_fields)
+                     trust_of, undersized, weights_fields)
 from .health import REASONS, Health
 from .rows import RowLayout, row_layout
 
@@ -108,6 +108,17 @@ def namespace_for(config: Any, layout: RowLayout, mla: bool, weights: dict[str, 
                       world=par.world_size)
     return Namespace(model=signature(fields), num_layers=1, kv_dim=layout.worker_bytes,
                      dtype="uint8", page_size=1, dcp_size=layout.num_shards)
+
+
+def request_chunks(config: Any) -> tuple[int, int]:
+    """(offload chunks one request of max_model_len tokens takes, max_model_len); (0, 0) when
+    vLLM does not say (its config's ``model.max_model_len``, else the current model config)."""
+    max_len = int(getattr(config.model, "max_model_len", 0) or
+                  getattr(_current_model_config(), "max_model_len", 0) or 0)
+    if max_len <= 0:
+        return 0, 0
+    per = int(config.cache.blocks_per_chunk)
+    return sum(-(-max_len // (int(g.tokens_per_block) * per)) for g in config.groups), max_len
 
 
 def worker_bytes_of(config: Any) -> int:
@@ -189,6 +200,7 @@ class HiCacheTier(SecondaryTierManager):
         self._rows = np.asarray(primary_kv_view).view(np.uint8).reshape(len(primary_kv_view), -1)
         self._shards = range(self.layout.num_shards)
         self._slots = {s: self.layout.slots_of(s) for s in self._shards}
+        self._warn_sizes(offloading_spec, capacity_bytes if not is_remote(store) else None)
         self.stores = open_stores(store, self.namespace, self._shards,
                                   capacity_bytes=capacity_bytes, timeout_s=timeout_s,
                                   trust=trust)
@@ -203,6 +215,22 @@ class HiCacheTier(SecondaryTierManager):
         self._latency: list[tuple[str, float]] = []
         self._lookup = _Lookup(self, tier_type)
         self._closed = False
+
+    def _warn_sizes(self, spec: Any, capacity: int | None) -> None:
+        """One warning line for vLLM's CPU tier (``cpu_bytes_to_use``) or this tier's LMDB
+        ``capacity_bytes`` smaller than one chunk, or than one request at max_model_len."""
+        chunks, max_len = request_chunks(spec.config)
+        row, shard_row = self.block_size_bytes, self.layout.num_shards * \
+            self.layout.worker_bytes
+        sizes = [("CPU tier (cpu_bytes_to_use)", int(getattr(spec, "num_chunks", 0)) * row,
+                  row)]
+        if capacity is not None:
+            sizes.append(("hicache tier's LMDB store (capacity_bytes)", int(capacity),
+                          shard_row))
+        for tier, have, block in sizes:
+            line = undersized(tier, have, block, chunks * block if chunks else None, max_len)
+            if line:
+                log.warning(line)
 
     # ---- shard I/O (pool threads) ----------------------------------------------------------------
     def held(self, keys: list[OffloadKey]) -> list[bool]:

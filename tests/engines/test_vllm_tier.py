@@ -607,3 +607,32 @@ def test_weights_are_named_by_content_not_path(tmp_path):
         assert t3.resolve(t3.request("d"), keys) == [MISS] * 3
     finally:
         t3.close()
+
+
+def test_a_tier_smaller_than_one_request_says_so_once(tmp_path, monkeypatch, caplog):
+    """vLLM's CPU tier of 4 chunks (16-token blocks, one per chunk) cannot hold one request of
+    max_model_len 1024 tokens (64 chunks): one warning line naming both sizes; a big enough
+    tier says nothing; an LMDB capacity under one chunk's shards says so too."""
+    import logging
+    import types
+
+    import hicache.integrations.vllm as hv
+    monkeypatch.setattr(hv, "_current_model_config",
+                        lambda: types.SimpleNamespace(max_model_len=1024))
+    row = 4096  # one chunk's primary row (4 workers x 1024 B)
+    with caplog.at_level(logging.WARNING, logger="hicache.integrations.vllm"):
+        t = Tiered(str(tmp_path / "a"), chunks=4)
+        t.close()
+    lines = [r.getMessage() for r in caplog.records if "less than one" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert f"CPU tier (cpu_bytes_to_use) holds {4 * row:,} B" in lines[0]
+    assert f"one request's KV ({64 * row:,} B at 1,024 tokens)" in lines[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hicache.integrations.vllm"):
+        t = Tiered(str(tmp_path / "b"), chunks=64)
+        t.close()
+        t = Tiered(str(tmp_path / "c"), chunks=64, tier_extra={"capacity_bytes": 1500})
+        t.close()
+    lines = [r.getMessage() for r in caplog.records if "less than one" in r.getMessage()]
+    assert len(lines) == 1 and "LMDB store (capacity_bytes) holds 1,500 B, less than one " \
+        "block across all layers (2,048 B)" in lines[0], lines
