@@ -87,9 +87,10 @@ def namespace_for(config: Any, layout: RowLayout, mla: bool, weights: dict[str, 
 
     It signs everything that changes a shard's bytes (model weights and revision, weight
     quantization, KV dtype, block and chunk sizes, groups, layout) and nothing that does not:
-    an MLA latent is the same on every TP rank, so a shard depends only on the pipeline stage
-    and the DCP split, and deployments at TP=2 and TP=4 (or vLLM's single-copy row) share pages;
-    a KV split by heads keeps every parallel size."""
+    an MLA latent is the same on every TP rank, and vLLM's replicated (single-copy) row is the
+    same row at every TP size, so a shard depends only on the pipeline stage and the DCP split,
+    and deployments at TP=2 and TP=4 share pages; a KV split by heads keeps every parallel
+    size."""
     par, model, cache = config.parallel, config.model, config.cache
     groups = [(g.tokens_per_block, list(g.layer_names)) for g in config.groups]
     fields = {
@@ -101,7 +102,8 @@ def namespace_for(config: Any, layout: RowLayout, mla: bool, weights: dict[str, 
         "worker_bytes_per_block": config.worker_kv_bytes_per_block, "mla": mla,
         "canonical": bool(config.canonical_layout), "kv_layout": config.kv_cache_layout,
     }
-    if mla and par.pcp_size == 1:  # replicated latent: the shard is (PP stage, DCP rank)
+    single = bool(getattr(config, "replicated_layout", False))  # vLLM's one-copy row
+    if (mla or single) and par.pcp_size == 1:  # rows alike at every TP: (PP stage, DCP rank)
         fields.update(pp=par.pp_size, dcp=par.dcp_size)
     else:
         fields.update(tp=par.tp_size, pp=par.pp_size, pcp=par.pcp_size, dcp=par.dcp_size,
@@ -121,9 +123,19 @@ def request_chunks(config: Any) -> tuple[int, int]:
     return sum(-(-max_len // (int(g.tokens_per_block) * per)) for g in config.groups), max_len
 
 
-def worker_bytes_of(config: Any) -> int:
-    """One worker's bytes of one offload chunk (from the config alone, whatever the spec)."""
-    return int(config.worker_kv_bytes_per_block) * int(config.cache.blocks_per_chunk)
+def worker_bytes_of(config: Any, spec: Any = None, row_bytes: int = 0) -> int:
+    """One worker's bytes of one offload chunk: from the config (whatever the spec); a spec
+    that leaves ``worker_kv_bytes_per_block`` 0 (vLLM's test specs) gets them from the row
+    its workers registered (the CPU spec's per-worker slot, else the primary row split among
+    its slots)."""
+    per_block = int(config.worker_kv_bytes_per_block)
+    if per_block > 0:
+        return per_block * int(config.cache.blocks_per_chunk)
+    slot = int(getattr(spec, "cpu_page_size_per_worker", 0) or 0)
+    if slot > 0:
+        return slot
+    single = bool(getattr(config, "replicated_layout", False))
+    return int(row_bytes) // (1 if single else max(1, int(config.parallel.world_size)))
 
 
 def _events_list(spec: Any, enabled: bool) -> "list[OffloadingEvent] | None":
@@ -180,7 +192,7 @@ class HiCacheTier(SecondaryTierManager):
         par = config.parallel
         self.mla = _detect_mla() if mla is None else bool(mla)
         # Only what every spec has (the config and vLLM's row): never a CPU-spec attribute.
-        worker_bytes = worker_bytes_of(config)
+        worker_bytes = worker_bytes_of(config, offloading_spec, self.block_size_bytes)
         single = bool(getattr(config, "replicated_layout", False))  # vLLM's one-copy row
         self.layout = row_layout(world_size=par.world_size, tp=par.tp_size, pp=par.pp_size,
                                  pcp=par.pcp_size, dcp=par.dcp_size, mla=self.mla,

@@ -308,11 +308,11 @@ class _BareSpec(OffloadingSpec):
         raise AssertionError("the hicache tier asked a spec for its worker")
 
 
-def _config(tp=2, dcp=1, chunks=4, replicated=False):
+def _config(tp=2, dcp=1, chunks=4, replicated=False, worker_bytes=WORKER_BYTES):
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers.0.attn",),
                                       group_id=0),),
-        worker_kv_bytes_per_block=WORKER_BYTES, enable_kv_cache_events=False,
+        worker_kv_bytes_per_block=worker_bytes, enable_kv_cache_events=False,
         extra_config={}, engine_id=f"bare-{uuid.uuid4().hex[:8]}",
         model=OffloadingModelConfig(name="tiny-mla", dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
@@ -636,3 +636,56 @@ def test_a_tier_smaller_than_one_request_says_so_once(tmp_path, monkeypatch, cap
     lines = [r.getMessage() for r in caplog.records if "less than one" in r.getMessage()]
     assert len(lines) == 1 and "LMDB store (capacity_bytes) holds 1,500 B, less than one " \
         "block across all layers (2,048 B)" in lines[0], lines
+
+
+def _round_trip(tier, rows, key, fill) -> None:
+    rows[1, :] = 0
+    rows[1, :len(fill)] = fill
+    tier.submit_store(TransferJob(job_id=1, keys=[key], chunk_ids=np.array([1]),
+                                  is_promotion=False, req_context=ReqContext(req_id="r")))
+    tier.drain_jobs()
+    assert [r.success for r in tier.get_finished_jobs()] == [True]
+    tier.submit_load(TransferJob(job_id=2, keys=[key], chunk_ids=np.array([3]),
+                                 is_promotion=True, req_context=ReqContext(req_id="r")))
+    tier.drain_jobs()
+    assert [r.success for r in tier.get_finished_jobs()] == [True]
+    assert np.array_equal(rows[3], rows[1])
+
+
+def test_a_spec_without_worker_bytes_takes_them_from_the_row(tmp_path):
+    """vLLM's own tier tests build specs with worker_kv_bytes_per_block = 0: the tier sizes
+    its shards from the primary row the workers registered (split among its slots)."""
+    for replicated, mla in ((False, False), (True, False), (False, True)):
+        spec = _BareSpec(_config(tp=2, replicated=replicated, worker_bytes=0))
+        rows = np.zeros((4, 4096), dtype=np.uint8)
+        tier = HiCacheTier(spec, memoryview(rows), "HiCacheTier",
+                           store=str(tmp_path / f"l3-{replicated}-{mla}"), mla=mla,
+                           weights_signature="w1")
+        try:
+            assert tier.layout.worker_bytes == (4096 if replicated else 2048)
+            key = okey("zero", int(replicated))
+            data = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
+            if mla and not replicated:  # MLA copies are copies
+                data[2048:] = data[:2048]
+            _round_trip(tier, rows, key, data)
+        finally:
+            tier.shutdown()
+
+
+def test_replicated_rows_share_across_tp_sizes_and_split_rows_do_not(tmp_path):
+    """vLLM's replicated (single-copy) row holds the same bytes at every TP size: TP is not in
+    its namespace, MLA or not; a row of per-worker slots split by heads keeps TP."""
+    def ns(tp, replicated, mla):
+        spec = _BareSpec(_config(tp=tp, replicated=replicated))
+        rows = np.zeros((4, 4096 * 4), dtype=np.uint8)
+        tier = HiCacheTier(spec, memoryview(rows), "HiCacheTier",
+                           store=str(tmp_path / f"l3-{tp}-{replicated}-{mla}"), mla=mla,
+                           weights_signature="w1")
+        try:
+            return tier.namespace.digest
+        finally:
+            tier.shutdown()
+    assert ns(2, True, False) == ns(4, True, False)
+    assert ns(2, True, True) == ns(4, True, True)
+    assert ns(2, False, True) == ns(4, False, True)
+    assert ns(2, False, False) != ns(4, False, False)
