@@ -9,7 +9,13 @@ Anyone who can reach a shared store (Redis) can write to it. With a fleet secret
   (``auth_failures``), never served, and replaced by the next writer.
 
 Two secrets may be given for a rotation: ``current`` (writes, and the first place reads look)
-and ``previous`` (reads still find and accept what it keyed and signed).
+and ``previous`` (reads still find what it keyed and signed). Each secret vouches only for the
+keys it derived (:mod:`hicache.l3.keyed`), so a leaked previous secret cannot sign values under
+the current secret's keys.
+
+A shared backend opened without a secret is refused (:func:`unauthenticated`) wherever it is
+opened from: a policy ``[l3]`` section, ``open_store`` on a URL, the engine adapters (their
+extra config is a :class:`Trust`); ``authenticate = false`` runs it with one warning line.
 
 The secret is a file readable by its owner only (``[l3] secret_file``, or the file named by
 ``$HICACHE_L3_SECRET_FILE``; ``previous_secret_file`` / ``$HICACHE_L3_PREVIOUS_SECRET_FILE``).
