@@ -95,7 +95,8 @@ def purge_l3(cache) -> int:
 
 
 def events_report(events) -> dict:
-    """``stats()["kv_events"]``: batches sent and dropped by this group's publisher."""
+    """``stats()["kv_events"]``: batches sent and dropped by this group's publisher (0 and 0
+    on a rank that publishes none)."""
     if events is None:
-        return {}
+        return {"sent": 0, "dropped": 0}
     return {"sent": events.publisher.sent, "dropped": events.publisher.dropped}
