@@ -450,15 +450,15 @@ def test_hicache_signs_a_policy_checkpoint_by_content(ckpts, tmp_path):
     content: another mount of the same weights shares the namespace, other weights do not."""
     import shutil
 
-    from hicache.service import HiCache
+    from hicache.facade.lifecycle import check_args
     a = ckpts["v2_dense"][0]
     b = shutil.copytree(a, tmp_path / "mnt" / "copy")
     other = ckpts["v3_moe_halfrope_published"][0]
-    sig = {name: HiCache._check_args(policy(p, tmp_path / "l3", 1), 1, None, (0, 1), None)[1]
+    sig = {name: check_args(policy(p, tmp_path / "l3", 1), 1, None, (0, 1), None)[1]
            for name, p in (("a", a), ("b", b), ("other", other))}
     assert sig["a"] == sig["b"] == hf.load_model(a).weights_signature()
     assert sig["other"] != sig["a"] and str(tmp_path) not in sig["a"]
-    assert HiCache._check_args(policy(a, tmp_path / "l3", 1), 1, None, (0, 1), "rev-7")[1] == \
+    assert check_args(policy(a, tmp_path / "l3", 1), 1, None, (0, 1), "rev-7")[1] == \
         "rev-7"
 
 
