@@ -163,7 +163,7 @@ def policy(path, l3, dcp, l1_pages=10, l2_ratio=2.0):
         "cache": {"page_size": 4},
         "l1": {"num_pages": l1_pages},
         "l2": {"ratio": l2_ratio},
-        "l3": {"enabled": True, "path": str(l3), "size_bytes": 64 << 20},
+        "l3": {"enabled": True, "lmdb": {"path": str(l3), "size_bytes": 64 << 20}},
         # every L3 hit is loaded, however slow the store is next to the prefill on a loaded
         # machine: the tests count L3 hits
         "policy": {"prefetch": "wait_complete", "l3_cost_model": False},
