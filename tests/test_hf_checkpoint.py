@@ -163,7 +163,7 @@ def policy(path, l3, dcp, l1_pages=10, l2_ratio=2.0):
         "cache": {"page_size": 4},
         "l1": {"num_pages": l1_pages},
         "l2": {"ratio": l2_ratio},
-        "l3": {"enabled": True, "path": str(l3), "size_bytes": 64 << 20},
+        "l3": {"enabled": True, "lmdb": {"path": str(l3), "size_bytes": 64 << 20}},
         # every L3 hit is loaded, however slow the store is next to the prefill on a loaded
         # machine: the tests count L3 hits
         "policy": {"prefetch": "wait_complete", "l3_cost_model": False},
@@ -450,15 +450,15 @@ def test_hicache_signs_a_policy_checkpoint_by_content(ckpts, tmp_path):
     content: another mount of the same weights shares the namespace, other weights do not."""
     import shutil
 
-    from hicache.service import HiCache
+    from hicache.facade.lifecycle import check_args
     a = ckpts["v2_dense"][0]
     b = shutil.copytree(a, tmp_path / "mnt" / "copy")
     other = ckpts["v3_moe_halfrope_published"][0]
-    sig = {name: HiCache._check_args(policy(p, tmp_path / "l3", 1), 1, None, (0, 1), None)[1]
+    sig = {name: check_args(policy(p, tmp_path / "l3", 1), 1, None, (0, 1), None)[1]
            for name, p in (("a", a), ("b", b), ("other", other))}
     assert sig["a"] == sig["b"] == hf.load_model(a).weights_signature()
     assert sig["other"] != sig["a"] and str(tmp_path) not in sig["a"]
-    assert HiCache._check_args(policy(a, tmp_path / "l3", 1), 1, None, (0, 1), "rev-7")[1] == \
+    assert check_args(policy(a, tmp_path / "l3", 1), 1, None, (0, 1), "rev-7")[1] == \
         "rev-7"
 
 
