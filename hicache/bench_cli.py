@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from .bench_spec import add_spec_options, spec_main, spec_requested
+from .bench_tenants import (add_tenant_options, apply_scopes, check_tenant_options,
+                            scope_lines, scope_report, with_events)
 from . import preflight
 from .bench_model import engine_model, l3_backend
 from .checks import regular_file, system_dir
@@ -211,6 +213,7 @@ def run_variants(cfg: HiCacheConfig, vs: list[Variant], jobs: list, opts: dict,
             row["reps"] = [{k: r[k] for k in ("ttft_s", "throughput_tok_s", "wall_s", "hit_ratio",
                                               "serving_s", "copies")} for r in rs]
         rows.append(row)
+    scope_report(rows, jobs)  # each row's hits per scope (--scope / --scopes)
     return rows
 
 
@@ -359,17 +362,19 @@ def ideal_hit_ratio(jobs: list, outputs: dict, page_tokens: int) -> float:
     """The hit ratio with unlimited memory: each request, in arrival order, hits every whole
     page an earlier request computed (its prompt and the tokens it generated)."""
     from .controller import CacheController
+    from .scope import make_scope
     total_pages = sum(len(j.tokens) + len(outputs[str(j.request_id)]) for j in jobs)
     ctrl = CacheController(page_tokens, total_pages // page_tokens + 1, 0)
     hits = prompt = 0
-    for j in jobs:
-        m = ctrl.match(j.tokens[:-1])
+    for j in jobs:  # (in each request's scope: --scope / --scopes)
+        sc = make_scope(getattr(j, "scope", None), getattr(j, "public_tokens", 0), page_tokens)
+        m = ctrl.match(j.tokens[:-1], scope=sc)
         hits += m.device_len
         prompt += len(j.tokens)
         fed = np.concatenate([j.tokens, np.asarray(outputs[str(j.request_id)][:-1], dtype=np.int64)])
         n = len(fed) // page_tokens
         pages = m.device_pages.tolist() + ctrl.alloc_device(n - len(m.device_pages))
-        ctrl.insert(fed[:n * page_tokens], pages)
+        ctrl.insert(fed[:n * page_tokens], pages, scope=sc)
     return hits / prompt if prompt else 0.0
 
 
@@ -400,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_options(p)
     _add_soak_options(p)
     add_spec_options(p)  # spec: --spec none,mtp|draft rows (hicache/bench_spec.py)
+    add_tenant_options(p)  # --scope / --scopes / --kv-events (hicache/bench_tenants.py)
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -500,7 +506,7 @@ def _jobs(args, workload: str, cfg: HiCacheConfig) -> list:
         from dataclasses import replace
         jobs = [replace(j, output_len=max(1, min(j.output_len, args.max_output))) for j in jobs]
     check_fit(jobs, cfg, args.trace or "")
-    return jobs
+    return apply_scopes(args, jobs)
 
 
 def _names(flag: str, text: str, known) -> list[str]:
@@ -599,7 +605,8 @@ def _policy(args) -> HiCacheConfig:
         if not 1 <= args.dcp <= 4096:
             raise UsageError(f"--dcp must be in [1, 4096], got {args.dcp}")
         cfg = cfg.replace(parallel={"dcp": args.dcp})
-    return cfg
+    check_tenant_options(args)
+    return with_events(args, cfg)
 
 
 def _overtakes(text) -> list[int]:
@@ -850,6 +857,8 @@ def _print(workload: str, entry: dict, cfg: HiCacheConfig) -> None:
             print(f"  {r['name']}: TTFT p50 {base['ttft_s']['p50'] / r['ttft_s']['p50']:.2f}x "
                   f"faster than recompute")
     _print_hybrid(entry["modes"])
+    for line in scope_lines(entry["modes"]):
+        print(line)
     for r in entry["modes"]:
         soak = r.get("soak")
         if soak:

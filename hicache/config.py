@@ -330,10 +330,45 @@ class HybridSection:
                                        "times as many)", min=0, max=1 << 50)
 
 
+@dataclass(frozen=True)
+class TenancySection:
+    """``[tenancy]``: cache scopes (docs/trust.md)."""
+    default_scope: str = opt("", "the scope of a request admitted without one (empty: the "
+                                 "shared scope, every such request shares its prefixes); a "
+                                 "request's own scope (HiCache.admit(scope=...)) wins")
+
+
+@dataclass(frozen=True)
+class EventsSection:
+    """``[events]``: KV events in vLLM's wire format for routers (docs/integrations.md)."""
+    endpoint: str = opt("", "ZMQ endpoint the DCP group's KV events go to: tcp://HOST:PORT "
+                            "connects to a subscriber that binds, tcp://*:PORT binds (empty: "
+                            "no events); DCP group i uses PORT + i")
+    replay_endpoint: str = opt("", "ZMQ endpoint (bound) answering replay requests from a "
+                                   "sequence number (empty: none); DCP group i uses PORT + i")
+    topic: str = opt("", "topic frame of every batch (llm-d's indexer reads "
+                         "kv@<pod>@<model>)")
+    queue_batches: int = opt(10_000, "batches waiting to be sent; more are dropped (counted), "
+                                     "never waited for", min=1, max=1 << 24)
+    replay_batches: int = opt(10_000, "batches kept for replay", min=1, max=1 << 24)
+
+    def __post_init__(self) -> None:
+        from .errors import UsageError
+        from .events.endpoints import check_endpoint
+        for key in ("endpoint", "replay_endpoint"):
+            value = getattr(self, key)
+            if value:
+                try:
+                    check_endpoint(value, key)
+                except UsageError as e:
+                    raise ConfigError(f"events.{e}") from None
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelSection, "parallel": ParallelSection, "cache": CacheSection, "l1": L1Section,
     "l2": L2Section, "l3": L3Section, "policy": PolicySection, "io": IOSection,
-    "spec": SpecSection, "hybrid": HybridSection,
+    "spec": SpecSection, "hybrid": HybridSection, "tenancy": TenancySection,
+    "events": EventsSection,
 }
 
 
@@ -349,6 +384,8 @@ class HiCacheConfig:
     io: IOSection = field(default_factory=IOSection)
     spec: SpecSection = field(default_factory=SpecSection)
     hybrid: HybridSection = field(default_factory=HybridSection)
+    tenancy: TenancySection = field(default_factory=TenancySection)
+    events: EventsSection = field(default_factory=EventsSection)
 
     def __post_init__(self) -> None:
         p = self.parallel

@@ -37,13 +37,23 @@ BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25,
 DIRECTIONS = ("d2h", "h2d", "l3_read", "l3_write")
 
 # name -> (type, help, label over which the stats() dict is spread, stats() path)
-# The label values are the dict's keys; a path of one key is a scalar.
+# The label values are the dict's keys; a path of one key is a scalar. Two labels (a tuple)
+# spread a dict of dicts: {second label's value: {first label's value: x}}.
 SERIES: dict[str, tuple] = {
     "hicache_requests_total": ("counter", "Requests admitted.", None, ("requests",)),
     "hicache_prompt_tokens_total": ("counter", "Prompt tokens of requests whose prefix is final.",
                                     None, ("prompt_tokens",)),
     "hicache_hit_tokens_total": ("counter", "Prompt tokens served from a tier.", "tier",
                                  ("hit_tokens",)),
+    "hicache_scope_hit_tokens_total": ("counter", "Prompt tokens served from a tier, by scope "
+                                       "kind: public (the shared scope: no scope, or a "
+                                       "request's declared public prefix) or scoped (a "
+                                       "request's own scope; scope names never appear).",
+                                       ("tier", "scope"), ("scope_hit_tokens",)),
+    "hicache_kv_events_total": ("counter", "KV event batches of this DCP group's publisher "
+                                "(one rank per group): sent, or dropped (the queue was full: "
+                                "a slow or absent subscriber; serving never waits).", "outcome",
+                                ("kv_events",)),
     "hicache_miss_tokens_total": ("counter", "Prompt tokens that had to be prefilled.", None,
                                   ("miss_tokens",)),
     "hicache_transfer_bytes_total": ("counter", "Bytes moved, by direction.", "direction",
@@ -106,6 +116,10 @@ def flatten(stats: dict) -> dict[tuple[str, str], float]:
         v = _get(stats, path)
         if label is None:
             out[(name, "")] = float(v)
+        elif isinstance(label, tuple):
+            for outer, inner in (v or {}).items():
+                for key, x in inner.items():
+                    out[(name, (str(key), str(outer)))] = float(x)
         else:
             for key, x in (v or {}).items():
                 out[(name, str(key))] = float(x)
@@ -167,6 +181,11 @@ def _stats_with_defaults(cache, store_gauges: bool = True) -> dict:
     return s
 
 
+def _names(label) -> list:
+    """A series' own label names (none, one, or a tuple of them)."""
+    return list(label) if isinstance(label, tuple) else [label] if label else []
+
+
 class _StatsCollector(Collector):
     def __init__(self, owner: "HiCacheMetrics") -> None:
         self.owner = owner
@@ -175,7 +194,7 @@ class _StatsCollector(Collector):
         return [self._family(n, k, h, lab) for n, (k, h, lab, _p) in SERIES.items()]
 
     def _family(self, name: str, kind: str, help_: str, label):
-        labels = ["rank", "model"] + ([label] if label else [])
+        labels = ["rank", "model"] + _names(label)
         if kind == "counter":  # the family name drops _total; the sample keeps it
             return CounterMetricFamily(name[:-len("_total")], help_, labels=labels)
         return GaugeMetricFamily(name, help_, labels=labels)
@@ -187,7 +206,8 @@ class _StatsCollector(Collector):
             fam = self._family(name, kind, help_, label)
             for (n, lab), v in sorted(values.items()):
                 if n == name:
-                    fam.add_metric([rank, model] + ([lab] if label else []), v)
+                    fam.add_metric([rank, model] + (list(lab) if isinstance(lab, tuple) else
+                                                    [lab] if label else []), v)
             yield fam
 
 
@@ -307,7 +327,7 @@ def describe() -> list[tuple[str, str, str]]:
     """``(name, labels, help)`` of every metric, for docs/operations.md and ``--help``."""
     rows = []
     for name, (kind, help_, label, _p) in SERIES.items():
-        rows.append((name, ",".join(["rank", "model"] + ([label] if label else [])),
+        rows.append((name, ",".join(["rank", "model"] + _names(label)),
                      f"{kind}: {help_}"))
     for n, h, lab in HISTOGRAMS.values():
         rows.append((n, ",".join(["rank", "model", *lab]), f"histogram: {h}"))

@@ -45,6 +45,7 @@ from .facade.owners import PageOwners
 from .kvport import CheckedPort
 from .l3 import agree_prefetch, prefetch_signals
 from .tier_io import PREFETCH_OUTCOMES, TierIO, Waits, join
+from . import tenancy
 
 log = logging.getLogger("hicache")
 RESTORE_RETRIES = 64  # steps an agreed L3 restore may wait for L1 room before recomputing
@@ -101,10 +102,13 @@ class HiCache:
                                     policy=config.policy,
                                     **controller_options(config, self.tiers))
         self._init_request_state(config)
+        # KV events (group rank 0, [events] endpoint): the controller's tier changes, L3 writes
+        self.events = tenancy.open_events(config, rank, replica, self.page_tokens, self.ctrl)
         # the bytes: transfers, L3 store, writer, prefetcher, restores (hicache/tier_io.py)
         self.io = TierIO(config, rank, self.l1, self.l2, self.page_tokens, self._record,
                          replica=replica, l3="l3" in self.tiers,
                          weights_signature=weights_signature)
+        self.io.events = self.events
         self.transfer = self.io.transfer
         self.namespace = self.io.namespace
         self._host = Host(config, rank, replica, self.page_tokens, self.tiers, self.ctrl,
@@ -126,6 +130,7 @@ class HiCache:
         self._reqs: dict[object, Request] = {}
         self._pending: list[Request] = []                   # requests waiting on L3
         self._stats = TierStats()
+        self.events = None
         # Failures: ``_fault`` is this rank's first failure not yet agreed (it rides as the
         # health flag in the next step's all-reduce); ``_failed`` is the agreed failure, after
         # which the cache is stopped on every rank alike (see ``step``).
@@ -158,24 +163,30 @@ class HiCache:
         self.io.observer = obs
 
     # ---- the engine's API ---------------------------------------------------------------------
-    def admit(self, request_id, tokens) -> Prefix:
+    def admit(self, request_id, tokens, scope=None, public_tokens: int = 0) -> Prefix:
         """Match ``tokens`` (the prompt) and lock the hit. The last prompt token is never a hit
         (its logits are needed). L2 hits start loading now; an L3 hit is prefetched and becomes
-        usable after the next ``step`` on which every rank has it (``prefix.ready``)."""
+        usable after the next ``step`` on which every rank has it (``prefix.ready``).
+
+        ``scope`` (bytes or str; None: ``[tenancy] default_scope``, else the shared scope):
+        the request matches and caches pages only in its scope, in every tier; its first
+        ``public_tokens`` (rounded down to whole pages) are matched and cached in the shared
+        scope (a system prompt every tenant sends, prefilled once)."""
         self._check_usable("admit")
         if request_id in self._reqs:
             raise UsageError(f"request {request_id!r} is already admitted")
         arr = as_tokens(tokens)
         if arr.size == 0:
             raise UsageError(f"request {request_id!r} has no tokens")
+        sc = tenancy.request_scope(self.config, scope, public_tokens, self.page_tokens)
         prefix = Prefix(request_id, int(arr.size))
-        req = Request(prefix, arr, page_tokens=self.page_tokens)
+        req = Request(prefix, arr, page_tokens=self.page_tokens, scope=sc)
         self._reqs[request_id] = req
         self._stats.requests += 1
         if self.tiers:
             with self._timed():  # a companion may end the hit earlier (at a snapshot)
                 end = self._cap(arr[:-1], req)
-                m = self.ctrl.match(arr[:end], lock=True)
+                m = self.ctrl.match(arr[:end], lock=True, scope=sc)
             req.lock = m.lock
             prefix.device_len = m.device_len
             prefix.page_table = m.device_pages.tolist()
@@ -204,8 +215,8 @@ class HiCache:
                         c.start_read(self._host, req)
         prefix.ready = req.prefetch is None
         if prefix.ready:
-            report.count_hits(self._stats, prefix)
-        self._note("admit", request_id, arr)
+            report.count_hits(self._stats, req)
+        self._note("admit", request_id, arr, *tenancy.scope_note(sc))
         return prefix
 
     def _note(self, what: str, request_id, tokens: np.ndarray | None = None, *more) -> None:
@@ -226,28 +237,34 @@ class HiCache:
         room is worth re-admitting (``abort`` then ``admit``) when this exceeds its
         ``prefix.hit_len``: a request that finished meanwhile put its prefix on the device."""
         self._check_usable("l1_hit_now")
-        return self.peek(self._req(request_id).tokens)[0]
+        req = self._req(request_id)
+        return self._peek(req.tokens, req.scope)[0]
 
-    def peek(self, tokens) -> tuple[int, int]:
-        """``(device_len, host_len)``: the L1 and L2 hit ``admit(tokens)`` would find now, with
-        nothing changed (no lock, no load, no LRU touch): a scheduler asks it before admitting
-        a request only if it fits. Replicated like the controller."""
+    def peek(self, tokens, scope=None, public_tokens: int = 0) -> tuple[int, int]:
+        """``(device_len, host_len)``: the L1 and L2 hit ``admit(tokens, scope,
+        public_tokens)`` would find now, with nothing changed (no lock, no load, no LRU
+        touch): a scheduler asks it before admitting a request only if it fits. Replicated
+        like the controller."""
         self._check_usable("peek")
+        return self._peek(tokens, tenancy.request_scope(self.config, scope, public_tokens,
+                                                        self.page_tokens))
+
+    def _peek(self, tokens, sc) -> tuple[int, int]:
         arr = as_tokens(tokens)
         if not self.tiers or arr.size == 0:
             return 0, 0
         with self._timed():
-            dev, host = self.ctrl.peek(arr[:-1])
-            usable = self._cap(arr[:-1])
+            dev, host = self.ctrl.peek(arr[:-1], sc)
+            usable = self._cap(arr[:-1], scope=sc)
             dev, host = min(dev, usable), max(0, min(host, usable - dev))
         return dev, (host if "l2" in self.tiers else 0)
 
-    def _cap(self, query: np.ndarray, req: Request | None = None) -> int:
+    def _cap(self, query: np.ndarray, req: Request | None = None, scope=None) -> int:
         """The longest hit of ``query`` every companion can serve (with ``req``: admission,
-        where a companion remembers what it found)."""
+        where a companion remembers what it found; without: in ``scope``)."""
         end = int(query.size)
         for c in self.companions:
-            cap = c.cap(self._host, query, req)
+            cap = c.cap(self._host, query, req, scope)
             if cap is not None:
                 end = min(end, cap)
         return end
@@ -387,7 +404,8 @@ class HiCache:
         if self.tiers:
             end = whole * self.page_tokens  # the insert releases the lock (walks on from it)
             with self._timed():
-                res = self.ctrl.insert(arr[:end], table[:whole], after=req.lock)
+                res = self.ctrl.insert(arr[:end], table[:whole], after=req.lock,
+                                       scope=req.scope)
             self.io.map_chains(res.device_pages.tolist(), req.chains(arr[:end]))
             for c in self.companions:
                 c.finish(self._host, req, arr, end, values[c.name])
@@ -408,7 +426,7 @@ class HiCache:
         req = self._req(request_id)
         self._stats.requests -= 1
         if req.prefix.ready:
-            report.count_hits(self._stats, req.prefix, -1)
+            report.count_hits(self._stats, req, -1)
         self.finish(request_id, [])
 
     def step(self) -> list:
@@ -456,6 +474,8 @@ class HiCache:
                 ready.append(req.prefix)
         self.io.launch(self.ctrl.take_ops())
         self._stats.steps += 1
+        if self.events is not None:  # this step's tier changes: one batch
+            self.events.flush(time.time())
         return ready
 
     def drain(self) -> None:
@@ -468,6 +488,16 @@ class HiCache:
         if self.io.writer is not None:  # replicated: every rank takes this branch
             self.io.flush_writes()
             self.step()
+
+    def purge_l3(self) -> int:
+        """Delete this cache's target pages from L3 (every rank its own; call on every rank at
+        the same point, like ``step``): the queued L3 writes land first (``drain``), and the
+        KV events say the pages are gone (``hicache.tenancy.purge_l3``). This rank's count."""
+        self._check_usable("purge_l3")
+        if self.l3 is None:
+            raise UsageError("purge_l3: this cache has no L3 tier")
+        self.drain()
+        return tenancy.purge_l3(self)
 
     def prefix(self, request_id) -> Prefix:  # what admit found, updated as steps agree
         return self._req(request_id).prefix
@@ -504,6 +534,7 @@ class HiCache:
                 self.drain()  # replicated condition: every rank takes this branch
         finally:
             self._closed = True
+            tenancy.close_events(self.events, self.ctrl)
             self.io.close()  # copies stop before the pools go; failures were reported already
             for c in self.companions:
                 c.close()
@@ -594,6 +625,6 @@ class HiCache:
         self.io.end_prefetch(req.prefetch)
         req.prefetch = None
         prefix.ready = True
-        report.count_hits(self._stats, prefix)
+        report.count_hits(self._stats, req)
         return True
 

@@ -84,6 +84,13 @@ class _Active:
     snaps: dict = field(default_factory=dict)
 
 
+def _scope(job) -> tuple:
+    """The scope arguments of a job for ``admit`` / ``peek``: ``(scope, public_tokens)`` of a
+    ``hicache.workloads.Request`` in a scope, none for one in the shared scope."""
+    scope, public = getattr(job, "scope", None), getattr(job, "public_tokens", 0)
+    return (scope, public) if scope is not None or public else ()
+
+
 class Server:
     """Runs jobs through a ``DCPRunner`` on ``cache``'s KV port (its L1 pool, writes checked)."""
 
@@ -296,7 +303,8 @@ class Server:
             raise ConfigError(f"request {job.request_id!r} needs {need} tokens of KV but "
                               f"L1 holds {capacity} (l1.num_pages)")
         t_admit = admitted_at.setdefault(job.request_id, time.perf_counter())
-        a = _Active(job, self._timed("admit", job.request_id, job.tokens), t_admit)
+        a = _Active(job, self._timed("admit", job.request_id, job.tokens, *_scope(job)),
+                    t_admit)
         active.append(a)
         return a
 
@@ -311,7 +319,7 @@ class Server:
         cache = self.cache
         need = -(-(len(job.tokens) + job.output_len) // cache.page_tokens)
         t0 = time.perf_counter()
-        hit = cache.peek(job.tokens)[0] // cache.page_tokens
+        hit = cache.peek(job.tokens, *_scope(job))[0] // cache.page_tokens
         self.cache_s["admit"] += time.perf_counter() - t0
         free = cache.config.l1.num_pages - cache.stats()["pages"]["l1"]
         return need - hit <= free
@@ -353,7 +361,7 @@ class Server:
         rid = a.job.request_id
         t0 = time.perf_counter()
         self.cache.abort(rid)
-        a.prefix = self.cache.admit(rid, a.job.tokens)
+        a.prefix = self.cache.admit(rid, a.job.tokens, *_scope(a.job))
         self.cache_s["rematch"] += time.perf_counter() - t0
         self.rematches += 1
         a.stale_at = None

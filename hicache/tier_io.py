@@ -37,6 +37,7 @@ from .l3 import (AsyncWriter, CostModel, Namespace, Prefetcher, PrefetchHandle, 
                  keys_for_rank, open_store, should_write)
 from .l3.guard import GuardedStore
 from .companions.base import JobSet
+from .l3.keys import DIGEST_BYTES, KEY_BYTES
 
 log = logging.getLogger("hicache")
 
@@ -159,6 +160,7 @@ class TierIO:
         # the companions (hicache.companions): their ops ride the target's, their L3 writers
         # are polled and flushed with the target's
         self.companions: list = []
+        self.events = None  # KV events (hicache.events.tiers.TierEvents) on the publishing rank
         if l3:
             try:
                 self._open_l3(weights_signature)
@@ -191,6 +193,14 @@ class TierIO:
             return
         for i, (page, chain) in enumerate(zip(pages, chains)):
             self.chain_of_page[page] = PageChain(chain, i)
+
+    def chains_named(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The chain hashes store keys end with; none where a fleet secret keys them (the keyed
+        chain names no page)."""
+        from .l3.keyed import KeyedStore
+        if isinstance(getattr(self.l3, "_store", None), KeyedStore):
+            return []
+        return [bytes(k[-DIGEST_BYTES:]) for k in keys if len(k) == KEY_BYTES]
 
     def unmap(self, pages: Iterable[int]) -> None:
         """Pages handed out afresh hold nothing yet: no backup may use an old key for them."""
@@ -284,7 +294,9 @@ class TierIO:
         if pairs:
             keys = self.keys([c for c, _ in pairs])
             try:
-                self.writer.submit(keys, [self.l2.read_page(h).clone() for _, h in pairs])
+                fut = self.writer.submit(keys, [self.l2.read_page(h).clone() for _, h in pairs])
+                if self.events is not None:  # KV events: announced once the store has them
+                    self.events.on_l3_write([c for c, _ in pairs], fut)
                 for c in self.companions:  # one copy for the group (their writing rank)
                     c.write_l3([c_ for c_, _ in pairs], [h for _, h in pairs])
             except Exception as err:  # agreed at the next step
@@ -329,6 +341,8 @@ class TierIO:
             return None
         keys = self.keys(chains[first:])
         n = self.l3.exists_prefix(keys)
+        if self.events is not None and n:  # pages this group knows are in L3 (a purge names)
+            self.events.l3_found(chains[first:first + n])
         if n and n * P < min_tokens:
             self.stats.prefetch["below_threshold"] += 1
             n = 0

@@ -26,12 +26,18 @@ MAX_REQUEST_TOKENS = 1 << 24  # prompt length or output_len of one request
 
 @dataclass(frozen=True, eq=False)
 class Request:
-    """One request: ``tokens`` int32 [prompt_len]; ``output_len`` tokens to generate."""
+    """One request: ``tokens`` int32 [prompt_len]; ``output_len`` tokens to generate.
+    ``shared_len``: its leading tokens every session of the trace shares (a system prompt, a
+    tool preamble); ``scope`` / ``public_tokens``: what the cache is told (``HiCache.admit``;
+    the bench's ``--scope`` / ``--scopes`` / ``--public-prefix``)."""
     request_id: int
     session: int
     tokens: np.ndarray
     output_len: int
     arrival_index: int
+    shared_len: int = 0
+    scope: str | None = None
+    public_tokens: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -64,8 +70,8 @@ def _lognormal_int(rng: np.random.Generator, median: float, sigma: float, lo: in
     return int(np.clip(round(median * math.exp(sigma * rng.standard_normal())), lo, hi))
 
 
-def _interleave(rng: np.random.Generator, sessions: list[list[tuple[np.ndarray, int]]]
-                ) -> list[Request]:
+def _interleave(rng: np.random.Generator, sessions: list[list[tuple[np.ndarray, int]]],
+                shared_len: int = 0) -> list[Request]:
     """Merge per-session turn lists into one arrival order, keeping each session's order."""
     owners = np.concatenate([np.full(len(s), i) for i, s in enumerate(sessions)])
     rng.shuffle(owners)
@@ -74,7 +80,7 @@ def _interleave(rng: np.random.Generator, sessions: list[list[tuple[np.ndarray, 
     for idx, sid in enumerate(owners.tolist()):
         toks, olen = sessions[sid][nxt[sid]]
         nxt[sid] += 1
-        out.append(Request(idx, sid, toks, olen, idx))
+        out.append(Request(idx, sid, toks, olen, idx, shared_len))
     return out
 
 
@@ -100,7 +106,7 @@ def chat_trace(seed: int = 0, scale: float = 1.0, vocab_size: int = 32000) -> li
             items.append((prompt, olen))
             out_prev = tok(olen)
         sessions.append(items)
-    return _interleave(rng, sessions)
+    return _interleave(rng, sessions, len(system))
 
 
 def agentic_trace(seed: int = 0, scale: float = 1.0, vocab_size: int = 32000) -> list[Request]:
@@ -129,7 +135,7 @@ def agentic_trace(seed: int = 0, scale: float = 1.0, vocab_size: int = 32000) ->
             if len(ctx) > 1_000_000 * scale:
                 break
         sessions.append(items)
-    return _interleave(rng, sessions)
+    return _interleave(rng, sessions, len(preamble))
 
 
 def load_trace(path: str | Path, vocab_size: int = 32000, seed: int = 0) -> list[Request]:
@@ -154,14 +160,16 @@ def load_trace(path: str | Path, vocab_size: int = 32000, seed: int = 0) -> list
             continue
         olen = _int_field(obj, "output_len", where, default=1, lo=0, hi=MAX_REQUEST_TOKENS)
         session = _int_field(obj, "session", where, default=len(out), lo=0, hi=SEED_MAX)
+        shared = 0
         if "tokens" in obj:
             arr = _given_tokens(obj["tokens"], where, vocab_size)
         elif "length" in obj:
             arr = _made_tokens(obj, where, vocab_size, seed, prefixes, rng)
+            shared = min(int(obj.get("prefix_len", 0) or 0), len(arr))
         else:
             raise ConfigError(f"{where}: a line needs 'tokens' or 'length' "
                               f"(got keys {sorted(obj)})")
-        out.append(Request(len(out), session, arr, olen, len(out)))
+        out.append(Request(len(out), session, arr, olen, len(out), shared))
     if not out:
         raise ConfigError(f"{p}: the trace has no requests")
     return out

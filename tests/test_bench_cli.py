@@ -302,3 +302,57 @@ def test_verify_reports_served_kv_that_differs_even_when_tokens_do_not(cfg_file,
     assert c["bad_pages"] > 0 and c["kv_max_abs_diff"] > 0.1
     assert "verify l1: CORRUPT KV of" in out.out and "logits of" in out.out
     assert "l1 served KV that differs from recompute's" in out.err
+
+
+def _l3_hits(report):
+    return sum(r["hit_tokens"]["l3"] for r in report["modes"][0]["requests"])
+
+
+def test_scopes_on_one_shared_l3(tmp_path, capsys):
+    """--scope a, then --scope b on the same L3: b gets no L3 hit; a later --scope a run does.
+    (L2 holds the whole run here, so an L3 hit can only come from an earlier run.)"""
+    cfg_file = tmp_path / "policy.toml"
+    cfg_file.write_text(policy_toml(tmp_path / "l3", page_size=8, l2_ratio=8.0,
+                                    policy={"prefetch": "wait_complete",
+                                            "l3_cost_model": False}))
+    runs = {}
+    for name, scope in (("a1", "a"), ("b", "b"), ("a2", "a")):
+        rc, runs[name] = bench(cfg_file, tmp_path, "--modes", "l1+l2+l3", "--scope", scope,
+                               name=name)
+        assert rc == 0
+    assert _l3_hits(runs["a1"]) == 0 and _l3_hits(runs["b"]) == 0
+    assert _l3_hits(runs["a2"]) > 0
+    assert list(runs["b"]["modes"][0]["scopes"]) == ["b"]
+    row = runs["a2"]["modes"][0]["scopes"]["a"]
+    assert row["hit_tokens"]["l3"] == _l3_hits(runs["a2"]) and row["requests"] > 0
+    assert runs["a2"]["modes"][0]["outputs"] == runs["b"]["modes"][0]["outputs"]
+    assert "scope a:" in capsys.readouterr().out
+
+
+def test_conversations_over_scopes_and_a_public_prefix(cfg_file, tmp_path):
+    rc, apart = bench(cfg_file, tmp_path, "--modes", "l1", "--scopes", "3", name="apart")
+    assert rc == 0
+    rc, public = bench(cfg_file, tmp_path, "--modes", "l1", "--scopes", "3", "--public-prefix",
+                       name="public")
+    assert rc == 0
+    rc, shared = bench(cfg_file, tmp_path, "--modes", "l1", name="shared")
+    a, p, s = (r["modes"][0] for r in (apart, public, shared))
+    assert sorted(a["scopes"]) == ["scope-0", "scope-1", "scope-2"]
+    assert sum(x["requests"] for x in a["scopes"].values()) == len(a["requests"])
+    assert list(s["scopes"]) == ["(shared)"]
+    # the system prompt, declared public, is prefilled once for every scope
+    assert a["hit_tokens"]["l1"] < p["hit_tokens"]["l1"] <= s["hit_tokens"]["l1"]
+    assert a["outputs"] == p["outputs"] == s["outputs"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--scope", "a", "--scopes", "2"], "--scope and --scopes"),
+    (["--scopes", "0"], "--scopes must be in [1,"),
+    (["--scope", " "], "--scope: empty"),
+    (["--public-prefix"], "--public-prefix: needs --scope or --scopes"),
+    (["--kv-events", "localhost:5557"], "events.endpoint must be tcp://HOST:PORT"),
+])
+def test_bad_tenant_flags_are_one_line_and_exit_2(cfg_file, args, words, capsys):
+    assert bench_cli.main(["--config", str(cfg_file), "--no-progress", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err

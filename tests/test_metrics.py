@@ -57,6 +57,11 @@ def expected_from_stats(s: dict, rank: str = "0") -> dict:
             v = v[k]
         if label is None:
             exp[(name, frozenset({("rank", rank)}))] = float(v)
+        elif isinstance(label, tuple):  # {second label's value: {first label's value: x}}
+            for outer, inner in v.items():
+                for key, x in inner.items():
+                    exp[(name, frozenset({("rank", rank), (label[0], key),
+                                          (label[1], outer)}))] = float(x)
         else:
             for key, x in v.items():
                 exp[(name, frozenset({("rank", rank), (label, key)}))] = float(x)
@@ -251,3 +256,40 @@ def test_bench_metrics_port_must_be_usable(tmp_path, capsys):
         port = busy.getsockname()[1]
         assert bench_cli.main(["--config", str(cfg), "--metrics-port", str(port)]) == 2
         assert f"127.0.0.1:{port} is not free" in capsys.readouterr().err
+
+
+def test_hits_by_scope_kind_and_event_batches_never_name_a_scope(tmp_path):
+    """Hit tokens by tier and by public / scoped; a scope's name never appears in a label."""
+    from dataclasses import replace
+    import zmq
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)  # somewhere for the events to go
+    sub.bind("tcp://127.0.0.1:0")
+    cfg = make_cfg(tmp_path / "l3", l1_pages=24).replace(
+        events={"endpoint": sub.getsockopt_string(zmq.LAST_ENDPOINT)})
+    jobs = [replace(j, scope="tenant-x" if j.session % 2 else None)
+            for j in revisit_trace(sessions=4)]
+    torch.manual_seed(0)
+    try:
+        with HiCache(cfg, 0, None, mode="l1+l2") as cache:
+            metrics = HiCacheMetrics(cache)
+            Server(MLAModel(model_config(cfg)), cache, chunk_tokens=16).run(jobs)
+            text = generate_latest(metrics.registry).decode()
+            stats = cache.stats()
+            metrics.close()
+    finally:
+        sub.close(0)
+        ctx.term()
+    assert "tenant-x" not in text
+    s = parse(text)
+    hits = stats["scope_hit_tokens"]
+    for kind in ("public", "scoped"):
+        for tier in ("l1", "l2"):
+            assert value(s, "hicache_scope_hit_tokens_total", rank="0", tier=tier,
+                         scope=kind) == hits[kind][tier]
+    assert hits["public"]["l2"] > 0 and hits["scoped"]["l2"] > 0
+    assert sum(hits["public"].values()) + sum(hits["scoped"].values()) == \
+        sum(stats["hit_tokens"].values())
+    sent = value(s, "hicache_kv_events_total", rank="0", outcome="sent")
+    assert 0 < sent <= stats["kv_events"]["sent"]  # (its thread may send one more between)
+    assert value(s, "hicache_kv_events_total", rank="0", outcome="dropped") == 0

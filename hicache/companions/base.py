@@ -61,10 +61,11 @@ class Companion:
     kv = None                         # a ``CheckedPort`` the engine writes it through, if any
 
     # ---- match and allocation --------------------------------------------------------------
-    def cap(self, host: Host, tokens: np.ndarray, req=None) -> Optional[int]:
-        """The longest hit of ``tokens`` this companion can serve (None: no limit). With
-        ``req`` (admission) it may remember what it found in ``req.parts[name]``; without it
-        (``peek``) it changes nothing."""
+    def cap(self, host: Host, tokens: np.ndarray, req=None, scope=None) -> Optional[int]:
+        """The longest hit of ``tokens`` this companion can serve (None: no limit), in the
+        request's scope (``req.scope``; without ``req``: ``scope``). With ``req`` (admission)
+        it may remember what it found in ``req.parts[name]``; without it (``peek``) it changes
+        nothing."""
         return None
 
     def settle(self, host: Host, req) -> None:

@@ -66,9 +66,11 @@ class Snapshots(Companion):
         return self.tier.l3.writer if self.tier.l3 is not None else None
 
     # ---- match ---------------------------------------------------------------------------------
-    def cap(self, host: Host, tokens: np.ndarray, req=None):
-        """The hit ends at the deepest snapshot (read-only without ``req``)."""
-        cached, usable, snap = host.ctrl.snaps.limit(tokens, hosted="l2" in host.tiers)
+    def cap(self, host: Host, tokens: np.ndarray, req=None, scope=None):
+        """The hit ends at the deepest snapshot of the scope (read-only without ``req``)."""
+        scope = req.scope if req is not None else scope
+        cached, usable, snap = host.ctrl.snaps.limit(tokens, hosted="l2" in host.tiers,
+                                                     scope=scope)
         if req is not None:
             if snap is not None:
                 host.ctrl.snaps.use(snap)
@@ -86,7 +88,8 @@ class Snapshots(Companion):
         usable, snap, have = part.usable, part.snap, prefix.hit_len
         if have < usable:
             with host.timed():
-                _, usable, snap = host.ctrl.snaps.limit(req.tokens[:have], hosted=False)
+                _, usable, snap = host.ctrl.snaps.limit(req.tokens[:have], hosted=False,
+                                                        scope=req.scope)
             prefix.lost_len += have - usable
             prefix.device_len = usable
             del prefix.page_table[usable // host.page_tokens:]
@@ -177,7 +180,7 @@ class Snapshots(Companion):
         if not value:
             return
         with host.timed():
-            placed = host.ctrl.snaps.attach(arr[:end], list(value))
+            placed = host.ctrl.snaps.attach(arr[:end], list(value), req.scope)
         pt, l3 = host.page_tokens, self.tier.l3
         chains = req.chains(arr[:end]) if l3 is not None and placed else []
         for s in placed:

@@ -34,6 +34,7 @@ from hicache.controller.types import (BackupOp, ControllerStats, LoadOp, LockHan
 from hicache.errors import UsageError
 from hicache.ids import as_tokens
 from hicache.pages import PageAllocator
+from hicache.scope import Scope
 
 Op = Union[BackupOp, LoadOp]
 _MAX_GRANTS = 4096
@@ -93,16 +94,20 @@ class CacheController(RequestPages, Insert, Eviction):
         self._new_ops: list[Op] = []               # not yet taken
         self._next_op = 0
         self._evicting_pages = 0        # device pages freed once their write_back backups land
+        # a listener for pages entering and leaving a tier (KV events): on_tier(stored, tier,
+        # node) with tier "l1" or "l2", called as the node's pages arrive or before they go
+        self.on_tier = None
 
     # ---- lookup ---------------------------------------------------------------------------
-    def match(self, tokens, *, lock: bool = False) -> Match:
+    def match(self, tokens, *, lock: bool = False, scope: Scope | None = None) -> Match:
         """Longest cached whole-page prefix of ``tokens``: device part, then host-only part.
         ``lock``: also lock it, as ``lock(match)`` right after would (``Match.lock`` is the
-        handle), in the same pass over the path."""
+        handle), in the same pass over the path. ``scope`` (``hicache.scope.Scope``; None:
+        the shared scope): pages past its public ones match only pages cached in it."""
         arr = as_tokens(tokens, int64=False)
         self._clock += 1
         self.stats.matches += 1
-        path = self.tree.walk(arr)
+        path = self.tree.walk(arr, scope=scope)
         dev, hst, hpages = path, [], _NO_IDS
         try:  # the common case, every node on the device: its pages in one join
             dpages = chain_pages(path, DEVICE_PAGES)
@@ -151,11 +156,12 @@ class CacheController(RequestPages, Insert, Eviction):
             m.lock = LockHandle(last, m.device_len + m.host_len)
         return m
 
-    def peek(self, tokens) -> tuple[int, int]:
-        """``(device_len, host_len)`` that ``match(tokens)`` would return now, used for nothing:
-        no LRU touch, no split, no stats (a scheduler asking whether a request would fit)."""
+    def peek(self, tokens, scope: Scope | None = None) -> tuple[int, int]:
+        """``(device_len, host_len)`` that ``match(tokens, scope=scope)`` would return now, used
+        for nothing: no LRU touch, no split, no stats (a scheduler asking whether a request
+        would fit)."""
         dev = host = 0
-        for n, pages in self.tree.covered(as_tokens(tokens, int64=False)):
+        for n, pages in self.tree.covered(as_tokens(tokens, int64=False), scope):
             if n.device is not None and not host:
                 dev += pages
             elif n.device is None and n.host_valid:
@@ -307,6 +313,8 @@ class CacheController(RequestPages, Insert, Eviction):
                     if not n.host_valid:
                         n.host_valid = True
                         self._host_valid_pages += n.npages
+                        if self.on_tier is not None:
+                            self.on_tier(True, "l2", n)
                 evicting = [n for n in rec.nodes if n.evicting]
                 if len(evicting) > 1:
                     evicting.sort(key=lambda n: -n.depth())  # children first: each is a leaf

@@ -105,6 +105,8 @@ class Eviction:
         self.stats.host_evicted_pages += k
         if n.host_valid:
             self._host_valid_pages -= k
+            if self.on_tier is not None:
+                self.on_tier(False, "l2", n)
         n.host = None
         n.host_valid = False
         self._hst.remove(n)

@@ -14,6 +14,7 @@ from hicache.controller.tree import DEVICE_PAGES, Node
 from hicache.controller.types import NO_IDS as _NO_IDS, InsertResult, LockHandle
 from hicache.errors import UsageError
 from hicache.ids import INT64, as_tokens, join_ids, page_ids
+from hicache.scope import Scope
 
 
 class _InsertPlan(NamedTuple):
@@ -32,7 +33,8 @@ def _concat(parts: list[np.ndarray]) -> np.ndarray:
 class Insert:
     """The insert section of ``CacheController``."""
 
-    def insert(self, tokens, device_pages, *, after: LockHandle | None = None) -> InsertResult:
+    def insert(self, tokens, device_pages, *, after: LockHandle | None = None,
+               scope: Scope | None = None) -> InsertResult:
         """Cache the whole pages of ``tokens``, whose KV is in ``device_pages``: one page per
         whole page, optionally followed by the partial tail's page, which is freed (a request
         that continues decoding keeps its tail page by not passing it). Pages duplicating
@@ -49,7 +51,10 @@ class Insert:
         only its last page is compared with ``tokens`` (tokens that differ there are refused:
         UsageError naming the first token that differs; a suffix past the prefix, say).
         Tokens whose whole pages end inside the locked prefix (a request aborted or finished
-        before its pages) are walked from the root, as a plain insert does."""
+        before its pages) are walked from the root, as a plain insert does.
+
+        ``scope``: the request's (``match``'s); its pages past the public ones are cached in
+        it, under a leaf keyed by its tag."""
         arr = as_tokens(tokens, int64=False)
         pages = page_ids(device_pages)
         pt = self.page_tokens
@@ -65,16 +70,16 @@ class Insert:
                 self._held(after, "insert(after=)")  # raises, but for the root's lock
             if after.prefix_len <= whole * pt:
                 start, held = after.node, after.prefix_len
-        path = self.tree.walk(arr, start, held)
+        path = self.tree.walk(arr, start, held, scope)
         self._clock += 1
         self.stats.inserts += 1
         plan = self._check_insert(path, pages)
         if start is None or self._hosted:  # (backups may evict: the lock holds till then)
-            res = self._adopt(arr, pages, whole, path, plan)
+            res = self._adopt(arr, pages, whole, path, plan, scope=scope)
             if after is not None:
                 self._release(after)
             return res
-        return self._adopt(arr, pages, whole, path, plan, after)
+        return self._adopt(arr, pages, whole, path, plan, after, scope)
 
     def _whole_pages(self, n_tokens: int, n_pages: int) -> int:
         pt = self.page_tokens
@@ -129,7 +134,8 @@ class Insert:
         return _InsertPlan(cached, _concat(dups) if dups else _NO_IDS, adopt, idx)
 
     def _adopt(self, arr: np.ndarray, pages: np.ndarray, whole: int, path: list[Node],
-               plan: "_InsertPlan", held: LockHandle | None = None) -> InsertResult:
+               plan: "_InsertPlan", held: LockHandle | None = None,
+               scope: Scope | None = None) -> InsertResult:
         """Apply a checked insert (of the tokens ``arr``): host-only nodes on the
         path take the caller's pages, a new leaf takes the pages past the cached ones,
         duplicates and the tail's page are freed. ``held``: a lock on a node of ``path``,
@@ -139,11 +145,7 @@ class Insert:
             self._attach_device(node, pages[a:b].copy())
         new_pages = whole - plan.cached
         if new_pages:
-            pt = self.page_tokens
-            leaf = self.tree.add_child(path[-1] if path else self.tree.root,
-                                       arr[plan.cached * pt:whole * pt])
-            self._attach_device(leaf, pages[plan.cached:whole].copy())
-            path.append(leaf)
+            self._grow(arr, pages, plan.cached, whole, path, scope)
         clock, dtouch, htouch = self._clock, self._dev.touch, self._hst.touch
         k = 0  # path[:k]: the nodes ``held`` locks
         if held is not None:
@@ -180,6 +182,25 @@ class Insert:
             self.device.free_array(freed, trusted=True)
         return InsertResult(freed, list(map(DEVICE_PAGES, path)),
                             path[-1] if path else self.tree.root, new_pages)
+
+    def _grow(self, arr: np.ndarray, pages: np.ndarray, cached: int, whole: int,
+              path: list[Node], scope: Scope | None) -> None:
+        """New leaves for pages ``[cached, whole)`` of ``arr`` below ``path``, appended to it:
+        one leaf, or in a scope whose public pages end past ``cached``, a shared leaf for the
+        rest of them and the scope's own leaf (keyed by its tag) for the pages after."""
+        cuts = [(cached, whole, b"")]
+        if scope is not None:
+            bound = scope.public_pages
+            if cached < bound < whole:
+                cuts = [(cached, bound, b""), (bound, whole, scope.tag)]
+            elif cached == bound:
+                cuts = [(cached, whole, scope.tag)]
+        pt = self.page_tokens
+        for a, b, tag in cuts:
+            leaf = self.tree.add_child(path[-1] if path else self.tree.root,
+                                       arr[a * pt:b * pt], tag)
+            self._attach_device(leaf, pages[a:b].copy())
+            path.append(leaf)
 
     def _maybe_backup(self, node: Node) -> None:
         if (node.host is not None or node.device is None or node.pending

@@ -109,6 +109,8 @@ class RequestPages:
 
     def _attach_device(self, n: Node, pages: np.ndarray) -> None:
         n.device = pages
+        if self.on_tier is not None:
+            self.on_tier(True, "l1", n)
         self._dev.add(n)
         self._dev_pages += n.npages
         if n.lock_ref:
@@ -117,6 +119,8 @@ class RequestPages:
     def _detach_device(self, n: Node) -> int:
         """Free the node's device pages; returns how many."""
         self.device.free_array(n.device, trusted=True)
+        if self.on_tier is not None:
+            self.on_tier(False, "l1", n)
         n.device = None
         self._dev.remove(n)
         k = n.npages

@@ -104,12 +104,13 @@ class SnapshotIndex:
         return out
 
     # ---- lookup -------------------------------------------------------------------------------
-    def limit(self, tokens: np.ndarray, hosted: bool = True) -> tuple[int, int, Snap | None]:
-        """``(cached, usable, snap)``: the tokens ``match(tokens)`` would find (device part,
-        then host part when ``hosted``), the deepest position in them holding a usable snapshot
-        (0: none) and that snapshot. Read-only (no split, no touch)."""
+    def limit(self, tokens: np.ndarray, hosted: bool = True,
+              scope=None) -> tuple[int, int, Snap | None]:
+        """``(cached, usable, snap)``: the tokens ``match(tokens, scope=scope)`` would find
+        (device part, then host part when ``hosted``), the deepest position in them holding a
+        usable snapshot (0: none) and that snapshot. Read-only (no split, no touch)."""
         pages, best, host = 0, None, False
-        for n, k in self.tree.covered(tokens):
+        for n, k in self.tree.covered(tokens, scope):
             if n.device is None:
                 if not (hosted and n.host_valid):
                     break
@@ -134,16 +135,17 @@ class SnapshotIndex:
             self.l2.touch(s)
 
     # ---- insert -------------------------------------------------------------------------------
-    def attach(self, tokens: np.ndarray, positions) -> list[Snap]:
-        """Give the cached pages of ``tokens`` ending at ``positions`` snapshots: the new ones
-        (each with an L1 slot and, with L2, a host slot), in position order. A position that
-        is not the end of a cached page, or already holds a snapshot, is skipped."""
+    def attach(self, tokens: np.ndarray, positions, scope=None) -> list[Snap]:
+        """Give the cached pages of ``tokens`` (in ``scope``) ending at ``positions``
+        snapshots: the new ones (each with an L1 slot and, with L2, a host slot), in position
+        order. A position that is not the end of a cached page, or already holds a snapshot,
+        is skipped."""
         out = []
         pt = self.page_tokens
         for p in sorted(set(int(p) for p in positions)):
             if p <= 0 or p % pt or p > len(tokens):
                 continue
-            covered = self.tree.covered(tokens[:p])
+            covered = self.tree.covered(tokens[:p], scope)
             if not covered or sum(k for _, k in covered) * pt != p:
                 continue
             node, k = covered[-1]

@@ -20,6 +20,7 @@ from hicache.checks import check_int
 from hicache.errors import UsageError
 from hicache.ids import INT64, as_tokens  # noqa: F401  (as_tokens: the one token coercion;
                                           # re-exported)
+from hicache.scope import Scope
 
 
 class Node:
@@ -27,7 +28,8 @@ class Node:
     there."""
 
     __slots__ = ("nid", "parent", "children", "tokens", "npages", "device", "host", "host_valid",
-                 "lock_ref", "hits", "last_access", "pending", "evicting", "alive", "snaps")
+                 "lock_ref", "hits", "last_access", "pending", "evicting", "alive", "snaps",
+                 "scope", "chain")
 
     def __init__(self, nid: int, parent: "Node | None", tokens: bytes, npages: int) -> None:
         self.nid = nid
@@ -45,6 +47,8 @@ class Node:
         self.evicting = False         # free device pages once the pending backup completes
         self.alive = True
         self.snaps: dict | None = None  # hybrid models: page index -> snapshot (snapshots.py)
+        self.scope = b""  # a scope's tag where its scoped part starts here (hicache.scope)
+        self.chain: bytes | None = None  # its last page's chain hash, once asked (events)
 
     def has_device_child(self) -> bool:
         for c in self.children.values():
@@ -90,7 +94,38 @@ class RadixTree:
         self._next_id += 1
         return nid
 
-    def walk(self, arr: np.ndarray, start: "Node | None" = None, held: int = 0) -> list[Node]:
+    def walk(self, arr: np.ndarray, start: "Node | None" = None, held: int = 0,
+             scope: Scope | None = None) -> list[Node]:
+        """``_walk`` in the shared scope (``scope`` None), else ``_walk_scoped``."""
+        if scope is None:
+            return self._walk(arr, start, held)
+        return self._walk_scoped(arr, start, held, scope)
+
+    def _walk_scoped(self, arr: np.ndarray, start: "Node | None", held: int,
+                     scope: Scope) -> list[Node]:
+        """``walk`` in ``scope``: the public pages in the shared tree (a node running past them
+        is split there), then, from the node that ends them, the child keyed by the scope's
+        tag and the first scoped page, then on below it as usual."""
+        pt = self.page_tokens
+        bound, whole = scope.bound(pt), len(arr) // pt * pt
+        if held > bound:  # the walk starts inside the scoped part
+            return self._walk(arr, start, held)
+        path = self._walk(arr[:bound], start, held)
+        if bound >= whole or sum(n.npages for n in path) * pt != bound:
+            return path
+        at = path[-1] if path else self.root
+        q = np.ascontiguousarray(arr[:whole], INT64).tobytes()
+        a = bound * 8
+        child = at.children.get(scope.tag + q[a:a + pt * 8])
+        if child is None:
+            return path
+        e = a + len(child.tokens)
+        if e > len(q) or not q.startswith(child.tokens, a):
+            path.append(self._cut(child, q, a, min(e, len(q))))
+            return path
+        return self._walk(arr, child, bound + child.npages * pt)
+
+    def _walk(self, arr: np.ndarray, start: "Node | None" = None, held: int = 0) -> list[Node]:
         """Nodes covering the longest cached whole-page prefix of ``arr`` (ints), root excluded.
 
         With ``start`` (a node in the tree whose path from the root holds ``held`` tokens, at
@@ -217,6 +252,7 @@ class RadixTree:
         keeps the lower part, so locks and op records that point to it stay valid)."""
         w = self.page_tokens * 8
         top = Node(self._new_id(), node.parent, node.tokens[:k * w], k)
+        top.scope, node.scope = node.scope, b""  # the scope enters at the upper part
         node.tokens = node.tokens[k * w:]
         node.npages -= k
         if node.device is not None:
@@ -228,7 +264,7 @@ class RadixTree:
         top.pending = set(node.pending)
         top.evicting = node.evicting
         parent = node.parent
-        parent.children[top.tokens[:w]] = top
+        parent.children[top.scope + top.tokens[:w]] = top
         top.children[node.tokens[:w]] = node
         node.parent = top
         self.num_nodes += 1
@@ -236,19 +272,27 @@ class RadixTree:
             self.on_split(top, node)
         return top
 
-    def covered(self, arr: np.ndarray) -> list[tuple[Node, int]]:
-        """The nodes ``walk(arr)`` would return, each with how many of its pages ``arr``
-        covers (all but maybe the last's), splitting none: a read-only walk (no fast path:
-        for questions asked once per request, like ``CacheController.peek``)."""
+    def covered(self, arr: np.ndarray, scope: Scope | None = None) -> list[tuple[Node, int]]:
+        """The nodes ``walk(arr, scope=scope)`` would return, each with how many of its pages
+        ``arr`` covers (all but maybe the last's), splitting none: a read-only walk (no fast
+        path: for questions asked once per request, like ``CacheController.peek``)."""
         w = self.page_tokens * 8
         total = len(arr) // self.page_tokens * w
         q = arr[:total // 8].astype(INT64, copy=False).tobytes()
+        tag, enter = (scope.tag, scope.bound(self.page_tokens) * 8) if scope else (b"", -1)
         a, out, children = 0, [], self.root.children
         while a < total:
-            child = children.get(q[a:a + w])
+            child = children.get((tag if a == enter else b"") + q[a:a + w])
             if child is None:
                 break
             ct = child.tokens
+            if a < enter < a + len(ct):  # a shared node past the public pages: the scope's
+                k = 1                      # part cannot hang inside it
+                while (a + (k + 1) * w <= enter
+                       and q[a + k * w:a + (k + 1) * w] == ct[k * w:(k + 1) * w]):
+                    k += 1
+                out.append((child, k))
+                break
             if q.startswith(ct, a):
                 out.append((child, child.npages))
                 a += len(ct)
@@ -261,19 +305,21 @@ class RadixTree:
             break
         return out
 
-    def add_child(self, parent: Node, tokens: np.ndarray) -> Node:
-        """New leaf under ``parent`` for ``tokens`` (ints, whole pages)."""
+    def add_child(self, parent: Node, tokens: np.ndarray, tag: bytes = b"") -> Node:
+        """New leaf under ``parent`` for ``tokens`` (ints, whole pages); ``tag``: a scope's,
+        where the scoped part of a chain starts at this leaf."""
         pt = self.page_tokens
         kb = (tokens if tokens.dtype is INT64 else tokens.astype(INT64)).tobytes()
         node = Node(self._next_id, parent, kb, len(tokens) // pt)
         self._next_id += 1
-        parent.children[kb[:pt * 8]] = node
+        node.scope = tag
+        parent.children[tag + kb[:pt * 8]] = node
         self.num_nodes += 1
         return node
 
     def remove_leaf(self, node: Node) -> None:
         assert not node.children and node is not self.root
-        del node.parent.children[node.tokens[:self.page_tokens * 8]]
+        del node.parent.children[node.scope + node.tokens[:self.page_tokens * 8]]
         if node.snaps and self.on_remove is not None:
             self.on_remove(node)
         node.alive = False
@@ -302,7 +348,7 @@ class RadixTree:
         while stack:
             n, d = stack.pop()
             if n is not self.root:
-                h = hashlib.blake2b(n.tokens, digest_size=8).hexdigest()
+                h = hashlib.blake2b(n.scope + n.tokens, digest_size=8).hexdigest()
                 out.append((d, n.npages, h,
                             tuple(n.device.tolist()) if n.device is not None else None,
                             tuple(n.host.tolist()) if n.host is not None else None, n.host_valid,

@@ -19,6 +19,7 @@ from hicache.controller import StepAgreement
 from hicache.errors import ConfigError, DivergenceError, PeerError, UsageError
 from hicache.l1.pool import DeviceKVPool, pick_device
 from hicache.l2.pool import HostKVPool
+from hicache.tenancy import close_events
 
 CACHE_MODES = {"recompute": (), "l1": ("l1",), "l1+l2": ("l1", "l2"),
                "l1+l2+l3": ("l1", "l2", "l3")}
@@ -164,6 +165,7 @@ def discard(cache) -> None:
     io, cache.io = cache.io, None
     if io is not None:
         io.close()
+    close_events(getattr(cache, "events", None), None)
     for part in cache.companions:  # their pools, copies, writers and stores
         part.close()
     cache.companions = []

@@ -4,6 +4,8 @@ under its name (``"hybrid"``, ``"draft"``, ...) and the L3 store's figures."""
 
 from __future__ import annotations
 
+from hicache.tenancy import events_report
+
 __all__ = ["count_hits", "leaks_of", "stats_of"]
 
 
@@ -32,6 +34,8 @@ def stats_of(cache) -> dict:
         # copy ops the controller issued: backups (d2h) and L2 load-backs (h2d)
         "copy_ops": {"d2h": ctrl.backups, "h2d": ctrl.loads},
     }
+    out["scope_hit_tokens"] = s.scope_hits.report()  # by public / scoped (hicache.tenancy)
+    out["kv_events"] = events_report(cache.events)
     for c in cache.companions:  # e.g. "hybrid" (KDA snapshots), "draft" (spec)
         out[c.name] = c.report()
     if cache.l3 is not None:
@@ -50,9 +54,12 @@ def stats_of(cache) -> dict:
 
 
 
-def count_hits(stats, prefix, sign: int = 1) -> None:
-    """Count a prefix once it is final (``sign`` -1: take an aborted one back), so hit + miss
-    == prompt tokens of ready requests (a request still waiting on L3 is in neither)."""
+def count_hits(stats, req, sign: int = 1) -> None:
+    """Count a request's prefix once it is final (``sign`` -1: take an aborted one back), so
+    hit + miss == prompt tokens of ready requests (a request still waiting on L3 is in
+    neither); by public / scoped too."""
+    prefix = req.prefix
+    stats.scope_hits.add(prefix, req.scope, req.page_tokens, sign)
     stats.prompt_tokens += sign * prefix.prompt_len
     hits = stats.hit_tokens
     hits["l1"] += sign * prefix.device_len

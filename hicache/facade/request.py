@@ -11,6 +11,7 @@ import numpy as np
 
 from hicache.controller import LockHandle
 from hicache.l3 import chain_hashes
+from hicache.tenancy import ScopeHits
 from hicache.tier_io import Job, L3Read, Waits
 
 TIERS = ("l1", "l2", "l3")
@@ -58,16 +59,18 @@ class Request:
     restore_tries: int = 0          # steps an agreed L3 restore waited for L1 room
     parts: dict = field(default_factory=dict)  # each companion's state of it, by name
     page_tokens: int = 1            # P*c: the widened page its chains hash
+    scope: object = None            # its hicache.scope.Scope (None: the shared scope)
     _chains: list = field(default_factory=list, repr=False)
 
     def chains(self, tokens: np.ndarray) -> list[bytes]:
         """The chain hash of every whole page of ``tokens`` (the prompt, or what ``finish``
         caches: both start with the prompt), computed once per request: the one place a
-        request's pages get their L3 identity (the target's keys, the companions' keys)."""
+        request's pages get their L3 identity (the target's keys, the companions' keys), its
+        scope mixed in at its first scoped page."""
         w = self.page_tokens
         n = tokens.size // w
         if len(self._chains) < n:
-            self._chains = chain_hashes(tokens[:n * w], w)
+            self._chains = chain_hashes(tokens[:n * w], w, self.scope)
         return self._chains[:n]
 
 
@@ -82,3 +85,4 @@ class TierStats:
     steps: int = 0
     restore_wait_steps: int = 0    # steps agreed L3 restores waited for L1 room (all requests)
     restore_fallbacks: int = 0     # agreed L3 restores recomputed after RESTORE_RETRIES steps
+    scope_hits: ScopeHits = field(default_factory=ScopeHits)  # hits by public / scoped

@@ -25,11 +25,12 @@ from hicache.errors import L3Error, UsageError
 from hicache import page_format
 from hicache.ids import as_tokens
 from hicache.page_format import PageFormat, PageKind
+from hicache.scope import Scope, mix
 
 FORMAT_VERSION = 2  # 2: XXH3-64 value checksum (1: CRC-32)
 DIGEST_BYTES = 16
 KEY_BYTES = 2 * DIGEST_BYTES + 2
-_CHAIN_SEED = b"hicache-l3-chain"
+CHAIN_SEED = b"hicache-l3-chain"  # the chain state before its first page
 
 
 def dtype_name(dtype: Any) -> str:
@@ -180,17 +181,28 @@ def _tokens_array(tokens: Any) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype="<i8")
 
 
-def chain_hashes(tokens: Any, page_tokens: int) -> list[bytes]:
-    """Rank-independent chain hash of every WHOLE page of ``tokens`` (the tail is dropped)."""
+def chain_hashes(tokens: Any, page_tokens: int, scope: Scope | None = None) -> list[bytes]:
+    """Rank-independent chain hash of every WHOLE page of ``tokens`` (the tail is dropped).
+    ``scope`` (``hicache.scope``; None: the shared scope) enters the chain before its first
+    scoped page (after its public pages), so two scopes share no page's hash past those."""
     check_int(page_tokens, "page_tokens", error=L3Error)
     arr = _tokens_array(tokens)
+    return chain_on(CHAIN_SEED, arr, page_tokens, 0, scope)
+
+
+def chain_on(prev: bytes, arr: np.ndarray, page_tokens: int, first: int,
+             scope: Scope | None = None) -> list[bytes]:
+    """The chain hashes of the whole pages of ``arr`` (int64 token ids), continuing a chain
+    whose last hash is ``prev`` (``CHAIN_SEED`` at its start) at page index ``first``."""
     n_pages = arr.size // page_tokens
     pages = arr[: n_pages * page_tokens].reshape(n_pages, page_tokens)  # [n, page_tokens] int64
     out: list[bytes] = []
-    prev = _CHAIN_SEED
-    for row in pages:  # one hash per page over the page's raw int64 bytes; no per-token loop
+    enter = scope.public_pages - first if scope is not None else -1
+    for i, row in enumerate(pages):  # one hash per page over its raw int64 bytes
+        if i == enter:
+            prev = mix(prev, scope.tag)
         h = hashlib.blake2b(prev, digest_size=DIGEST_BYTES)
-        h.update(row.data)
+        h.update(np.ascontiguousarray(row, dtype="<i8").data)
         prev = h.digest()
         out.append(prev)
     return out
@@ -202,15 +214,17 @@ def make_key(namespace: Namespace, rank: int, chain: bytes) -> bytes:
     return namespace.digest + rank.to_bytes(2, "big") + chain
 
 
-def page_keys(tokens: Any, page_tokens: int, namespace: Namespace, rank: int) -> list[bytes]:
-    """Store keys of every whole widened page of ``tokens`` for ``rank``'s shard."""
+def page_keys(tokens: Any, page_tokens: int, namespace: Namespace, rank: int,
+              scope: Scope | None = None) -> list[bytes]:
+    """Store keys of every whole widened page of ``tokens`` for ``rank``'s shard (in
+    ``scope``: ``chain_hashes``)."""
     if not isinstance(namespace, Namespace):
         raise L3Error(f"namespace must be a Namespace, got {type(namespace).__name__}")
     if page_tokens != namespace.page_tokens:
         raise L3Error(f"page_tokens {page_tokens} != the namespace's widened page "
                       f"{namespace.page_size}*{namespace.dcp_size} = {namespace.page_tokens}")
     prefix = make_key(namespace, rank, b"")
-    return [prefix + c for c in chain_hashes(tokens, page_tokens)]
+    return [prefix + c for c in chain_hashes(tokens, page_tokens, scope)]
 
 
 def keys_for_rank(chains: Sequence[bytes], namespace: Namespace, rank: int) -> list[bytes]:

@@ -242,9 +242,11 @@ def scan(section: LmdbSection) -> registry.Scan:
         return _txn(shared, fn, write=False)
 
 
-def purge(section: LmdbSection, digest: bytes, rank: int | None) -> tuple[int, int]:
+def purge(section: LmdbSection, digest: bytes, rank: int | None,
+          gone: list | None = None) -> tuple[int, int]:
     """Delete the pages under ``digest`` (and ``rank``), in write transactions of a few
-    thousand keys (ranks writing meanwhile wait for each), then the record."""
+    thousand keys (ranks writing meanwhile wait for each), then the record; the keys deleted
+    are appended to ``gone`` (a list, when given)."""
     prefix = digest + (rank.to_bytes(2, "big") if rank is not None else b"")
     total = [0, 0]
 
@@ -275,6 +277,8 @@ def purge(section: LmdbSection, digest: bytes, rank: int | None) -> tuple[int, i
             txn.delete(RECORD + digest, db=sh.meta)
         total[0] += len(keys)
         total[1] += freed
+        if gone is not None:
+            gone.extend(keys)
         return len(keys)
 
     with _env(section.path, writer=True) as shared:

@@ -319,9 +319,11 @@ def scan(section: RedisSection) -> registry.Scan:
     return _per_node(section, "listing", node_scan, found)
 
 
-def purge(section: RedisSection, digest: bytes, rank: int | None) -> tuple[int, int]:
+def purge(section: RedisSection, digest: bytes, rank: int | None,
+          gone: list | None = None) -> tuple[int, int]:
     """SCAN the namespace's keys on every primary and UNLINK them (pipelined, a thousand a
-    round trip); then its record. Writers running meanwhile may add pages back."""
+    round trip); then its record. Writers running meanwhile may add pages back. The store keys
+    deleted are appended to ``gone`` (a list, when given)."""
     prefix = KEY_PREFIX + digest + (rank.to_bytes(2, "big") if rank is not None else b"")
     total = [0, 0]
     rec = record_key(digest)
@@ -335,10 +337,12 @@ def purge(section: RedisSection, digest: bytes, rank: int | None) -> tuple[int, 
             for k in batch:
                 pipe.unlink(k)
             res = pipe.execute(raise_on_error=False)
-            for size, gone in zip(res, res[len(batch):]):
-                if gone == 1:
+            for k, size, done in zip(batch, res, res[len(batch):]):
+                if done == 1:
                     total[0] += 1
                     total[1] += size if isinstance(size, int) else 0
+                    if gone is not None:
+                        gone.append(k[len(KEY_PREFIX):])
         if rank is None:  # the record lives on one node: the one whose SCAN finds it
             for batch in _scan_keys(client, _glob(rec)):
                 client.unlink(*batch)

@@ -63,9 +63,9 @@ class Backend:
       (a cold run), removed afterwards; None: unsupported.
     - ``scan(section)`` -> :class:`Scan` of the whole store (keys and bytes per namespace digest
       and rank, and the namespace records the writers left); None: listing unsupported;
-    - ``purge(section, digest, rank)`` -> ``(keys, bytes)`` deleted: every page of one namespace
-      (of one rank when ``rank`` is given) and, for a whole namespace, its record; None:
-      unsupported;
+    - ``purge(section, digest, rank, gone)`` -> ``(keys, bytes)`` deleted: every page of one
+      namespace (of one rank when ``rank`` is given) and, for a whole namespace, its record;
+      the store keys deleted are appended to ``gone`` when it is a list; None: unsupported;
     - ``usage(store)`` -> :class:`Usage` of the store an open ``store`` is on (pages, bytes,
       capacity; None where unknown), cheap enough for a metrics scrape; None: unsupported.
     """
@@ -86,7 +86,7 @@ class Backend:
     scratch: Optional[Callable[[Any], AbstractContextManager]] = None
     public: Callable[[dict], dict] = lambda table: table
     scan: Optional[Callable[[Any], "Scan"]] = None
-    purge: Optional[Callable[[Any, bytes, Optional[int]], tuple]] = None
+    purge: Optional[Callable[..., tuple]] = None
     usage: Optional[Callable[[Any], "Usage"]] = None
     extra: dict = field(default_factory=dict)
 
@@ -274,11 +274,13 @@ def _find(name: Any, held: list[NamespaceInfo]) -> NamespaceInfo:
     return hits[0]
 
 
-def purge(where: Any, namespace: Any, rank: Optional[int] = None) -> NamespaceInfo:
+def purge(where: Any, namespace: Any, rank: Optional[int] = None,
+          gone: Optional[list] = None) -> NamespaceInfo:
     """Delete every page of one namespace (a digest, its hex or a unique hex prefix, or a
     ``Namespace``) from the store on ``where``; only ``rank``'s pages when given (the record
-    stays then). Other namespaces are untouched. Returns what was deleted (keys, bytes);
-    L3Error naming the namespace when the store holds none of it."""
+    stays then). Other namespaces are untouched. Returns what was deleted (keys, bytes); the
+    store keys deleted are appended to ``gone`` when given (a list). L3Error naming the
+    namespace when the store holds none of it."""
     backend, section = _section(where)
     if backend.purge is None:
         raise L3Error(f"the {backend.name} backend cannot purge a namespace")
@@ -295,7 +297,7 @@ def purge(where: Any, namespace: Any, rank: Optional[int] = None) -> NamespaceIn
         raise L3Error(f"rank must be an int >= 0, got {rank!r}")
     ranks = ranks if rank is None else (rank,)
     try:
-        n, nbytes = backend.purge(section, bytes(digest), rank)
+        n, nbytes = backend.purge(section, bytes(digest), rank, gone)
     except L3PartialError as e:  # what the reachable nodes deleted
         e.partial = NamespaceInfo(bytes(digest).hex(), *e.partial, ranks, ns)
         raise
