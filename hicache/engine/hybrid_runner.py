@@ -79,7 +79,8 @@ class HybridRunner(DCPRunner):
                 self.layer_hook(j)
             self.kv.write(j, write, layer.kv_rows(h, pos_dev))
             h = self._layer(j, layer, h, pos_dev, local, sizes)
-        logits = model.logits(h)
+        self.last_hidden = model.final_norm(h)  # what an MTP module or a drafter reads
+        logits = model.head_logits(self.last_hidden)
         dtype = self.states.conv.dtype
         self.last_snapshots = [
             [StateSnapshot(st.length + c,

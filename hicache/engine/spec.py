@@ -25,9 +25,10 @@ Drafters:
 - ``DraftModelDrafter``: any model the engine loads (same vocabulary). It feeds the committed
   tokens it has not seen, then chains k - 1 single-token steps; rejected positions roll back.
 - ``MTPDrafter``: a DeepSeek-V3 MTP module (``hicache.engine.mtp``). MTP position i pairs the
-  target's hidden state at i with token i+1. After each target step the module is extended over
-  the newly committed positions with the target's hidden states (replacing its own chained
-  rows), then chains k - 1 steps on its own output hidden state. Without the prompt's hidden
+  target's final representation at i (after its final norm, as vLLM, SGLang and Megatron feed
+  it) with token i+1. After each target step the module is extended over the newly committed
+  positions with the target's hidden states (replacing its own chained rows), then chains
+  k - 1 steps on its own final representation (after ``shared_head.norm``, as SGLang). Without the prompt's hidden
   states (a PCP prefill returns only the last logits) the module starts at the first decoded
   position: RoPE attention is relative, so its positions are counted from there.
 """
@@ -135,8 +136,9 @@ class Drafter(abc.ABC):
 
     @abc.abstractmethod
     def observe(self, hidden: Optional[torch.Tensor], start: int, end: int) -> None:
-        """The target committed positions [start, end) (``hidden``: its last-layer output
-        there, or None when not known); positions >= end are not committed."""
+        """The target committed positions [start, end) (``hidden``: its final representation
+        there, ``runner.last_hidden``: after the final norm; None when not known); positions
+        >= end are not committed."""
 
     @abc.abstractmethod
     def propose(self, seq: Sequence[int], k: int) -> list[int]:
