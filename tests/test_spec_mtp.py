@@ -101,9 +101,19 @@ def test_mtp_logits_match_transformers(ckpts, name):
 
 
 def test_mtp_missing_tensors_name_the_first(tmp_path):
+    import json
     path = tmp_path / "plain"
     make_mtp_checkpoint(path, with_mtp=False)
     target = load_model(path)
+    with pytest.raises(CheckpointError, match=r"has no MTP modules \(config.json "
+                                              r"num_nextn_predict_layers is 0 or absent\)"):
+        load_mtp(path, target)
+    raw = json.loads((path / "config.json").read_text())
+    raw["num_nextn_predict_layers"] = 1  # declared, but the tensors are not there
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=r"no MTP module 1 \(config.json "
+                                              "num_nextn_predict_layers = 1"):
+        load_mtp(path, target, index=1)
     with pytest.raises(CheckpointError, match=rf"tensor model\.layers\.{LAYERS}\.enorm\.weight "
                                               "is missing"):
         load_mtp(path, target)

@@ -306,6 +306,23 @@ class DCPRunner:
             st.length += k
         return list(torch.split(logits, sizes))
 
+    # ---- speculative verify ------------------------------------------------------------------
+    def verify_batch(self, states: Sequence[RequestState], token_lists: Sequence,
+                     keep: bool = False) -> list[torch.Tensor]:
+        """``extend_batch`` of drafted tokens, after which ``rewind`` may take each request back
+        to any position the step ran (``keep``: to those of the previous verify too, a
+        drafter's chained steps). MLA rows need nothing kept: rows past the committed length
+        are overwritten by the next step (a hybrid runner keeps its KDA state per position)."""
+        return self.extend_batch(states, token_lists)
+
+    def rewind(self, state: RequestState, length: int) -> None:
+        """Forget the positions ``>= length`` of ``state`` (a rejected draft's): they were
+        written by a ``verify_batch`` and are overwritten by the next step."""
+        if isinstance(length, bool) or not isinstance(length, int) or \
+                not 0 <= length <= state.length:
+            raise UsageError(f"rewind to {length!r}: the request is at {state.length}")
+        state.length = length
+
     def _layer(self, i: int, layer, h: torch.Tensor, pos_dev: torch.Tensor, local: list,
                sizes: list[int]) -> torch.Tensor:
         """Layer ``i`` after its KV is written: attention over each request's owned rows, the

@@ -165,9 +165,11 @@ class DraftModelDrafter(Drafter):
     """A separate draft model, decoding greedily beside the target."""
 
     def observe(self, hidden, start: int, end: int) -> None:
-        self.state.length = min(self.state.length, end)
+        self.runner.rewind(self.state, min(self.state.length, end))
 
     def restored(self, draft_len: int, hit_len: int) -> int:
+        if hasattr(self.runner, "states"):
+            draft_len = 0  # a hybrid draft: its KDA state is not cached, so all is recomputed
         self.state.length = draft_len  # catch_up recomputes the rest of the hit
         return hit_len - draft_len
 
@@ -182,11 +184,11 @@ class DraftModelDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, seq: Sequence[int], k: int) -> list[int]:
-        st, run = self.state, self.runner
-        logits = run.extend(st, list(seq[st.length:]))
+        st, run = self.state, self.runner  # every step can be rewound (a hybrid draft's too)
+        logits = run.verify_batch([st], [list(seq[st.length:])])[0]
         out = [int(logits[-1].argmax())]
         while len(out) < k:
-            out.append(int(run.extend(st, [out[-1]])[-1].argmax()))
+            out.append(int(run.verify_batch([st], [[out[-1]]], keep=True)[0][-1].argmax()))
         return out
 
 
@@ -317,13 +319,14 @@ def speculative_generate(runner, state, prompt: Sequence[int], last_logits: torc
         kk = min(k, new_tokens - len(out) - 1)  # never verify past the last wanted token
         drafts = drafter.propose(seq, kk) if kk > 0 else []
         start = state.length
-        logits = runner.extend(state, [seq[-1]] + drafts)  # positions start .. start + kk
+        # positions start .. start + kk (a hybrid target keeps its KDA state at each)
+        logits = runner.verify_batch([state], [[seq[-1]] + drafts])[0]
         picks = logits.argmax(-1).tolist()
         a = 0
         while a < len(drafts) and drafts[a] == picks[a]:
             a += 1
         new = drafts[:a] + [picks[a]]
-        state.length = start + a + 1  # rejected rows: overwritten by the next step
+        runner.rewind(state, start + a + 1)  # rejected rows: overwritten by the next step
         seq += new
         out += new
         drafter.observe(runner.last_hidden[:a + 1], start, state.length)
