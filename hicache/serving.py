@@ -265,7 +265,7 @@ class Server:
             active.remove(a)
             fed = np.concatenate([a.job.tokens, np.asarray(a.output[:-1], dtype=np.int64)])
             snaps = hybrid.finished(self.runner, a) if self.hybrid else None
-            self._timed("finish", a.job.request_id, fed, snaps, spec_steps.draft_len(a))
+            self._timed("finish", a.job.request_id, fed, snaps, spec_steps.finished(a))
             self.inserted += 1
             p = a.prefix
             n = len(a.output)

@@ -7,7 +7,7 @@ verifies ``[last, d_1..d_k]`` of every request in ONE target step (``runner.veri
 each request accepts its own longest agreeing prefix. Rejected positions are rolled back
 (``runner.rewind``: MLA rows are overwritten by the next step, a hybrid target's KDA state is
 restored from the state kept at the accepted position) and never reach the cache: ``finish``
-gets the committed tokens and the drafter's ``valid_len``; a hybrid request's snapshots are
+gets the committed tokens and the drafter's ``valid_len`` (``finished``); a hybrid request's snapshots are
 taken at committed positions only. A hit restores the draft's KV with the target's (from L1,
 L2 or L3: ``Prefix.draft_len``); the drafter recomputes only what is absent.
 
@@ -139,9 +139,17 @@ def _committed_snapshots(target, a, start: int) -> None:
             a.snaps[p] = (kept[p].conv, kept[p].rec)
 
 
-def draft_len(a) -> int:
-    """The leading committed tokens whose draft KV the request's drafter wrote (``finish``)."""
-    return a.spec.drafter.valid_len() if a.spec is not None else 0
+def finished(a) -> int:
+    """At ``finish``: the leading committed tokens whose draft KV the request's drafter wrote
+    (0 without speculation); a hybrid draft's state slot and kept states are freed."""
+    if a.spec is None:
+        return 0
+    d = a.spec.drafter
+    n = d.valid_len()
+    release = getattr(d.runner, "release", None)
+    if release is not None:
+        release(d.state)
+    return n
 
 
 def report(a) -> Optional[dict]:
