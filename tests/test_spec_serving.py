@@ -117,3 +117,34 @@ def test_damaged_draft_pages_keep_the_tokens_and_are_flagged(models, tmp_path):
     s = spec_summary([got[j.request_id].spec for j in hits + colds])
     assert s["by_source"]["l1"]["acceptance_rate"] < s["by_source"]["cold"]["acceptance_rate"]
     assert s["flagged"] == ["l1"]
+
+
+def test_mtp_drafts_in_the_serving_loop(tmp_path):
+    """An MTP module drafts for every running request from the target's final hidden states
+    (prefill chunks, then each round's accepted positions); an L1 hit whose pages' MTP rows
+    came back goes on from them, one whose next token differs starts at the hit's end; the
+    tokens are plain decoding's."""
+    from spec_ckpt import make_mtp_checkpoint
+    from hicache.checkpoints.hf import load_model
+    from hicache.checkpoints.mtp import load_mtp
+    from hicache.config import HiCacheConfig
+    path = tmp_path / "ckpt"
+    make_mtp_checkpoint(path, seed=1)
+    target = load_model(path)
+    mtp = load_mtp(path, target)
+    cfg = HiCacheConfig.from_dict({"model": {"path": str(path)}, "cache": {"page_size": 4},
+                                   "l1": {"num_pages": 48}, "policy": {"l3_cost_model": False}})
+    rng = np.random.default_rng(3)
+    shared = rng.integers(0, 96, 24)
+    a = job("A", np.concatenate([shared, rng.integers(0, 96, 5)]), 9)
+    same = job("S", a.tokens.copy(), 9)  # the same prompt: every hit page's next token matches
+    other = job("O", np.concatenate([shared, rng.integers(0, 96, 5)]), 9)
+    with HiCache(cfg, mode="l1", draft=draft_spec(mtp, cfg.page_tokens)) as cache:
+        server = Server(target, cache, chunk_tokens=7, max_running=2, spec=SpecServing(mtp, 2))
+        got = run_all(server, [[a], [same, other]])
+        assert cache.leaks() == {"l1": 0, "l2": 0, "locks": 0}
+    check_plain(target, [a, same, other], got)
+    assert got["S"].hit["l1"] == 28 and got["S"].spec["source"] == "l1"
+    # O's hit: 24 shared tokens; the page ending at 24 was cached with A's token 24 after it
+    assert got["O"].hit["l1"] == 24 and got["O"].spec["source"] == "recomputed"
+    assert all(r.spec["proposed"] > 0 for r in got.values())
