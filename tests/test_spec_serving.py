@@ -148,3 +148,34 @@ def test_mtp_drafts_in_the_serving_loop(tmp_path):
     # O's hit: 24 shared tokens; the page ending at 24 was cached with A's token 24 after it
     assert got["O"].hit["l1"] == 24 and got["O"].spec["source"] == "recomputed"
     assert all(r.spec["proposed"] > 0 for r in got.values())
+
+
+def test_rows_of_rejected_positions_never_reach_the_cache(models, tmp_path):
+    """Pages written by speculating requests (where rows of rejected drafts were written, then
+    overwritten) are served to later requests with exactly recompute's rows: every served
+    page's rows and every first-token logit equal a recompute run's (``hicache.kvcheck``),
+    the pages of A's generated tokens among them (a next turn's hit)."""
+    from hicache.kvcheck import KVProbe, compare
+    model, draft = models
+    cfg = make_cfg(tmp_path / "l3", l1_pages=64)
+    shared = toks(41, 40)
+    a = job("A", np.concatenate([shared, toks(42, 5)]), 17)
+    gen = model.generate(a.tokens.tolist(), 17)
+    turn2 = job("A+", np.concatenate([a.tokens, np.asarray(gen), toks(43, 7)]), 9)
+    b = job("B", np.concatenate([shared, toks(44, 5)]), 9)
+    probes, outs = {}, {}
+    for mode in ("recompute", "l1"):
+        spec = mode == "l1"
+        with HiCache(cfg, mode=mode, draft=draft_spec(draft, cfg.page_tokens)) as cache:
+            probe = KVProbe(cache.kv, cache.page_tokens, all_pages=not spec)
+            server = Server(model, cache, chunk_tokens=16, max_running=2, probe=probe,
+                            spec=SpecServing(draft, K) if spec else None)
+            outs[mode] = run_all(server, [[a], [b, turn2]])
+            probes[mode] = probe.result()
+    assert {k: r.output for k, r in outs["l1"].items()} == \
+        {k: r.output for k, r in outs["recompute"].items()}
+    assert outs["l1"]["A"].output == gen and outs["l1"]["A"].spec["accepted"] < \
+        outs["l1"]["A"].spec["proposed"]  # A rejected drafts: rows it wrote were rolled back
+    assert outs["l1"]["A+"].hit["l1"] == 60  # A's prompt and generated tokens, whole pages
+    cmp = compare(probes["recompute"], probes["l1"])
+    assert cmp.ok and cmp.pages >= 15, cmp.line()
