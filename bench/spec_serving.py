@@ -8,7 +8,8 @@ example policy's built-in model (l1+l2+l3, an empty L3 store per run) plainly an
 model that is the target plus seeded noise (``--noise``: relative to each tensor's spread;
 written to a temporary file), k draft tokens per request per round, every running request
 verified in one target step. A row: TPOT p50 and its ratio to the plain row of the same run
-(below 1: faster), tokens per target step, acceptance overall and by where each request's
+(below 1: faster), the decode-only TPOT (the decode steps' wall time per token, without other
+requests' prefills between a request's tokens) and its ratio, tokens per target step, acceptance overall and by where each request's
 draft KV came from (cold, L1, L2, L3, recomputed), and whether every request's tokens equal
 plain decoding's.
 """
@@ -67,6 +68,8 @@ def rows_of(c: int, report: dict) -> list[dict]:
             out.append({"dcp": c, "workload": e["workload"], "mode": r["mode"],
                         "spec": r["spec"], "k": r["k"], "requests": r["requests"],
                         "tpot_ms": r["tpot_s"]["p50"] * 1e3, "tpot_ratio": r["tpot_ratio"],
+                        "decode_ms_per_token": r["tpot_s"]["decode_p50"] * 1e3,
+                        "decode_ratio": r["decode_tpot_ratio"],
                         "tokens_per_target_step": sp.get("tokens_per_target_step", 1.0),
                         "acceptance_rate": sp.get("acceptance_rate"),
                         "by_source": {s: b["acceptance_rate"]
@@ -105,12 +108,14 @@ def main(argv=None) -> int:
     print(f"batched speculative serving: {args.workload} x{args.scale}, <= {args.max_output} "
           f"tokens per request, k {args.k}, draft = target + noise {args.noise}")
     print(table([[r["dcp"], r["spec"], r["requests"], f"{r['tpot_ms']:.2f}",
-                  f"{r['tpot_ratio']:.2f}", f"{r['tokens_per_target_step']:.2f}",
+                  f"{r['tpot_ratio']:.2f}", f"{r['decode_ms_per_token']:.2f}",
+                  f"{r['decode_ratio']:.2f}", f"{r['tokens_per_target_step']:.2f}",
                   "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}",
                   " ".join(f"{s} {a:.2f}({r['source_requests'][s]})"
                            for s, a in r["by_source"].items()) or "-",
                   ",".join(r["flagged"]) or "-", r["tokens_ok"]] for r in rows],
-                ["dcp", "spec", "requests", "TPOT ms", "x plain", "tok/step", "accept",
+                ["dcp", "spec", "requests", "TPOT ms", "x plain", "decode ms/tok", "x plain",
+                 "tok/step", "accept",
                  "accept by source (requests)", "flagged", "tokens ok"]))
     return 0
 

@@ -96,8 +96,8 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
         cache.check()
         out.update(stats=first, final_stats=cache.stats(), wall_s=wall, passes=passes, soak=soak,
                    prefill_tokens=prefill[0], prefill_s=prefill[1])
-    out["results"] = [(r.request_id, r.prompt_len, r.output, r.ttft_s, r.hit, r.tpot_s, r.spec)
-                      for r in results]
+    out["results"] = [(r.request_id, r.prompt_len, r.output, r.ttft_s, r.hit, r.tpot_s, r.spec,
+                       r.decode_tpot_s) for r in results]
     return out
 
 

@@ -5,8 +5,10 @@ batched serving loop (``hicache.serving.Server`` with ``hicache.serving_spec``: 
 request drafts k tokens, the batch verifies in one target step per round) on the policy's DCP
 group, in the deepest cache mode the policy has (``l1+l2+l3`` with L3 on, else ``l1+l2``; or
 ``--modes``). Per mode and method a row gives TPOT (per request: time from its first to its
-last token over its tokens after the first; the p50 over requests), its ratio to the ``none``
-row of the same mode, and the JSON ``"speculative"`` object: ``requests``,
+last token over its tokens after the first; the p50 over requests) and the decode-only TPOT
+(the wall time of the decode steps a request was in, over the same tokens: without the
+prefills of other requests between its tokens), each with its ratio to the ``none`` row of
+the same mode, and the JSON ``"speculative"`` object: ``requests``,
 ``tokens_per_target_step``, ``acceptance_rate``, ``draft_recomputed_tokens`` and ``by_source``
 (acceptance of the requests by where their draft KV came from: ``cold``, ``l1``, ``l2``,
 ``l3``, ``recomputed``). A source whose acceptance is below the cold requests' by more than
@@ -125,11 +127,13 @@ def spec_summary(per_request: list[dict], margin: float = SOURCE_MARGIN) -> dict
 
 def spec_row(method: str, k, row: dict, base: dict | None) -> dict:
     """A mode's summary row (``bench_cli.summarize``) as a ``--spec`` row."""
-    tpot = row["tpot_s"]["p50"]
-    base_tpot = base["tpot_s"]["p50"] if base else 0.0
+    def ratio(key):
+        b = base["tpot_s"][key] if base else 0.0
+        return row["tpot_s"][key] / b if b else None
     return {"name": f"{row['name']} {method}", "mode": row["name"], "spec": method,
             "k": k if method != "none" else None, "requests": len(row["outputs"]),
-            "tpot_s": row["tpot_s"], "tpot_ratio": tpot / base_tpot if base_tpot else None,
+            "tpot_s": row["tpot_s"], "tpot_ratio": ratio("p50"),
+            "decode_tpot_ratio": ratio("decode_p50"),
             "ttft_s": row["ttft_s"], "hit_ratio": row["hit_ratio"],
             "speculative": row.get("speculative"), "outputs": row["outputs"]}
 
@@ -229,18 +233,22 @@ def _sources(sp: dict | None) -> str:
 
 def _print(entry: dict, report: dict) -> None:
     print(f"\n== {entry['workload']}: speculative serving, dcp {report['dcp']}, k "
-          f"{report['k']} (TPOT: p50 over requests; x none: over the none row of the same "
-          f"mode; acceptance by draft KV source, LOW: below cold by > {SOURCE_MARGIN})")
+          f"{report['k']} (TPOT: p50 over requests; decode: its decode steps only; x none: "
+          "over the none row of the same mode; acceptance by draft KV source, LOW: below "
+          f"cold by > {SOURCE_MARGIN})")
     body = []
     for r in entry["rows"]:
         sp = r["speculative"]
         body.append([r["mode"], r["spec"], r["requests"], f"{r['tpot_s']['p50'] * 1e3:.2f}",
                      f"{r['tpot_ratio']:.2f}" if r["tpot_ratio"] else "-",
+                     f"{r['tpot_s']['decode_p50'] * 1e3:.2f}",
+                     f"{r['decode_tpot_ratio']:.2f}" if r["decode_tpot_ratio"] else "-",
                      f"{sp['tokens_per_target_step']:.2f}" if sp else "1.00",
                      f"{sp['acceptance_rate']:.2f}" if sp else "-",
                      sp["draft_recomputed_tokens"] if sp else "-", _sources(sp),
                      "-" if r["tokens_match"] is None else r["tokens_match"]])
-    print(table(body, ["mode", "spec", "requests", "TPOT ms", "x none", "tok/step", "accept",
+    print(table(body, ["mode", "spec", "requests", "TPOT ms", "x none", "decode ms/tok",
+                       "x none", "tok/step", "accept",
                        "draft recomp", "accept by source (requests)", "tokens ok"]))
     flagged = [(r["name"], s) for r in entry["rows"] if r["speculative"]
                for s in r["speculative"]["flagged"]]
@@ -250,6 +258,11 @@ def _print(entry: dict, report: dict) -> None:
 
 
 def tpot_summary(res: list) -> dict:
-    """p50 / p90 of the requests' TPOT (those with more than one token)."""
-    t = np.array([r[5] for r in res if len(r) > 5 and len(r[2]) > 1] or [0.0])
-    return {"p50": float(np.percentile(t, 50)), "p90": float(np.percentile(t, 90))}
+    """p50 / p90 of the requests' TPOT (those with more than one token), and the p50 of
+    their decode-only TPOT (``decode_p50``: the decode steps' wall time per token, without
+    the prefills of other requests that ran between their tokens)."""
+    many = [r for r in res if len(r[2]) > 1]
+    t = np.array([r[5] for r in many] or [0.0])
+    d = np.array([r[7] for r in many] or [0.0])
+    return {"p50": float(np.percentile(t, 50)), "p90": float(np.percentile(t, 90)),
+            "decode_p50": float(np.percentile(d, 50))}

@@ -68,6 +68,7 @@ class Result:
     ttft_s: float
     hit: dict  # tokens per tier: {"l1", "l2", "l3"}
     tpot_s: float = 0.0  # (last token - first token) / (tokens - 1); 0 for one token
+    decode_tpot_s: float = 0.0  # its decode steps' wall time / (tokens - 1): no prefill stalls
     spec: dict | None = None  # speculative serving: its counts and draft KV source
 
 
@@ -87,6 +88,7 @@ class _Active:
     snaps: dict = field(default_factory=dict)
     spec: object = None  # speculative serving: a serving_spec.RequestSpec
     first_at: float = 0.0  # when its first token came (TPOT)
+    decode_s: float = 0.0  # wall time of the decode steps it was in (decode-only TPOT)
 
 
 class Server:
@@ -244,8 +246,16 @@ class Server:
 
     def _decode(self, decoding: list) -> None:
         """One token for every decoding request (one batched extend); speculative serving:
-        up to k + 1 for each, verified in one batched target step."""
+        up to k + 1 for each, verified in one batched target step. The step's wall time is
+        added to each request's ``decode_s`` (its decode-only TPOT)."""
         self.rounds += 1
+        t0 = time.perf_counter()
+        self._step_tokens(decoding)
+        dt = time.perf_counter() - t0
+        for a in decoding:
+            a.decode_s += dt
+
+    def _step_tokens(self, decoding: list) -> None:
         if self.spec is not None:
             spec_steps.round_(self.runner, decoding, self.spec.num_draft_tokens, self.hybrid)
             return
@@ -272,7 +282,8 @@ class Server:
             tpot = (time.perf_counter() - a.first_at) / (n - 1) if n > 1 else 0.0
             finished.append(Result(a.job.request_id, len(a.job.tokens), a.output, a.ttft,
                                    {"l1": p.device_len, "l2": p.host_len, "l3": p.storage_len},
-                                   tpot, spec_steps.report(a)))
+                                   tpot, a.decode_s / (n - 1) if n > 1 else 0.0,
+                                   spec_steps.report(a)))
 
     def _rematch_waiters(self, active: list) -> None:
         """What finished requests inserted may be in L1 now what a request still waiting on L3
