@@ -2,7 +2,8 @@
 
 Every decoding request drafts up to k tokens with its own drafter (an MTP module fed the
 target's final hidden states, or a draft model), all on one replicated draft runner over the
-cache's draft pool (``HiCache.draft.l1``, indexed by the target's page ids); the batch then
+cache's draft pool (draft models draft together: one batched draft extend per draft step,
+``engine.spec.propose_batch``) (``HiCache.draft.l1``, indexed by the target's page ids); the batch then
 verifies ``[last, d_1..d_k]`` of every request in ONE target step (``runner.verify_batch``) and
 each request accepts its own longest agreeing prefix. Rejected positions are rolled back
 (``runner.rewind``: MLA rows are overwritten by the next step, a hybrid target's KDA state is
@@ -108,11 +109,10 @@ def _seq(a) -> list[int]:
 def round_(target, decoding: list, k: int, hybrid: bool) -> None:
     """One speculative round of every decoding request: drafts, one batched verify, per
     request acceptance, rollback, the drafter told what was committed."""
-    lists = []
-    for a in decoding:
-        kk = min(k, a.job.output_len - len(a.output) - 1)  # never past the last wanted token
-        drafts = a.spec.drafter.propose(_seq(a), kk) if kk > 0 else []
-        lists.append([a.output[-1]] + drafts)
+    from .engine.spec import propose_batch
+    ks = [min(k, a.job.output_len - len(a.output) - 1) for a in decoding]  # never past the end
+    drafted = propose_batch([a.spec.drafter for a in decoding], [_seq(a) for a in decoding], ks)
+    lists = [[a.output[-1]] + d for a, d in zip(decoding, drafted)]
     states = [a.state for a in decoding]
     logits = target.verify_batch(states, lists)
     hidden = torch.split(target.last_hidden, [len(t) for t in lists])

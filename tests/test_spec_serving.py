@@ -179,3 +179,32 @@ def test_rows_of_rejected_positions_never_reach_the_cache(models, tmp_path):
     assert outs["l1"]["A+"].hit["l1"] == 60  # A's prompt and generated tokens, whole pages
     cmp = compare(probes["recompute"], probes["l1"])
     assert cmp.ok and cmp.pages >= 15, cmp.line()
+
+
+def test_draft_models_draft_in_one_batch(models):
+    """``propose_batch``: draft-model drafters on one runner propose what each would alone,
+    in k batched draft steps (one per chained token) instead of one per request and token."""
+    from hicache.engine.runner import RequestState, reserve
+    from hicache.engine.spec import DraftModelDrafter, propose_batch, replicated_runner
+    from hicache.pages import PageAllocator
+    _, draft = models
+    seqs = [toks(50 + i, n).tolist() for i, n in enumerate((9, 14, 5))]
+    ks = [3, 1, 2]
+
+    def drafters():
+        run = replicated_runner(draft, 4, 32, "torch")
+        alloc = PageAllocator(32)
+        out = []
+        for s in seqs:
+            st = RequestState()
+            reserve(st, alloc, len(s) + 4, 4)
+            d = DraftModelDrafter(run, st.page_table)
+            d.catch_up(s[:-2])  # each at another position: catch-ups of 3 tokens
+            out.append(d)
+        return run, out
+
+    alone = [d.propose(s, k) for d, s, k in zip(drafters()[1], seqs, ks)]
+    run, ds = drafters()
+    before = run.stats.layers_run
+    assert propose_batch(ds, seqs, ks) == alone
+    assert run.stats.layers_run - before == max(ks) * draft.cfg.num_layers  # k batched steps

@@ -48,7 +48,7 @@ METHODS = ("none", "mtp", "draft")
 MAX_DRAFT_TOKENS = 8
 
 __all__ = ["METHODS", "MAX_DRAFT_TOKENS", "SpecSettings", "SpecStats", "DraftModelDrafter",
-           "MTPDrafter", "replicated_runner", "speculative_generate"]
+           "MTPDrafter", "propose_batch", "replicated_runner", "speculative_generate"]
 
 
 @dataclass(frozen=True)
@@ -190,6 +190,30 @@ class DraftModelDrafter(Drafter):
         while len(out) < k:
             out.append(int(run.verify_batch([st], [[out[-1]]], keep=True)[0][-1].argmax()))
         return out
+
+
+@torch.no_grad()
+def propose_batch(drafters: Sequence[Drafter], seqs: Sequence[Sequence[int]],
+                  ks: Sequence[int]) -> list[list[int]]:
+    """``drafter.propose(seq, k)`` of several requests. Draft-model drafters sharing one runner
+    (a serving loop's) draft together: each step is one batched extend of every request
+    still drafting (its catch-up tokens first, then one chained token per step), so a batch
+    of n requests costs k draft steps, not n * k; other drafters propose one by one."""
+    out: list[list[int]] = [[] for _ in drafters]
+    batch = [i for i, d in enumerate(drafters) if ks[i] > 0 and type(d) is DraftModelDrafter
+             and d.runner is drafters[0].runner]
+    for i, d in enumerate(drafters):
+        if ks[i] > 0 and i not in batch:
+            out[i] = d.propose(seqs[i], ks[i])
+    keep, toks = False, [list(seqs[i][drafters[i].state.length:]) for i in batch]
+    while batch:
+        logits = drafters[0].runner.verify_batch([drafters[i].state for i in batch], toks,
+                                                 keep=keep)
+        for i, lg in zip(batch, logits):
+            out[i].append(int(lg[-1].argmax()))
+        batch = [i for i in batch if len(out[i]) < ks[i]]
+        keep, toks = True, [[out[i][-1]] for i in batch]
+    return out
 
 
 class MTPDrafter(Drafter):
