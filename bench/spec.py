@@ -143,7 +143,7 @@ def _request(cache, model, draft, rid, prompt, k, new_tokens, spec=True):
         cache.finish(rid, np.concatenate([prompt, out[:-1]]))
         return {"request": rid, "tokens": out}
     d = drafter_for(draft, cache.page_tokens, p.page_table, cache.l1.num_pages,
-                    pool=cache.draft.l1)
+                    pool=cache.draft.kv)
     st.draft_recomputed_tokens = d.restored(p.draft_len, p.hit_len)
     t0 = time.perf_counter()
     out = speculative_generate(runner, state, list(prompt), logits[-1], d, k, new_tokens,

@@ -49,7 +49,7 @@ def main(policy: str = "examples/policy.toml", spec: bool = False) -> list[list[
             logits = runner.extend(state, torch.as_tensor(prompt[prefix.hit_len:]))
             if spec:                                   # the draft runs on the cache's draft
                 drafter = drafter_for(draft, cfg.page_tokens, prefix.page_table,  # pool
-                                      cfg.l1.num_pages, pool=cache.draft.l1)
+                                      cfg.l1.num_pages, pool=cache.draft.kv)
                 stats = SpecStats(draft_recomputed_tokens=drafter.restored(
                     prefix.draft_len, prefix.hit_len))  # the hit's draft KV came back too
                 out = speculative_generate(runner, state, prompt, logits[-1], drafter, 3, 8,

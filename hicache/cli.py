@@ -11,7 +11,7 @@ from . import topology
 from .config import describe, load_config
 from .errors import ConfigError, RankError, UsageError
 from .report import table
-from .spec_format import DraftShape, plan_draft
+from .companions.draft_format import DraftShape, plan_draft
 from .topology import KVShape
 
 GiB = 1 << 30
@@ -83,7 +83,7 @@ def _check_config(args) -> int:
 
 def _snapshot_info(cfg) -> dict:
     """A hybrid checkpoint's KDA state snapshot format and pools per rank (else nothing)."""
-    from .hybrid_sizes import snapshot_slots, state_bytes
+    from .companions.snapshot_format import snapshot_slots, state_bytes
     fmt = cfg.state_format
     if fmt is None:
         return {}

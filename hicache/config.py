@@ -384,9 +384,9 @@ class HiCacheConfig:
     @property
     def formats(self):
         """The ``FormatSet`` of one logical page: the target KV, and the draft's replicated KV
-        when ``[spec]`` is on (``hicache.spec_format``)."""
+        when ``[spec]`` is on (``hicache.companions.draft_format``)."""
         from .page_format import FormatSet
-        from .spec_format import draft_format
+        from .companions.draft_format import draft_format
         draft = draft_format(self)  # spec: the draft KV's companion format
         return FormatSet(self.page_format, (draft,) if draft is not None else ())
 
@@ -394,7 +394,7 @@ class HiCacheConfig:
     def state_format(self):
         """The KDA state snapshot's STATE ``PageFormat`` of a hybrid checkpoint (``model.path``
         a Kimi Linear directory), else None; a snapshot pool too small for one is an error."""
-        from .hybrid_sizes import state_format
+        from .companions.snapshot_format import state_format
         return state_format(self)
 
     @property

@@ -175,6 +175,11 @@ class KVPort(Protocol):
         """One layer's rows [pool rows, kv_dim] (a view; attention reads it)."""
 
 
+def _version(t) -> int:
+    """The in-place version counter of an index tensor (-1 for None)."""
+    return -1 if t is None else t._version
+
+
 class CheckedPort:
     """A port onto ``pool`` whose writes first pass ``check(pages)`` (host int64 array of the
     widened pages a write touches), which raises to refuse the whole write."""
@@ -187,10 +192,13 @@ class CheckedPort:
         self.kv_dim = pool.kv_dim
         self.device = pool.device
         self.dtype = pool.dtype
-        # which virtual slots hold written rows (of every layer: set by a last-layer write);
-        # the same on every rank, since every rank is given the same slots
-        self._filled = np.zeros(pool.num_pages * self.layout.page_tokens, dtype=bool)
-        self._tied: RowWrite | None = None  # the last write whose slots/dst were checked
+        # how many leading layers of each virtual slot hold written rows (a write of layer l
+        # counts only after layers 0..l-1; layer 0 starts a row afresh): a slot is written
+        # once it reaches num_layers. The same on every rank (every rank gets the same slots)
+        self._layers = np.zeros(pool.num_pages * self.layout.page_tokens, dtype=np.int32)
+        # the last write whose slots/dst were checked, with its index tensors' versions then
+        # (an in-place edit of dst or src bumps them: the write is checked again where used)
+        self._tied: tuple | None = None
 
     def plan_write(self, slots: Slots) -> RowWrite:
         return self._pool.plan_write(slots)
@@ -199,30 +207,41 @@ class CheckedPort:
         if not isinstance(where, RowWrite):
             where = self._pool.plan_write(where)
         self.check_pages(where.pages)
-        if where is not self._tied:
+        stamp = (where, _version(where.dst), _version(where.src))
+        tied = self._tied
+        if tied is None or tied[0] is not where or tied[1:] != stamp[1:]:
             check_ties(self.layout, where)
             if checked_once(where.pages) and checked_once(where.slots):
-                self._tied = where
+                self._tied = stamp
         stored = self._pool.write(layer, where, rows)
-        if layer == self.num_layers - 1:
-            self._filled[where.slots] = True
+        if isinstance(layer, int) and 0 <= layer < self.num_layers:
+            cur = self._layers[where.slots]
+            self._layers[where.slots] = np.where(cur >= layer, layer + 1, cur)
         return stored
 
     # ---- what was written (the service refuses to cache anything else) ------------------------
     def forget(self, pages) -> None:
         """Pages handed out afresh hold no written row."""
         w = self.layout.page_tokens
-        self._filled.reshape(-1, w)[np.asarray(pages, dtype=np.int64)] = False
+        self._layers.reshape(-1, w)[np.asarray(pages, dtype=np.int64)] = 0
 
     def fill(self, pages) -> None:
         """Whole pages whose rows were put there by the cache (a restore)."""
         w = self.layout.page_tokens
-        self._filled.reshape(-1, w)[np.asarray(pages, dtype=np.int64)] = True
+        self._layers.reshape(-1, w)[np.asarray(pages, dtype=np.int64)] = self.num_layers
 
     def unwritten(self, slots: np.ndarray) -> int:
         """The index of the first of ``slots`` no write of every layer filled, or -1."""
-        miss = np.flatnonzero(~self._filled[slots])
+        miss = np.flatnonzero(self._layers[slots] < self.num_layers)
         return int(miss[0]) if miss.size else -1
+
+    @property
+    def rows_per_page(self) -> int:
+        return self._pool.rows_per_page
+
+    @property
+    def num_pages(self) -> int:
+        return self._pool.num_pages
 
     def check_pages(self, pages: np.ndarray) -> None:
         self._pool.check_pages(pages)  # in the pool first: the port's check indexes by page

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from .checks import check_int
 from .config import HiCacheConfig
 from .errors import ConfigError, HostMemoryError
-from .hybrid_sizes import state_bytes
+from .companions.snapshot_format import state_bytes
 
 MEMORY_FRACTION = 0.9  # of available memory a node's pools may take
 

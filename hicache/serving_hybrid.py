@@ -17,7 +17,7 @@ def check(runner, cache) -> bool:
     names the checkpoint) unless it caches nothing: a hit without its KDA state cannot run."""
     if not hasattr(runner, "states"):
         return False
-    if cache.tiers and cache.states is None:
+    if cache.tiers and cache.companion("hybrid") is None:
         raise ConfigError("model.path: the engine runs a hybrid (KDA) model but the cache's "
                           "policy names no hybrid checkpoint, so its hits would have no KDA "
                           "state; set [model] path to the checkpoint directory")

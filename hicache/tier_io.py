@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence, Union
 
-import numpy as np
 import torch
 
 from .config import HiCacheConfig
@@ -35,8 +34,9 @@ from .l1.pool import DeviceKVPool
 from .l2.pool import HostKVPool
 from .l2.transfer import DONE, FAILED, TransferEngine, TransferJob
 from .l3 import (AsyncWriter, CostModel, Namespace, Prefetcher, PrefetchHandle, PrefetchPolicy,
-                 chain_hashes, keys_for_rank, open_store, should_write)
+                 keys_for_rank, open_store, should_write)
 from .l3.guard import GuardedStore
+from .companions.base import JobSet
 
 log = logging.getLogger("hicache")
 
@@ -109,6 +109,7 @@ class InFlight:
     job: Job
     op: Optional[Union[BackupOp, LoadOp]] = None
     chains: tuple[Optional[PageChain], ...] = ()
+    target: bool = True  # False: a companion's restore (its bytes are in its own stats)
 
     @property
     def direction(self) -> str:
@@ -155,8 +156,9 @@ class TierIO:
         self.l3: GuardedStore | None = None
         self.writer: AsyncWriter | None = None
         self.prefetcher: Prefetcher | None = None
-        self.draft = None  # spec: hicache.draft_pages.DraftPages (companion pages), or None
-        self.companions: list = []  # other companion writers (hybrid: the snapshots')
+        # the companions (hicache.companions): their ops ride the target's, their L3 writers
+        # are polled and flushed with the target's
+        self.companions: list = []
         if l3:
             try:
                 self._open_l3(weights_signature)
@@ -181,12 +183,13 @@ class TierIO:
         return keys_for_rank(chains, self.namespace, self.rank)
 
     # ---- device page -> L3 chain --------------------------------------------------------------
-    def map_chains(self, pages: Sequence[int], tokens: np.ndarray) -> None:
-        """Device page i of a prefix holds page i of ``tokens``: remember its L3 chain hash, so
-        a later backup of the page writes it under the right key."""
+    def map_chains(self, pages: Sequence[int], chains: Sequence[bytes]) -> None:
+        """Device page i of a prefix holds the page whose chain hash is ``chains[i]`` (the
+        request's, ``hicache.service``): remember it, so a later backup of the page writes it
+        under the right key."""
         if self.l3 is None:
             return
-        for i, (page, chain) in enumerate(zip(pages, chain_hashes(tokens, self.page_tokens))):
+        for i, (page, chain) in enumerate(zip(pages, chains)):
             self.chain_of_page[page] = PageChain(chain, i)
 
     def unmap(self, pages: Iterable[int]) -> None:
@@ -210,8 +213,8 @@ class TierIO:
             except Exception as err:
                 self.record(err)
                 job = FailedJob(err, "d2h" if backup else "h2d")
-            if self.draft is not None:  # spec: the draft pages move with the target's
-                self._draft_copy(op, backup)
+            if self.companions:  # their pages move with the target's, as jobs of their own
+                job = JobSet(job, self._companion_jobs(op, backup))
             if backup:
                 chains = tuple(self.chain_of_page.get(p) for p in op.device_pages)
                 self.inflight[op.op_id] = InFlight(job, op, chains)
@@ -220,16 +223,22 @@ class TierIO:
                 loads.append(job)
         return loads
 
-    def _draft_copy(self, op: Union[BackupOp, LoadOp], backup: bool) -> None:
-        """spec: copy the op's draft companion pages now (immutable while the op is in
-        flight); a failure is recorded and agreed like a copy's."""
-        try:
-            if backup:
-                self.draft.backup(list(op.device_pages), list(op.host_pages))
-            else:
-                self.draft.load(list(op.host_pages), list(op.device_pages))
-        except Exception as err:
-            self.record(err)
+    def _companion_jobs(self, op: Union[BackupOp, LoadOp], backup: bool) -> list:
+        """The companions' jobs beside ``op`` (its pages are immutable while it is in
+        flight); one that cannot be issued is a failed job, agreed like a copy's."""
+        dev, host = list(op.device_pages), list(op.host_pages)
+        jobs = []
+        for c in self.companions:
+            try:
+                jobs.append(c.backup(dev, host) if backup else c.load(host, dev))
+            except Exception as err:
+                self.record(err)
+                jobs.append(FailedJob(err, "d2h" if backup else "h2d"))
+        return jobs
+
+    def track(self, job) -> None:
+        """A companion's restore job: polled (and its failure agreed) like the target's."""
+        self.restores.append(InFlight(job, target=False))
 
     def jobs_of(self, op_ids: Iterable[int]) -> list[Job]:
         """The jobs of those ops still in flight."""
@@ -276,12 +285,14 @@ class TierIO:
             keys = self.keys([c for c, _ in pairs])
             try:
                 self.writer.submit(keys, [self.l2.read_page(h).clone() for _, h in pairs])
-                if self.draft is not None:  # spec: one copy for the group (rank 0 writes)
-                    self.draft.write_l3([c for c, _ in pairs], [h for _, h in pairs])
+                for c in self.companions:  # one copy for the group (their writing rank)
+                    c.write_l3([c_ for c_, _ in pairs], [h for _, h in pairs])
             except Exception as err:  # agreed at the next step
                 self.record(err)
 
     def _account(self, rec: InFlight) -> None:
+        if not rec.target:
+            return
         job = rec.job
         if self.observer is not None:
             self.observer.observe("transfer", job.seconds, rec.direction)
@@ -302,14 +313,14 @@ class TierIO:
                 pass
 
     # ---- L3 reads -----------------------------------------------------------------------------
-    def start_prefetch(self, request_id, tokens: np.ndarray, hit_len: int) -> L3Read | None:
-        """Look the pages of ``tokens`` (a prompt, its last token never a hit) after the first
-        ``hit_len`` up in L3 and start reading them. None when fewer than the policy's
+    def start_prefetch(self, request_id, chains: Sequence[bytes], hit_len: int
+                       ) -> L3Read | None:
+        """Look the pages of a prompt (``chains``: the chain hashes of its whole pages, its
+        last token never a hit) after the first ``hit_len`` tokens up in L3 and start reading them. None when fewer than the policy's
         ``prefetch_min_tokens`` could be read at all (replicated facts only: every rank returns
         None alike); otherwise a read, of 0 pages where this rank lacks them or would rather
         recompute (the MIN agreement then says 0 for every rank)."""
         P = self.page_tokens
-        chains = chain_hashes(tokens[:-1], P)
         first = hit_len // P
         min_tokens = self.config.policy.prefetch_min_tokens
         if (len(chains) - first) * P < max(1, min_tokens):
@@ -391,10 +402,9 @@ class TierIO:
 
     # ---- shutdown -----------------------------------------------------------------------------
     def writers(self) -> list:
-        """This rank's L3 writers: the target's, then the companions' (the draft's pages on
-        DCP rank 0, the snapshots' on the designated rank; their owners close them, after
-        ``close`` here and before their stores)."""
-        ws = [self.writer, getattr(self.draft, "writer", None), *self.companions]
+        """This rank's L3 writers: the target's, then the companions' (on the group's writing
+        rank; their owners close them, after ``close`` here and before their stores)."""
+        ws = [self.writer, *(c.writer for c in self.companions)]
         return [w for w in ws if w is not None]
 
     def flush_writes(self) -> None:

@@ -30,7 +30,7 @@ def spec_request(cache, model, draft, rid, prompt, k: int, new_tokens: int, grou
         cache.finish(rid, np.concatenate([prompt, out[:-1]]))
         return out, prefix, stats, None
     drafter = drafter_for(draft, cache.page_tokens, prefix.page_table, cache.l1.num_pages,
-                          pool=cache.draft.l1)
+                          pool=cache.draft.kv)
     stats.draft_recomputed_tokens = drafter.restored(prefix.draft_len, prefix.hit_len)
     out = speculative_generate(runner, state, list(prompt), logits[-1], drafter, k, new_tokens,
                                hidden=runner.last_hidden if hidden else None, stats=stats)

@@ -1,11 +1,12 @@
-"""``DraftPages`` alone: presence follows the pages through L2 copies, a page's rows move whole,
-an absent page moves no bytes, and an MTP page counts only with the token after it."""
+"""``DraftPages`` alone: presence follows the pages through L2 copies (jobs of its own transfer
+engine, per layer), a page's rows move whole, an absent page moves no bytes, and an MTP page
+counts only with the token after it."""
 
 import numpy as np
 import pytest
 import torch
 
-from hicache.draft_pages import DraftPages, DraftSpec
+from hicache.companions.draft import DraftPages, DraftSpec
 from hicache.errors import UsageError
 from hicache.page_format import PageFormat
 
@@ -21,19 +22,28 @@ def fill(d, page, value):
     d._view()[:, page] = value
 
 
+def done(job):
+    """A companion op's job, waited for (None: nothing moved)."""
+    if job is not None:
+        job.wait()
+    return job
+
+
 def test_backup_and_load_carry_rows_and_presence():
     d = pages()
     for p in range(6):
         fill(d, p, float(p + 1))
     d.mark([1, 2])
-    d.backup([1, 2, 3], [0, 1, 2])  # page 3 has no draft KV: no bytes for it
+    job = done(d.backup([1, 2, 3], [0, 1, 2]))  # page 3 has no draft KV: no bytes for it
+    assert job.num_layers == 2 and job.nbytes == 2 * d.format.page_bytes  # timed, per layer
     assert list(d.l2_has[:3]) == [True, True, False]
     assert torch.all(d.l2[0] == 2.0) and torch.all(d.l2[1] == 3.0)
     assert d.stats.pages["d2h"] == 2 and d.stats.bytes["d2h"] == 2 * d.format.page_bytes
     d.forget([1, 2])
     fill(d, 4, 0.0)
     fill(d, 5, 0.0)
-    d.load([0, 2], [4, 5])
+    done(d.load([0, 2], [4, 5]))
+    assert done(d.load([2], [3])) is None  # an absent page: no job at all
     assert d.l1_has[4] and not d.l1_has[5]
     assert torch.all(d._view()[:, 4] == 2.0) and torch.all(d._view()[:, 5] == 0.0)
     assert d.present_pages([4, 5]) == 1 and d.present_pages([5, 4]) == 0
@@ -49,9 +59,9 @@ def test_an_mtp_page_counts_only_with_its_next_token():
     other = tokens.copy()
     other[16] = 99  # the token after page 1 differs here
     assert d.present_pages([0, 1], other) == 1
-    d.backup([0, 1], [0, 1])
+    done(d.backup([0, 1], [0, 1]))
     d.forget([0, 1])
-    d.load([0, 1], [3, 4])  # the next token travels with the page
+    done(d.load([0, 1], [3, 4]))  # the next token travels with the page
     assert d.present_pages([3, 4], tokens) == 2 and d.present_pages([3, 4], other) == 1
 
 

@@ -145,3 +145,97 @@ def test_a_row_write_whose_dst_is_not_its_pages_rows_is_refused():
         assert cache.kv.write(0, good, torch.ones(4, cache.kv.kv_dim)) == 4
         cache.abort("a")
         assert cache.leaks() == {"l1": 0, "l2": 0, "locks": 0}
+
+
+# ---- issue 33 point 5: rows at every layer, a RowWrite checked where it is used, draft_len ----
+def test_rows_of_the_last_layer_only_are_not_written():
+    """The issue's case: only the last layer had rows; layers 0..L-2 were never written."""
+    with HiCache(cfg(layers=3), mode="l1") as cache:
+        cache.admit("a", np.arange(20))
+        table = cache.prefix("a").page_table + cache.alloc("a", 20)
+        w = RowWrite.for_positions(cache.kv.layout, torch.tensor(table), table, 0, 20)
+        cache.kv.write(2, w, torch.ones(20, cache.kv.kv_dim))
+        with pytest.raises(UsageError, match="token 0 of 20 has no KV written at every layer"):
+            cache.finish("a", np.arange(20))
+        cache.kv.write(0, w, torch.ones(20, cache.kv.kv_dim))  # a layer skipped: still not
+        cache.kv.write(2, w, torch.ones(20, cache.kv.kv_dim))
+        with pytest.raises(UsageError, match="token 0 of 20 has no KV written"):
+            cache.finish("a", np.arange(20))
+        for layer in range(3):
+            cache.kv.write(layer, w, torch.ones(20, cache.kv.kv_dim))
+        cache.finish("a", np.arange(20))
+        assert cache.leaks() == {"l1": 0, "l2": 0, "locks": 0}
+
+
+def test_a_row_write_edited_in_place_after_its_check_is_checked_again():
+    """A RowWrite reused for every layer is checked once; its dst edited in place (into a
+    cached page) between two layers is caught at the next write, before a row lands."""
+    with HiCache(cfg(), mode="l1") as cache:
+        cache.admit("old", np.arange(20))
+        cache.alloc("old", 20)
+        write_kv_rows(cache, "old", 20)
+        cache.finish("old", np.arange(20))
+        cached = cache.admit("look", np.arange(17)).page_table[0]
+        cache.abort("look")
+        cache.admit("a", np.arange(100, 120))
+        table = cache.prefix("a").page_table + cache.alloc("a", 20)
+        w = _pool_write(cache, table)
+        assert cache.kv.write(0, w, torch.ones(4, cache.kv.kv_dim)) == 4  # checked, remembered
+        before = cache.l1.kv[:, cached * 16: cached * 16 + 4].clone()
+        w.dst.copy_(torch.arange(4) + cached * 16)  # the same object, edited in place
+        with pytest.raises(UsageError, match="dst .* is not this rank's rows of its slots"):
+            cache.kv.write(1, w, torch.ones(4, cache.kv.kv_dim))
+        assert torch.equal(cache.l1.kv[:, cached * 16: cached * 16 + 4], before)
+        cache.abort("a")
+
+
+def _draft_cache():
+    from hicache.companions.draft import DraftSpec
+    from hicache.page_format import PageFormat
+    fmt = PageFormat.replicated(2, 16, 1, 40, torch.float32)
+    return HiCache(cfg(), mode="l1", draft=DraftSpec(fmt, "draft-test"))
+
+
+def _draft_write(cache, rid, end, layers):
+    kv, table = cache.draft.kv, cache.prefix(rid).page_table
+    w = RowWrite.for_positions(kv.layout, torch.tensor(table), table, 0, end)
+    for layer in layers:
+        kv.write(layer, w, torch.ones(end, kv.kv_dim))
+
+
+def test_draft_len_is_not_trusted_without_the_draft_rows():
+    with _draft_cache() as cache:
+        cache.admit("a", np.arange(40))
+        cache.alloc("a", 40)
+        write_kv_rows(cache, "a", 40)
+        with pytest.raises(UsageError, match=r"draft_len=32 but the draft KV of token 0 was "
+                                             "not written at every draft layer"):
+            cache.finish("a", np.arange(40), draft_len=32)
+        _draft_write(cache, "a", 32, layers=[1])  # the last draft layer only: not written
+        with pytest.raises(UsageError, match="draft KV of token 0 was not written"):
+            cache.finish("a", np.arange(40), draft_len=32)
+        _draft_write(cache, "a", 16, layers=[0, 1])  # page 0 whole, page 1 not
+        with pytest.raises(UsageError, match="draft KV of token 16 was not written"):
+            cache.finish("a", np.arange(40), draft_len=32)
+        with pytest.raises(UsageError, match="draft_len must be an int >= 0"):
+            cache.finish("a", np.arange(40), draft_len=-1)
+        cache.finish("a", np.arange(40), draft_len=16)  # what was written: kept
+        assert cache.stats()["draft"]["l1_pages_present"] == 1
+        hit = cache.admit("b", np.arange(40))
+        assert hit.device_len == 32 and hit.draft_len == 16
+        cache.abort("b")
+        assert cache.leaks() == {"l1": 0, "l2": 0, "locks": 0}
+
+
+def test_the_draft_writes_through_a_checked_port():
+    """Like the target's: a draft write lands only in pages an admitted request holds."""
+    with _draft_cache() as cache:
+        cache.admit("a", np.arange(20))
+        cache.alloc("a", 20)
+        free = next(p for p in range(cache.l1.num_pages) if p not in cache.prefix("a").page_table)
+        kv = cache.draft.kv
+        w = RowWrite.for_positions(kv.layout, torch.tensor([free]), [free], 0, 4)
+        with pytest.raises(UsageError, match=f"draft KV write into device page {free}"):
+            kv.write(0, w, torch.ones(4, kv.kv_dim))
+        assert not cache.draft.l1.kv[:, free * 16: free * 16 + 4].any()
+        cache.abort("a")

@@ -53,7 +53,7 @@ def serve(cfg, jobs, mode):
         res = {r.request_id: r for j in jobs for r in server.run([j])}
         stats = cache.stats()
         assert cache.leaks() == {"l1": 0, "l2": 0, "locks": 0}
-        if cache.states is not None:
+        if cache.companion("hybrid") is not None:
             cache.ctrl.check()
     return res, stats, probe.result()
 
@@ -157,7 +157,7 @@ def test_bad_snapshot_pool_and_deepseek_untouched(kimi, tmp_path):
     plain = HiCacheConfig.from_dict({"cache": {"page_size": PS}, "l1": {"num_pages": 8}})
     assert plain.state_format is None
     with HiCache(plain, mode="l1") as cache:
-        assert cache.states is None and cache.ctrl.snaps is None
+        assert cache.companion("hybrid") is None and cache.ctrl.snaps is None
         assert "hybrid" not in cache.stats()
 
 

@@ -1,5 +1,5 @@
 """Hybrid (Kimi Linear) KDA state snapshots in L3: written once for the DCP group, read by every
-rank, agreed like every L3 read (hicache.state_l3, hicache.hybrid_cache).
+rank, agreed like every L3 read (hicache.companions.snapshots, snapshot_l3).
 
 A warm restart (a new HiCache, empty L1 and L2, over the same LMDB store) gets the prompt's MLA
 KV pages and the KDA snapshot at their end from L3, and its tokens equal recompute's: on one
@@ -13,6 +13,7 @@ import pytest
 
 from hicache.config import HiCacheConfig
 from hicache.distributed import launch
+from hicache.l3 import chain_hashes
 from hicache.serving import Server
 from hicache.service import HiCache
 from hicache.workloads import Request
@@ -80,7 +81,7 @@ def test_the_snapshots_are_written_to_l3_off_finish(kimi, tmp_path):  # noqa: F8
     from helpers import BlockedPuts
     first, second = jobs()
     with HiCache(cfg_of(kimi, tmp_path / "l3"), mode="l1+l2+l3") as cache:
-        gate = BlockedPuts(cache.states.l3.store)
+        gate = BlockedPuts(cache.companion("hybrid").l3.store)
         server = Server(load_model(kimi), cache, chunk_tokens=6, max_running=1)
         for j in first:
             server.run([j])
@@ -91,7 +92,7 @@ def test_the_snapshots_are_written_to_l3_off_finish(kimi, tmp_path):  # noqa: F8
         h = cache.stats()["hybrid"]
         assert gate.returned.is_set() and len(gate.keys) == 3  # snapshots at 8, 16, 20
         assert h["written_bytes"]["l3"] == 3 * h["snapshot_bytes"]
-        assert all(cache.states.l3.store.exists_prefix([k]) for k in gate.keys)
+        assert all(cache.companion("hybrid").l3.store.exists_prefix([k]) for k in gate.keys)
     (warm, h), = serve_runs(kimi, tmp_path / "l3", [second], "l1+l2+l3")
     assert warm["A2"][1] == {"l1": 0, "l2": 0, "l3": 20} and h["hits"]["l3"] == 2
 
@@ -104,7 +105,7 @@ def test_the_snapshot_is_read_from_l3_off_admit(kimi, tmp_path):  # noqa: F811
     seen: list = []
 
     def gate(cache):
-        admit_gated(cache, BlockedGets(cache.states.l3.store), seen)
+        admit_gated(cache, BlockedGets(cache.companion("hybrid").l3.store), seen)
     runs = serve_runs(kimi, tmp_path / "l3", jobs(), "l1+l2+l3", damage=gate)
     assert seen == [True]
     check_warm(runs, reference(kimi, tmp_path / "ref"))
@@ -126,9 +127,10 @@ def _flip_snapshot(position):
     """Flip a payload byte of the stored snapshot after A's first ``position`` tokens, in the
     LMDB file itself (what a bad disk or a foreign writer leaves)."""
     def damage(cache):
-        l3 = cache.states.l3
+        l3 = cache.companion("hybrid").l3
         store = l3.store._store  # the PageStore under the guard
-        key = l3._key(jobs()[0][0].tokens[:position])
+        tokens = np.asarray(jobs()[0][0].tokens[:position])
+        key = l3._key(chain_hashes(tokens, cache.page_tokens)[-1])  # the page ending there
         with store._env.begin(write=True) as txn:
             value = bytearray(txn.get(key, db=store._data))
             value[len(value) // 2] ^= 0x40
@@ -149,7 +151,7 @@ def test_a_damaged_snapshot_is_a_miss_and_a_shallower_one_serves(kimi, tmp_path)
 def _damage_rank1(cache):
     """Rank 1's store loses the group's snapshots (its reads miss; rank 0's do not)."""
     if cache.rank == 1:
-        cache.states.l3.find = lambda tokens, lo, hi: (lo, None)
+        cache.companion("hybrid").l3.find = lambda tokens, lo, hi: (lo, None)
 
 
 def _two_ranks(rank, world, path, root):

@@ -179,6 +179,7 @@ def test_hicache_port_refuses_cached_pages_by_slots_and_by_row_write(tmp_path):
             port.write(0, torch.tensor([hit.page_table[0] * 4]), rows[:1])
         own = RowWrite.for_positions(port.layout, torch.tensor(hit.page_table),
                                      hit.page_table, 12, 14)
+        assert port.write(0, own, torch.ones(2, cache.l1.kv_dim)) == 2  # every layer is written
         assert port.write(1, own, torch.ones(2, cache.l1.kv_dim)) == 2  # its own page: fine
         assert cache.l1.kv[1, hit.page_table[3] * 4: hit.page_table[3] * 4 + 2].eq(1).all()
         assert cache.request_pages == 1

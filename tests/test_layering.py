@@ -169,3 +169,11 @@ def test_the_policy_file_imports_nothing_heavier_than_itself():
                    "hicache.service", "hicache.l3.store", "hicache.l3.redis_store",
                    "hicache.l3.lmdb_backend", "hicache.l3.redis_backend",
                    "hicache.checkpoints.hf") == []
+
+
+def test_the_companions_import_no_service_engine_or_serving_loop():
+    # a companion reaches its service only through the Host it is given: the service loops
+    # over companions, never the other way round
+    assert reaches("companions", "hicache.service", "hicache.facade", "hicache.tier_io",
+                   "hicache.engine", "hicache.serving", "hicache.serving_hybrid") == []
+    assert reaches("facade", "hicache.service", "hicache.engine", "hicache.serving") == []

@@ -251,12 +251,12 @@ def test_a_draft_pool_of_another_shape_is_refused(tmp_path, models):
     small = MLAModel(dataclasses.replace(model.cfg, num_layers=1))
     with cache_of(cfg, small, mode="l1") as cache:
         with pytest.raises(UsageError, match="draft pool holds 1 layers"):
-            drafter_for(draft, cache.page_tokens, [], cache.l1.num_pages, pool=cache.draft.l1)
+            drafter_for(draft, cache.page_tokens, [], cache.l1.num_pages, pool=cache.draft.kv)
 
 
 def test_the_draft_counts_in_the_memory_need_and_agrees_with_the_policy(tmp_path, models):
     from hicache import preflight
-    from hicache.draft_pages import draft_need
+    from hicache.companions.draft import draft_need
     model, draft = models
     cfg = make_cfg(tmp_path / "l3")
     spec = draft_spec(draft, cfg.page_tokens)
@@ -299,10 +299,10 @@ def test_draft_pages_on_a_shared_redis_store(tmp_path, models, redis_url, monkey
 def test_a_failed_construction_closes_the_draft_pages(tmp_path, models, monkeypatch):
     # construction failing after the draft's pages were built (here: the settings digest the
     # ranks agree on raises) closes them too: the writer thread stopped, the store closed
-    import hicache.draft_pages as dp
+    import hicache.companions.draft as dp
     built = []
-    real = dp.build_draft_pages
-    monkeypatch.setattr(dp, "build_draft_pages", lambda *a, **k: built.append(real(*a, **k))
+    real = dp.build
+    monkeypatch.setattr(dp, "build", lambda *a, **k: built.append(real(*a, **k))
                         or built[-1])
 
     def fail(*a, **k):

@@ -13,7 +13,7 @@ from hicache import bench_cli, cli, preflight
 from hicache.config import loads
 from hicache.engine.model import MLAModel, ModelConfig
 from hicache.errors import ConfigError
-from hicache.spec_format import draft_format
+from hicache.companions.draft_format import draft_format
 
 
 def run(main, argv, capsys):

@@ -3,7 +3,7 @@
 
     draft = load_draft(settings, target, target_dir)        # the draft's weights
     cache = HiCache(cfg, ..., draft=draft_spec(draft, cfg.page_tokens))  # its pages cached too
-    drafter = drafter_for(draft, page_table, cache.draft.l1)
+    drafter = drafter_for(draft, page_table, cache.draft.kv)
 or, without a cache, ``make_drafter(settings, target, target_dir, page_tokens, page_table,
 num_pages)``.
 """
@@ -50,7 +50,7 @@ def load_draft(settings: SpecSettings, target, target_path: Optional[str]):
 def drafter_for(draft, page_tokens: int, page_table: list, num_pages: int,
                 attn_backend: str = "auto", pool=None) -> Drafter:
     """A drafter of ``draft`` (from ``load_draft``) on a replicated runner (``pool``: the
-    cache's draft pool, ``HiCache.draft.l1``) sharing ``page_table`` with the target."""
+    cache's draft pool, ``HiCache.draft.kv``, its checked port) sharing ``page_table`` with the target."""
     run = replicated_runner(draft, page_tokens, num_pages, attn_backend, pool)
     cls = MTPDrafter if isinstance(draft, MTPModule) else DraftModelDrafter
     return cls(run, page_table)
@@ -60,12 +60,12 @@ def draft_spec(draft, page_tokens: int):
     """The ``DraftSpec`` a ``HiCache`` keeps ``draft``'s pages under: its replicated format
     and a signature (an MTP module: its index, the target's weights sign the rest; a draft
     model: its weights)."""
-    from hicache.draft_pages import DraftSpec
-    from hicache.spec_format import format_of_model
+    from hicache.companions.draft import DraftSpec
+    from hicache.companions.draft_format import format_of_model
     mtp = isinstance(draft, MTPModule)
     sig = f"mtp:{draft.index}" if mtp else draft.weights_signature()
     # an MTP row pairs the target's state at i with token i + 1: a page's last row depends on
-    # the token after the page, which its chain does not name (hicache.draft_pages)
+    # the token after the page, which its chain does not name (hicache.companions.draft)
     return DraftSpec(format_of_model(draft, page_tokens), sig, pairs_next=mtp)
 
 
@@ -73,7 +73,7 @@ def make_drafter(settings: SpecSettings, target, target_path: Optional[str], pag
                  page_table: list, num_pages: int, attn_backend: str = "auto", pool=None
                  ) -> Optional[Drafter]:
     """The drafter ``settings`` asks for, on the target's device (None for method none).
-    ``pool``: the cache's draft pool (``HiCache.draft.l1``), else a new one. Bad input (no
+    ``pool``: the cache's draft pool (``HiCache.draft.kv``, its checked port), else a new one. Bad input (no
     MTP tensors, another vocabulary) is a ``UsageError`` naming it."""
     draft = load_draft(settings, target, target_path)
     if draft is None:

@@ -109,7 +109,7 @@ def replicated_runner(model, page_tokens: int, num_pages: int, attn_backend: str
                       pool=None):
     """A draft engine on this rank alone: a ``DCPLayout(1, 0, page_tokens)`` pool (every row
     here, pages of the target's widened size) and no DCP collective. ``pool``: the cache's
-    draft pool (``HiCache.draft.l1``) instead of a new one."""
+    draft pool (``HiCache.draft.kv``, its checked port) instead of a new one."""
     from hicache.engine.runner import DCPRunner
     from hicache.l1 import DeviceKVPool
     from hicache.layout import DCPLayout

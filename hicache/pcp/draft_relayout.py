@@ -2,7 +2,7 @@
 
 The target's MLA KV is striped and relayouts (``hicache.pcp.relayout``). A draft's KV is
 replicated: every rank of either side holds every row (``DCPLayout(1, 0, P*c)`` pools, the
-draft pages of ``hicache.draft_pages``). So the draft moves UNCHANGED: each decode rank j gets
+draft pages of ``hicache.companions.draft``). So the draft moves UNCHANGED: each decode rank j gets
 all ``token_count`` rows, from prefill rank ``j % src_dcp`` (DCP1 -> DCP-c: from the one
 prefill rank), written at the decode request's own slots (its widened page table). Only
 positions < ``token_count`` move, as for the target.

@@ -21,8 +21,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from .errors import CheckpointError, ConfigError
-from .page_format import PageFormat
+from hicache.errors import CheckpointError, ConfigError
+from hicache.page_format import PageFormat
 
 DRAFT_FORMAT = "draft"  # the companion format's name under a page id
 
@@ -71,7 +71,7 @@ def draft_shape(cfg) -> Optional[DraftShape]:
         return DraftShape(1, m.kv_dim, m.dtype, _itemsize(m.dtype))
     path = s.draft_model
     if os.path.isdir(path):
-        from .checkpoints.hf_config import kv_shape
+        from hicache.checkpoints.hf_config import kv_shape
         try:
             k = kv_shape(path)
         except CheckpointError as e:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import functools
 
-from .errors import CheckpointError, ConfigError
+from hicache.errors import CheckpointError, ConfigError
 
 
 @functools.lru_cache(maxsize=16)
 def _shape(path: str) -> tuple[int, int, int] | None:
-    from .checkpoints.hf_config import state_shape
+    from hicache.checkpoints.hf_config import state_shape
     try:
         return state_shape(path)
     except CheckpointError as e:
@@ -32,7 +32,7 @@ def state_format(cfg):
     shape = _shape(cfg.model.path)
     if shape is None:
         return None
-    from .page_format import PageFormat
+    from hicache.page_format import PageFormat
     layers, conv, rec = shape
     fmt = PageFormat.state(layers, conv + rec, "float32", name="kda_state")
     if cfg.hybrid.l1_state_bytes < fmt.page_bytes:

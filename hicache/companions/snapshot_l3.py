@@ -23,13 +23,12 @@ import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import numpy as np
 import torch
 
-from .l3.backends import open_store
-from .l3.companion import CompanionWriter
-from .l3.guard import GuardedStore
-from .l3.keys import Namespace, chain_hashes, keys_for_rank
+from hicache.l3.backends import open_store
+from hicache.l3.companion import CompanionWriter
+from hicache.l3.guard import GuardedStore
+from hicache.l3.keys import Namespace, keys_for_rank
 
 
 class StateL3:
@@ -54,34 +53,35 @@ class StateL3:
         with self._lock:
             self.written += pages * self.format.page_bytes
 
-    def _key(self, tokens: np.ndarray) -> bytes:
-        """The group's key of the snapshot after ``tokens`` (whole pages)."""
-        return keys_for_rank(chain_hashes(tokens, self.page_tokens)[-1:], self.namespace, 0)[0]
+    def _key(self, chain: bytes) -> bytes:
+        """The group's key of the snapshot after the page whose chain hash is ``chain``."""
+        return keys_for_rank([chain], self.namespace, 0)[0]
 
-    def put(self, tokens: np.ndarray, state) -> None:
-        """Queue the snapshot after ``tokens`` for the background writer (the designated rank
-        only; the others skip). The tensor queued is a new one (a copy): ``state`` may be reused."""
+    def put(self, chain: bytes, state) -> None:
+        """Queue the snapshot after the page whose chain hash is ``chain`` (the request's:
+        ``hicache.service``) for the background writer (the designated rank only; the others
+        skip). The tensor queued is a new one (a copy): ``state`` may be reused."""
         if self.writer is None or self.store.failed:
             return
         conv, rec = state
         layers = conv.shape[0]
         shard = torch.cat([conv.detach().to("cpu", torch.float32).reshape(layers, -1),
                            rec.detach().to("cpu", torch.float32).reshape(layers, -1)], 1)
-        self.writer.submit([self._key(tokens)], [shard.reshape(self.format.shape)])
+        self.writer.submit([self._key(chain)], [shard.reshape(self.format.shape)])
 
     def submit(self, fn, *args) -> Future:
         """Run ``fn(*args)`` (a ``find`` and the lookups before it) on the read thread."""
         return self._reads.submit(fn, *args)
 
-    def find(self, tokens: np.ndarray, lo: int, hi: int):
-        """``(p, (conv, rec))`` of the deepest snapshot held for ``tokens`` at a page end in
+    def find(self, chains, lo: int, hi: int):
+        """``(p, (conv, rec))`` of the deepest snapshot held after the pages whose chain
+        hashes are ``chains`` (at least ``hi`` tokens' worth) at a page end in
         ``(lo, hi]``, read in the call (the service's runs on the read thread: ``submit``;
         ``conv`` [L, conv_elems] fp32, ``rec`` flat); ``(lo, None)`` when none is there or
         readable."""
         pt = self.page_tokens
         if self.store.failed:
             return lo, None
-        chains = chain_hashes(tokens[:hi], pt)
         for page in range(hi // pt, lo // pt, -1):
             key = keys_for_rank([chains[page - 1]], self.namespace, 0)
             if not self.store.exists_prefix(key):
