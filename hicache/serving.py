@@ -139,10 +139,10 @@ class Server:
             self.cache.wait_layer(rid, layer)
         self.cache_s["wait_layer"] += time.perf_counter() - t0
 
-    def _timed(self, call: str, *args):
+    def _timed(self, call: str, *args, **kwargs):
         t0 = time.perf_counter()
         try:
-            return getattr(self.cache, call)(*args)
+            return getattr(self.cache, call)(*args, **kwargs)
         finally:
             self.cache_s[call] += time.perf_counter() - t0
 
@@ -275,7 +275,7 @@ class Server:
             active.remove(a)
             fed = np.concatenate([a.job.tokens, np.asarray(a.output[:-1], dtype=np.int64)])
             snaps = hybrid.finished(self.runner, a) if self.hybrid else None
-            self._timed("finish", a.job.request_id, fed, snaps, spec_steps.finished(a))
+            self._timed("finish", a.job.request_id, fed, snaps, **spec_steps.finished(a))
             self.inserted += 1
             p = a.prefix
             n = len(a.output)

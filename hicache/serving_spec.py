@@ -2,20 +2,22 @@
 
 Every decoding request drafts up to k tokens with its own drafter (an MTP module fed the
 target's final hidden states, or a draft model), all on one replicated draft runner over the
-cache's draft pool (draft models draft together: one batched draft extend per draft step,
-``engine.spec.propose_batch``) (``HiCache.draft.l1``, indexed by the target's page ids); the batch then
-verifies ``[last, d_1..d_k]`` of every request in ONE target step (``runner.verify_batch``) and
-each request accepts its own longest agreeing prefix. Rejected positions are rolled back
-(``runner.rewind``: MLA rows are overwritten by the next step, a hybrid target's KDA state is
-restored from the state kept at the accepted position) and never reach the cache: ``finish``
-gets the committed tokens and the drafter's ``valid_len`` (``finished``); a hybrid request's snapshots are
+cache's draft pool (``HiCache.draft.kv``, its checked port, indexed by the target's page ids;
+draft models draft together: one batched draft extend per draft step,
+``engine.spec.propose_batch``); the batch then verifies ``[last, d_1..d_k]`` of every request
+in ONE target step (``runner.verify_batch``) and each request accepts its own longest agreeing
+prefix. Rejected positions are rolled back (``runner.rewind``: MLA rows are overwritten by the
+next step, a hybrid target's KDA state is restored from the state kept at the accepted
+position) and never reach the cache: ``finish`` gets the committed tokens and the drafter's
+``valid_len`` (``finished``); a hybrid request's snapshots are
 taken at committed positions only. A hit restores the draft's KV with the target's (from L1,
 L2 or L3: ``Prefix.draft_len``); the drafter recomputes only what is absent.
 
 Each request's draft KV has one source (``SOURCES``): ``cold`` (no hit), the deepest tier the
 hit came from (``l1``, ``l2``, ``l3``) when the draft KV of the whole hit came back, else
-``recomputed`` (a draft model recomputed the absent part; an MTP module, which cannot
-recompute a hit's rows, started at the hit's end). Acceptance by source is the alarm for
+``recomputed`` (a draft model recomputed the absent part, a hybrid draft all of it: its KDA
+state is not cached; an MTP module, which cannot recompute a hit's rows, started at the hit's
+end). Acceptance by source is the alarm for
 restored draft state that is wrong (``hicache.bench_spec``).
 """
 
@@ -74,7 +76,7 @@ def draft_runner(spec: SpecServing, cache):
         raise ConfigError("speculative serving needs a cache built with the draft's pages: "
                           "HiCache(..., draft=draft_spec(draft, page_tokens))")
     return replicated_runner(spec.draft, cache.page_tokens, cache.config.l1.num_pages,
-                             pool=cache.draft.l1)
+                             pool=cache.draft.kv)
 
 
 def start(runner, a) -> RequestSpec:
@@ -83,8 +85,10 @@ def start(runner, a) -> RequestSpec:
     from .engine.spec import DraftModelDrafter, MTPDrafter
     cls = MTPDrafter if isinstance(runner.model, MTPModule) else DraftModelDrafter
     drafter = cls(runner, a.prefix.page_table)
-    rs = RequestSpec(drafter, source_of(a.prefix))
-    rs.stats.draft_recomputed_tokens = drafter.restored(a.prefix.draft_len, a.prefix.hit_len)
+    recomputed = drafter.restored(a.prefix.draft_len, a.prefix.hit_len)
+    # a hybrid draft recomputes its whole hit (its KDA state is not cached)
+    rs = RequestSpec(drafter, "recomputed" if recomputed else source_of(a.prefix))
+    rs.stats.draft_recomputed_tokens = recomputed
     return rs
 
 
@@ -139,17 +143,18 @@ def _committed_snapshots(target, a, start: int) -> None:
             a.snaps[p] = (kept[p].conv, kept[p].rec)
 
 
-def finished(a) -> int:
-    """At ``finish``: the leading committed tokens whose draft KV the request's drafter wrote
-    (0 without speculation); a hybrid draft's state slot and kept states are freed."""
+def finished(a) -> dict:
+    """At ``finish``: ``{"draft_len": n}``, the leading committed tokens whose draft KV the
+    request's drafter wrote (nothing without speculation); a hybrid draft's state slot and
+    kept states are freed."""
     if a.spec is None:
-        return 0
+        return {}
     d = a.spec.drafter
     n = d.valid_len()
     release = getattr(d.runner, "release", None)
     if release is not None:
         release(d.state)
-    return n
+    return {"draft_len": n}
 
 
 def report(a) -> Optional[dict]:

@@ -2,11 +2,12 @@
 (a perturbed copy of the target), through the cache: KDA state rolled back at every rejection
 (``HybridRunner.verify_batch`` / ``rewind``), snapshots taken at committed positions only.
 
-In process (DCP 1) and on 2 gloo ranks (DCP 2, one spawned group for the built-in model and
-the Kimi target): a cold request, L1 hits verified in one batch, an L2 hit (its pages evicted
-by a long request, written through), and an L3 hit after a restart all decode plain greedy
-decoding's tokens. In process, the KDA snapshots the cache holds after the speculative run
-equal those of a run without speculation.
+In process (DCP 1; also with a DeepSeek-shaped draft, whose cached draft KV hits restore) and
+on 2 gloo ranks (DCP 2, one spawned group for the built-in model and the Kimi target): a cold
+request, L1 hits verified in one batch, an L2 hit (its pages evicted by a long request, written
+through), and an L3 hit after a restart all decode plain greedy decoding's tokens. In process,
+the KDA snapshots the cache holds after the speculative run equal those of a run without
+speculation.
 """
 
 import numpy as np
@@ -32,6 +33,16 @@ def kimi_draft(kimi, tmp_path_factory):  # noqa: F811
     return str(d)
 
 
+@pytest.fixture(scope="module")
+def ds_draft(tmp_path_factory):
+    """A DeepSeek-shaped draft of the Kimi checkpoint's vocabulary (MLA only: its cached
+    draft KV is all it needs, so hits restore it)."""
+    from spec_ckpt import make_mtp_checkpoint
+    d = tmp_path_factory.mktemp("ds_draft") / "ckpt"
+    make_mtp_checkpoint(d, seed=6, with_mtp=False)
+    return str(d)
+
+
 def jobs():
     base = toks(1, 16)
     a = np.concatenate([base, toks(2, 5)])
@@ -44,9 +55,9 @@ def jobs():
 
 def snapshots(cache) -> dict:
     """Position -> (conv, rec) of every snapshot the cache holds."""
-    out = {}
+    out, tier = {}, cache.companion("hybrid").tier
     for s in cache.ctrl.snaps.all():
-        (conv, rec), _ = cache.states.get(s.l1, s.l2)
+        (conv, rec), _ = tier.get(s.l1, s.l2)
         out[s.pages * cache.page_tokens] = (conv.float().clone(), rec.float().clone())
     return out
 
@@ -85,20 +96,29 @@ def plain_tokens(path):
             for runs in jobs() for batch in runs for j in batch}
 
 
-def check(out, want):
+def check(out, want, hybrid_draft=True):
+    """Plain tokens; target hits from L1, L2 and L3; each request's draft KV source (a hybrid
+    draft recomputes every hit: its KDA state is not cached)."""
     assert {k: v[0] for k, v in out.items()} == want
     src = {k: v[2] for k, v in out.items()}
-    assert src == {"A": "cold", "A2": "l1", "B": "l1", "Z": "cold", "A3": "l2", "A4": "l3"}
+    hit = "recomputed" if hybrid_draft else None
+    assert src == {"A": "cold", "A2": hit or "l1", "B": hit or "l1", "Z": "cold",
+                   "A3": hit or "l2", "A4": hit or "l3"}
     # (snapshots every 8 tokens and at A's fed end, 28: the hits end at the one at 16)
-    assert out["A3"][1]["l2"] > 0 and out["A4"][1]["l3"] == 16
+    assert out["B"][1]["l1"] == 16 and out["A3"][1]["l2"] > 0 and out["A4"][1]["l3"] == 16
     sp = [v[3] for v in out.values()]
-    assert sum(s["proposed"] for s in sp) > sum(s["accepted"] for s in sp) > 0  # rollbacks
+    assert sum(s["proposed"] for s in sp) > sum(s["accepted"] for s in sp)  # rollbacks
+    if hybrid_draft:
+        assert sum(s["accepted"] for s in sp) > 0
 
 
-def test_kimi_target_serves_speculatively_with_each_hit(kimi, kimi_draft, tmp_path):  # noqa: F811
-    out, snaps = serve(kimi, kimi_draft, tmp_path / "spec")
-    check(out, plain_tokens(kimi))
-    ref, ref_snaps = serve(kimi, kimi_draft, tmp_path / "plain", spec=False)
+@pytest.mark.parametrize("hybrid_draft", [True, False], ids=["kimi_draft", "deepseek_draft"])
+def test_kimi_target_serves_speculatively_with_each_hit(kimi, kimi_draft, ds_draft,  # noqa: F811
+                                                        tmp_path, hybrid_draft):
+    draft = kimi_draft if hybrid_draft else ds_draft
+    out, snaps = serve(kimi, draft, tmp_path / "spec")
+    check(out, plain_tokens(kimi), hybrid_draft)
+    ref, ref_snaps = serve(kimi, draft, tmp_path / "plain", spec=False)
     assert {k: v[:2] for k, v in out.items()} == {k: v[:2] for k, v in ref.items()}
     assert snaps.keys() == ref_snaps.keys() and snaps
     for p, (conv, rec) in snaps.items():
