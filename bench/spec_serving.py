@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.scale = args.scale or (0.005 if args.quick else 0.05)
     args.max_output = args.max_output or (9 if args.quick else 24)
+    torch.set_num_threads(1)  # DCP 1 runs in this process: one thread, like each gloo rank
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         draft = os.path.join(tmp, "draft.pt")
