@@ -482,12 +482,32 @@ def unique_pages(reqs, page) -> int:
     return len(seen)
 
 
+def production_trace(args) -> list:
+    """``--trace``: a production trace's prompts (Mooncake / Bailian hash ids, blocks of
+    ``--block-tokens``) as the bench's requests."""
+    from hicache.traces import as_requests, load
+    return as_requests(load(args.trace, args.trace_format, args.block_tokens,
+                            max_requests=args.trace_requests), None)
+
+
+def trace_case(args, workload: str) -> dict:
+    """What bench/sglang_tree.py needs to load the same production trace."""
+    if workload != "trace":
+        return {}
+    return {"trace": os.path.abspath(args.trace), "trace_format": args.trace_format,
+            "block_tokens": args.block_tokens, "trace_requests": args.trace_requests}
+
+
 def run(args) -> dict:
-    every = {"chat": 0.1 if args.quick else 1.0, "agentic": 0.03 if args.quick else 0.3}
+    every = {"chat": 0.1 if args.quick else 1.0, "agentic": 0.03 if args.quick else 0.3,
+             "trace": 1.0}
     rows = []
     scales = {w: every[w] for w in args.workloads}
-    cases = [(w, p, cap) for w in args.workloads for p in args.pages for cap in args.capacities]
-    traces = {w: (chat_trace if w == "chat" else agentic_trace)(args.seed, scales[w])
+    cases = [(w, p, cap) for w in args.workloads
+             for p in ([args.block_tokens] if w == "trace" else args.pages)
+             for cap in args.capacities]
+    traces = {w: production_trace(args) if w == "trace" else
+              (chat_trace if w == "chat" else agentic_trace)(args.seed, scales[w])
               for w in scales}
     lists = {w: [r.tokens.tolist() for r in traces[w]] for w in traces}
     arrays = {w: [r.tokens.astype(np.int64) for r in traces[w]] for w in traces}
@@ -520,7 +540,7 @@ def run(args) -> dict:
                     sg.append(sglang.replay({"workload": w, "scale": scales[w], "seed": args.seed,
                                              "page": page, "l1_pages": dev,
                                              "inflight": args.inflight, "reps": 1,
-                                             "ours": True}))
+                                             "ours": True, **trace_case(args, w)}))
                 ref_hits, dt = replay_reference(reqs, lists[w], page, dev, args.inflight)
                 ref_t.append(dt)
                 if host:  # the same work as ours: the page-keyed tree with the host tier
@@ -586,8 +606,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=0.25,
                     help="L1 share of the trace's unique pages in the budget runs")
     ap.add_argument("--reps", type=int, default=2, help="repetitions; the best time counts")
-    ap.add_argument("--workloads", nargs="+", choices=("chat", "agentic"),
-                    default=["chat", "agentic"], help="the traces to replay (default: both)")
+    ap.add_argument("--workloads", nargs="+", choices=("chat", "agentic", "trace"),
+                    default=["chat", "agentic"], help="the traces to replay (default: chat "
+                    "and agentic; with --trace, the trace)")
     ap.add_argument("--pages", nargs="+", type=int, choices=(16, 64), default=[16, 64],
                     help="widened page sizes in tokens (default: 16 64)")
     ap.add_argument("--capacities", nargs="+", choices=("ample", "budget", "budget+l2"),
@@ -596,7 +617,19 @@ def main(argv=None) -> int:
                     help="Python of an environment with SGLang, whose compiled (Rust) tree core "
                          "is replayed as a third reference (default: HICACHE_ENGINES_PYTHON or "
                          ".venv-engines, when present and not --quick; 'off': skip)")
+    ap.add_argument("--trace", help="also replay a production trace (JSON lines; its rows "
+                    "are workload 'trace', pages of --block-tokens)")
+    ap.add_argument("--trace-format", default="mooncake", choices=("mooncake", "bailian"))
+    ap.add_argument("--block-tokens", type=int, default=16,
+                    help="tokens per hash id of --trace (default 16: the Mooncake trace's "
+                         "147M prompt tokens become 4.6M, one page per block)")
+    ap.add_argument("--trace-requests", type=int, default=None,
+                    help="the first N requests of --trace (default: all)")
     args = ap.parse_args(argv)
+    if args.trace and args.workloads == ["chat", "agentic"]:
+        args.workloads = ["trace"]
+    elif "trace" in args.workloads and not args.trace:
+        ap.error("--workloads trace needs --trace FILE")
     res = run(args)
     if args.json:
         print(json.dumps(res))

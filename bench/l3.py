@@ -4,6 +4,8 @@ loading a prefix from L3 against recomputing it with the engine's prefill, in on
 
     python bench/l3.py [--json] [--quick] [--ranks N] [--pages N] [--sync]
                        [--backend lmdb|redis|both] [--url URL] [--shapes]
+    python bench/l3.py --fleet N [--masters M] [--url URL,URL...]   # bench/l3_fleet.py
+    python bench/l3.py --dead-shard N [--prefix-pages P] [--prefixes K]
 
 Each rank is a process writing/reading its own shards into ONE shared store, concurrently with the
 other ranks. LMDB: the raw baseline writes the same payload bytes under the same keys into a
@@ -36,6 +38,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # bench/l3_fleet.py
 
 from hicache.l3 import CostModel, Namespace, PageStore, RedisStore, page_keys  # noqa: E402
 
@@ -356,6 +359,27 @@ def _auth_main(args) -> int:
     return 0
 
 
+def _fleet_main(ap, args) -> int:
+    import l3_fleet
+    if args.fleet < 0 or args.dead_shard < 0 or args.masters < 1 or args.prefix_pages < 1 \
+            or args.prefixes < 1 or min(args.fleet_sequences, args.fleet_pages) < 1 \
+            or args.fleet_shared < 0:
+        ap.error("--fleet, --dead-shard, --masters and the --fleet-* / --prefix* sizes must be "
+                 "positive")
+    if args.dead_shard == 1:
+        ap.error("--dead-shard needs at least 2 masters (one dies, the others answer)")
+    if args.fleet_layers is None:
+        args.fleet_layers = 2 if args.quick else 16
+    res = l3_fleet.dead_shard(args) if args.dead_shard else l3_fleet.fleet(args)
+    if args.json:
+        print(json.dumps(res))
+    elif args.dead_shard:
+        l3_fleet.print_dead_shard(res)
+    else:
+        l3_fleet.print_fleet(res)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -375,9 +399,26 @@ def main(argv=None) -> int:
     ap.add_argument("--auth", action="store_true",
                     help="only the authenticated Redis store (fleet secret, MAC) against the "
                          "raw client on 1 MB values, and the MAC's GB/s")
+    ap.add_argument("--fleet", type=int, default=0,
+                    help="N writer/reader processes on one Redis Cluster against one process "
+                         "(bench/l3_fleet.py)")
+    ap.add_argument("--masters", type=int, default=3, help="--fleet / --dead-shard: masters")
+    ap.add_argument("--fleet-sequences", type=int, default=4, help="--fleet: own sequences "
+                    "per process")
+    ap.add_argument("--fleet-shared", type=int, default=2, help="--fleet: sequences every "
+                    "process writes (dedup)")
+    ap.add_argument("--fleet-pages", type=int, default=8, help="--fleet: pages per sequence")
+    ap.add_argument("--fleet-layers", type=int, default=None,
+                    help="--fleet: layers per page (default 16; --quick 2)")
+    ap.add_argument("--dead-shard", type=int, default=0,
+                    help="N masters, one killed: what a prefix keeps (bench/l3_fleet.py)")
+    ap.add_argument("--prefix-pages", type=int, default=32, help="--dead-shard: pages")
+    ap.add_argument("--prefixes", type=int, default=200, help="--dead-shard: prefixes")
     args = ap.parse_args(argv)
     if args.auth:
         return _auth_main(args)
+    if args.fleet or args.dead_shard:
+        return _fleet_main(ap, args)
     if args.ranks < 1 or (args.pages is not None and args.pages < 1):
         ap.error("--ranks and --pages must be >= 1")
     args.pages = args.pages or (24 if args.quick else 96)

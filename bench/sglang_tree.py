@@ -58,10 +58,26 @@ def _build(page: int, l1_pages: int, max_len: int):
 
 
 @functools.lru_cache(maxsize=4)
-def _keys(workload: str, scale: float, seed: int, page: int) -> list:
-    """The trace's prompts, whole pages, as ``array('q')`` (SGLang's key type)."""
+def _requests(workload: str, scale: float, seed: int, trace: tuple = ()) -> list:
+    """The bench's requests: a seeded workload, or (``trace``: path, format, block tokens,
+    requests) a production trace, made as ``bench/controller.py`` makes them."""
+    if trace:
+        from hicache.traces import as_requests, load
+        path, fmt, block, n = trace
+        return as_requests(load(path, fmt, block, max_requests=n), None)
     from hicache.workloads import agentic_trace, chat_trace
-    reqs = (chat_trace if workload == "chat" else agentic_trace)(seed, scale)
+    return (chat_trace if workload == "chat" else agentic_trace)(seed, scale)
+
+
+def _trace(case: dict) -> tuple:
+    return ((case["trace"], case["trace_format"], case["block_tokens"], case["trace_requests"])
+            if "trace" in case else ())
+
+
+@functools.lru_cache(maxsize=4)
+def _keys(workload: str, scale: float, seed: int, page: int, trace: tuple = ()) -> list:
+    """The trace's prompts, whole pages, as ``array('q')`` (SGLang's key type)."""
+    reqs = _requests(workload, scale, seed, trace)
     return [array("q", r.tokens[:len(r.tokens) // page * page].tolist()) for r in reqs]
 
 
@@ -106,12 +122,10 @@ def _replay_sglang(keys: list, page: int, l1_pages: int, inflight: int) -> tuple
 
 
 @functools.lru_cache(maxsize=4)
-def _arrays(workload: str, scale: float, seed: int) -> list:
+def _arrays(workload: str, scale: float, seed: int, trace: tuple = ()) -> list:
     """The trace's prompts as int64 arrays (ours' form, as ``bench/controller.py`` makes it)."""
     import numpy as np
-    from hicache.workloads import agentic_trace, chat_trace
-    reqs = (chat_trace if workload == "chat" else agentic_trace)(seed, scale)
-    return [r.tokens.astype(np.int64) for r in reqs]
+    return [r.tokens.astype(np.int64) for r in _requests(workload, scale, seed, trace)]
 
 
 def replay(case: dict) -> dict:
@@ -119,14 +133,15 @@ def replay(case: dict) -> dict:
     (``bench/controller.py``'s L1 loop) in this same process, so the two are timed under the
     same process state (allocator, caches), interleaved."""
     page, inflight, l1_pages = case["page"], case["inflight"], case["l1_pages"]
-    keys = _keys(case["workload"], case["scale"], case["seed"], page)
+    keys = _keys(case["workload"], case["scale"], case["seed"], page, _trace(case))
     best = ours_best = None
     hits = ours_hits = 0
     for _ in range(case["reps"]):
         if case.get("ours"):
             import controller as bench_controller  # bench/controller.py (this folder)
             got, dt, _ = bench_controller.replay_controller(
-                _arrays(case["workload"], case["scale"], case["seed"]), page, l1_pages, 0,
+                _arrays(case["workload"], case["scale"], case["seed"], _trace(case)), page,
+                l1_pages, 0,
                 inflight)
             ours_hits = got["l1"] + got["l2"]
             ours_best = dt if ours_best is None else min(ours_best, dt)

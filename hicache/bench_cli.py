@@ -32,9 +32,10 @@ from .config import HiCacheConfig, load_config
 from .controller.policy import WRITE_POLICIES
 from .errors import UsageError
 from .report import table
+from .traces import FORMATS as TRACE_FORMATS
 from .service import CACHE_MODES, RESTORE_RETRIES, HiCache
 from .workloads import (MAX_REQUEST_TOKENS, SCALE_MAX, SEED_MAX, agentic_trace, chat_trace,
-                        load_trace, trace_summary)
+                        trace_summary)
 
 from .paths import default_policy  # noqa: E402
 
@@ -428,6 +429,14 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                         "2 CPU cores)")
     p.add_argument("--seed", type=int, default=0, help="in [0, 2**63 - 1]")
     p.add_argument("--trace", help="replay a recorded JSONL trace instead of a workload")
+    p.add_argument("--trace-format", default="hicache", choices=TRACE_FORMATS,
+                   help="--trace's format: Mooncake FAST'25 or Qwen-Bailian hash ids, or "
+                        "hicache's own JSONL (default)")
+    p.add_argument("--block-tokens", type=int, default=None,
+                   help="tokens per hash id of a mooncake/bailian trace (default: the "
+                        "format's, 512 / 16; smaller scales the trace down to fit a small model)")
+    p.add_argument("--max-requests", type=int, default=None,
+                   help="run only the first N requests of --trace")
     p.add_argument("--max-output", type=int, default=24,
                    help="cap generated tokens per request (0 = as the trace says)")
     p.add_argument("--max-running", type=int, default=4, help="requests in flight")
@@ -487,7 +496,10 @@ def _add_soak_options(p: argparse.ArgumentParser) -> None:
 def _jobs(args, workload: str, cfg: HiCacheConfig) -> list:
     vocab = cfg.model.vocab_size
     if args.trace:
-        jobs = load_trace(args.trace, vocab_size=vocab, seed=args.seed)
+        from .traces import as_requests, load
+        jobs = as_requests(load(args.trace, args.trace_format, args.block_tokens,
+                                max_requests=args.max_requests, vocab=vocab, seed=args.seed),
+                           vocab)
     else:
         scale = args.scale or DEFAULT_SCALE[workload]
         jobs = WORKLOADS[workload](seed=args.seed, scale=scale, vocab_size=vocab)

@@ -9,8 +9,8 @@ import sys
 
 from . import topology
 from .config import describe, load_config
-from .errors import ConfigError, RankError, UsageError
-from .report import table
+from .errors import ConfigError, L3PartialError, RankError, UsageError
+from .report import safe_cell, table
 from .companions.draft_format import DraftShape, plan_draft
 from .topology import KVShape
 
@@ -153,6 +153,9 @@ def _shape_from_args(args) -> KVShape:
 
 def _plan(args) -> int:
     shape = _shape_from_args(args)
+    if args.fleet:  # the shared L3 store at fleet width (hicache.fleet_cli)
+        from . import fleet_cli
+        return fleet_cli.run(args, shape)
     if args.memory is not None:
         number("--memory (GiB)", args.memory, 0, 1 << 30, lo_open=True)
     memory = (args.memory or 0) * GiB
@@ -259,6 +262,12 @@ def _l3_check(args) -> int:
                      "--secret-file)")
         elif report.get("mac_verified"):
             line += "; MACs verified"
+    elif report.get("wrong_secret"):  # not damage: never quarantined
+        print(json.dumps(report) if args.json else
+              f"{path}: every MAC fails ({report['mac_failures']} of {report['mac_values']} "
+              "authenticated values): the secret is likely wrong (not the one that wrote this "
+              "store); nothing was quarantined")
+        return 2
     else:
         what = report.get("error") or (f"{report.get('bad_values')} of {report.get('values')} "
                                        "values fail their checksum or MAC")
@@ -295,28 +304,42 @@ def _l3_where(args, what: str):
 def _l3_ls(args) -> int:
     """List the namespaces of an L3 store: model, layout, ranks, keys, bytes."""
     from .l3 import registry
-    rows = registry.namespaces(_l3_where(args, "ls"))
+    try:
+        rows, partial = registry.namespaces(_l3_where(args, "ls")), None
+    except L3PartialError as e:  # a cluster node is down: what the others hold, and exit 3
+        rows, partial = e.partial, e
     if args.json:
         print(json.dumps([r.as_dict() for r in rows]))
-        return 0
-    if not rows:
+    elif not rows:
         print("no namespaces")
+    else:  # records are written by anyone with write access: escaped and cut for a terminal
+        print(table([[r.digest, safe_cell(r.model), safe_cell(r.layout),
+                      safe_cell(",".join(map(str, r.ranks))), r.keys, r.bytes] for r in rows],
+                    ["namespace", "model", "layout", "ranks", "keys", "bytes"]))
+    return _partial(partial)
+
+
+def _partial(e) -> int:
+    """0, or (a store only partly reachable) its one line on stderr and exit 3."""
+    if e is None:
         return 0
-    print(table([[r.digest, r.model, r.layout, ",".join(map(str, r.ranks)), r.keys, r.bytes]
-                 for r in rows], ["namespace", "model", "layout", "ranks", "keys", "bytes"]))
-    return 0
+    print(f"error: {e}", file=sys.stderr)
+    return 3
 
 
 def _l3_purge(args) -> int:
     """Delete one namespace (every rank's pages and its record); nothing interactive."""
     from .l3 import registry
-    gone = registry.purge(_l3_where(args, "purge"), args.namespace)
+    try:
+        gone, partial = registry.purge(_l3_where(args, "purge"), args.namespace), None
+    except L3PartialError as e:  # a cluster node is down: what the others deleted, and exit 3
+        gone, partial = e.partial, e
     if args.json:
         print(json.dumps(gone.as_dict()))
     else:
-        print(f"deleted namespace {gone.digest} ({gone.model}, {gone.layout}): {gone.keys} "
-              f"keys, {gone.bytes} bytes")
-    return 0
+        print(f"deleted namespace {gone.digest} ({safe_cell(gone.model)}, "
+              f"{safe_cell(gone.layout)}): {gone.keys} keys, {gone.bytes} bytes freed")
+    return _partial(partial)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -342,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "layer; draft: --draft-shape)")
     p.add_argument("--draft-shape", help="--spec draft: mla:LAYERS:RANK:ROPE[:BYTES]")
     p.add_argument("--json", action="store_true")
+    from . import fleet_cli
+    fleet_cli.add_args(p)
     p.set_defaults(func=_plan)
     l3 = sub.add_parser("l3", help="L3 store maintenance").add_subparsers(dest="l3_command",
                                                                          required=True)
@@ -373,6 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
         c.set_defaults(func=func)
     from . import decode_cli as engine_cli
     engine_cli.add_parser(sub)
+    from .replay import command as replay_command
+    replay_command.add_parser(sub)
     return parser
 
 
@@ -409,7 +436,25 @@ def run_guarded(func, args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_guarded(args.func, args)
+    try:
+        rc = run_guarded(args.func, args)
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:  # `hicache ... | head`: the reader left; end quietly
+        quiet_stdout()
+        return 141  # 128 + SIGPIPE, as a tool killed by the closed pipe
+
+
+def quiet_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush into a closed pipe says
+    nothing."""
+    import os
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 if __name__ == "__main__":

@@ -73,8 +73,9 @@ class ModelSection:
     num_heads: int = opt(4, "built-in engine: attention heads", min=1, max=4096)
     vocab_size: int = opt(512, "built-in engine: vocabulary size", min=2, max=1 << 24)
     signature: str = opt("", "weights identity (a checkpoint hash or revision), part of the L3 "
-                             "namespace; required when L3 is on (HiCache(weights_signature=...) "
-                             "overrides it)")
+                             "namespace; required when L3 is on, unless model.path names a "
+                             "checkpoint (then its content signature: config, safetensors "
+                             "headers, sampled bytes); HiCache(weights_signature=...) overrides it")
     path: str = opt("", "Hugging Face DeepSeek-V2/V3 checkpoint directory the engine runs: its "
                         "config.json sets num_layers, kv_lora_rank, rope_dim, dtype, hidden_size, "
                         "num_heads and vocab_size; empty = the built-in model")
@@ -263,7 +264,10 @@ class PolicySection:
                      choices=("write_through", "write_through_selective", "write_back"))
     selective_threshold: int = opt(2, "write_through_selective: hits before a page is backed up",
                                    min=1, max=1 << 20)
-    eviction: str = opt("lru", "eviction order", choices=("lru", "lfu"))
+    eviction: str = opt("lru", "eviction order: least recently used (lru), least frequently "
+                                  "used (lfu), or least likely to be reused soon, by reuse "
+                                  "rates learnt per use count (reuse)",
+                         choices=("lru", "lfu", "reuse"))
     prefetch: str = opt("timeout", "L3 prefetch policy: wait for the read until it finishes or "
                                    "the timeout passes (timeout), until it finishes "
                                    "(wait_complete), or use what arrived by the next step "
@@ -451,14 +455,19 @@ class HiCacheConfig:
     def from_dict(cls, d: Mapping[str, Any]) -> "HiCacheConfig":
         if not isinstance(d, Mapping):
             raise ConfigError(f"config must be a table, got {type(d).__name__}")
-        sections = {}
+        sections, errors = {}, []
         for name, value in d.items():
-            if name not in SECTIONS:
-                raise ConfigError(f"{name}: unknown section{_suggest(name, SECTIONS)}")
-            if not isinstance(value, Mapping):
-                raise ConfigError(f"{name}: must be a table ([{name}]), got {type(value).__name__}")
-            sections[name] = (_build_l3(value) if name == "l3" else
-                              _build_section(name, SECTIONS[name], value))
+            try:
+                if name not in SECTIONS:
+                    raise ConfigError(f"{name}: unknown section{_suggest(name, SECTIONS)}")
+                if not isinstance(value, Mapping):
+                    raise ConfigError(f"{name}: must be a table ([{name}]), got "
+                                      f"{type(value).__name__}")
+                sections[name] = (_build_l3(value) if name == "l3" else
+                                  _build_section(name, SECTIONS[name], value))
+            except ConfigError as e:  # every section's errors are reported together
+                errors.extend(getattr(e, "errors", None) or [str(e)])
+        raise_all(errors)
         return cls(**sections)
 
 
@@ -496,27 +505,47 @@ def _suggest(name: str, options) -> str:
     return f" (did you mean {close[0]!r}?)" if close else f"; expected one of {', '.join(options)}"
 
 
+def raise_all(errors: list[str]) -> None:
+    """One ConfigError naming every error found (``.errors`` lists them); none: nothing."""
+    if not errors:
+        return
+    e = ConfigError(errors[0] if len(errors) == 1 else
+                    f"{len(errors)} errors: " + "; ".join(errors))
+    e.errors = list(errors)
+    raise e
+
+
+def _value_error(full: str, f: dataclasses.Field, value: Any) -> str | None:
+    """What is wrong with ``value`` for the key ``full`` (its type, choices, range), or None."""
+    meta = f.metadata
+    want = meta.get("type") or type(f.default)
+    # bool is an int in Python: never accept it where a number is meant, and vice versa
+    if isinstance(value, bool) != (want is bool) or not isinstance(value, want):
+        names = " or ".join(t.__name__ for t in (want if isinstance(want, tuple) else (want,)))
+        return f"{full}: expected {names}, got {type(value).__name__} {value!r}"
+    if meta.get("choices") and value not in meta["choices"]:
+        return (f"{full}: {value!r} is not one of "
+                f"{', '.join(repr(c) for c in meta['choices'])}")
+    lo, hi = meta.get("min"), meta.get("max")
+    if value != value or (lo is not None and value < lo) or (hi is not None and value > hi):
+        return f"{full}: {value!r} is out of range [{lo}, {hi}]"
+    return None
+
+
 def _build_section(section: str, kind: type, values: Mapping[str, Any]):
     fields = {f.name: f for f in dataclasses.fields(kind)}
-    kwargs = {}
+    kwargs, errors = {}, []
     for key, value in values.items():
         full = f"{section}.{key}"
         if key not in fields:
-            raise ConfigError(f"{full}: unknown key{_suggest(key, fields)}")
-        f = fields[key]
-        meta = f.metadata
-        want = meta.get("type") or type(f.default)
-        # bool is an int in Python: never accept it where a number is meant, and vice versa
-        if isinstance(value, bool) != (want is bool) or not isinstance(value, want):
-            names = " or ".join(t.__name__ for t in (want if isinstance(want, tuple) else (want,)))
-            raise ConfigError(f"{full}: expected {names}, got {type(value).__name__} {value!r}")
-        if meta.get("choices") and value not in meta["choices"]:
-            raise ConfigError(f"{full}: {value!r} is not one of "
-                              f"{', '.join(repr(c) for c in meta['choices'])}")
-        lo, hi = meta.get("min"), meta.get("max")
-        if value != value or (lo is not None and value < lo) or (hi is not None and value > hi):
-            raise ConfigError(f"{full}: {value!r} is out of range [{lo}, {hi}]")
-        kwargs[key] = value
+            errors.append(f"{full}: unknown key{_suggest(key, fields)}")
+            continue
+        bad = _value_error(full, fields[key], value)
+        if bad is None:
+            kwargs[key] = value
+        else:
+            errors.append(bad)
+    raise_all(errors)
     try:
         built = kind(**kwargs)
     except TopologyError as e:

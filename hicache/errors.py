@@ -86,6 +86,15 @@ class L3ForeignError(L3Error):
     """The L3 path holds an LMDB environment that is not a hicache store."""
 
 
+class L3PartialError(L3Error):
+    """Part of a store (a cluster's node) could not be reached by an operator tool: ``partial``
+    is what the reachable part answered, ``reached`` / ``unreachable`` name the nodes."""
+
+    def __init__(self, message: str, partial=None, reached=(), unreachable=()) -> None:
+        super().__init__(message)
+        self.partial, self.reached, self.unreachable = partial, tuple(reached), tuple(unreachable)
+
+
 class RankError(HiCacheError, RuntimeError):
     """A launched rank failed. ``rank``, ``how`` (one line: the exception, the signal or the exit
     code), ``detail`` (that rank's traceback, when it raised) and ``cause`` (the exception itself

@@ -28,3 +28,15 @@ def table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
     lines = [line(r) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def safe_cell(text: Any, limit: int = 200) -> str:
+    """A value someone else wrote (a store's namespace record), fit for a terminal: every
+    non-printable character escaped (``\\x1b``, ``\\u202e``: no escape sequence reaches the
+    screen), cut to ``limit`` characters with a note of the full length."""
+    text = str(text)
+    out = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                  for c in text[:limit * 4])
+    if len(out) > limit or len(text) > limit * 4:
+        out = f"{out[:limit - 1]}… ({len(text)} chars)"
+    return out

@@ -59,6 +59,26 @@ def test_controller_benchmark_json():
     assert out["hits_identical"] is True
 
 
+def test_controller_benchmark_replays_a_production_trace(tmp_path):
+    lines = []
+    for i in range(60):  # conversations: every third request continues the one before it
+        ids = [0] + [1000 * (i - 1) + k for k in range(1, 4)] + [1000 * i + 9] if i % 3 == 2 \
+            else [0] + [1000 * i + k for k in range(1, 4)]
+        lines.append(json.dumps({"timestamp": 100 * i, "input_length": 512 * len(ids) - 3,
+                                 "output_length": 10, "hash_ids": ids}))
+    trace = tmp_path / "mooncake.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    out = run("controller.py", "--trace", str(trace), "--block-tokens", "16", "--inflight",
+              "1", "--capacities", "ample", "budget")
+    rows = out["rows"]
+    assert {(r["workload"], r["page"], r["capacity"]) for r in rows} == {
+        ("trace", 16, "ample"), ("trace", 16, "budget")}
+    ample = next(r for r in rows if r["capacity"] == "ample")
+    # the shared block (all but the first), and the continued requests' parent's 4 blocks
+    assert ample["hit_tokens"] == 16 * (39 + 4 * 20) == ample["page_ref_hit_tokens"]
+    assert out["hits_identical"] is True and ample["requests"] == 60
+
+
 def test_l3_benchmark_json_with_redis(redis_server):
     out = run("l3.py", "--pages", "6", "--repeats", "1", "--url", redis_server.url)
     assert out["backend"] == "both" and len(out["per_rank"]) == 2
@@ -75,6 +95,25 @@ def test_gpu_check_says_there_is_no_gpu_and_exits_0():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "no GPU here" in r.stdout
+
+
+def test_l3_fleet_benchmark_json():
+    out = run("l3.py", "--fleet", "2", "--fleet-sequences", "2", "--fleet-shared", "2",
+              "--fleet-pages", "2")
+    one, wide = out["one"], out["wide"]
+    assert out["bench"] == "l3-fleet" and one["processes"] == 1 and wide["processes"] == 2
+    for r in (one, wide):
+        assert r["wrong"] == 0 and r["corrupt"] == 0 and r["errors"] == 0
+        assert r["put_gbs"] > 0 and r["get_gbs"] > 0 and r["get_p99_ms"] >= r["get_p50_ms"]
+        assert r["pages_written"] == r["unique_pages"]  # shared pages stored once
+    assert wide["dedup_skipped"] == 2 * 2  # the second process's copy of the shared pages
+    assert abs(out["get_ratio"] - wide["get_gbs"] / one["get_gbs"]) < 1e-9
+
+
+def test_l3_dead_shard_benchmark_json():
+    out = run("l3.py", "--dead-shard", "3", "--prefixes", "30", "--prefix-pages", "8")
+    assert out["shards"] == 3 and 0 < out["kept_mean_pages"] < 8
+    assert out["model_spread_pages"] < out["model_colocated_pages"]
 
 
 def test_spec_serving_benchmark_json():

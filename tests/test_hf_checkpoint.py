@@ -406,28 +406,60 @@ def test_missing_weight_files_and_v2_specific_values(ckpts, tmp_path):
         load_checkpoint(shards)
 
 
-def test_weights_signature_is_cached_and_follows_the_bytes(ckpts, tmp_path, monkeypatch):
+def test_weights_signature_names_the_weights_by_content_not_path(ckpts, tmp_path, monkeypatch):
+    """Same weights at another path: one signature; other weights (another model, a fine-tune
+    of the same shapes, one changed sampled byte, another config): another. Nothing is
+    written anywhere (no cache: a checkpoint is signed in well under a second)."""
     import shutil
+
+    from hicache.checkpoints import signature
+    from safetensors.numpy import load_file, save_file
     a = shutil.copytree(ckpts["v2_dense"][0], tmp_path / "a")
     b = shutil.copytree(ckpts["v3_moe_halfrope_published"][0], tmp_path / "b")
+    elsewhere = shutil.copytree(a, tmp_path / "mnt" / "other-node" / "weights")
     monkeypatch.setenv("HICACHE_CACHE_DIR", str(tmp_path / "cache"))
+    files = sorted(p.name for p in Path(a).iterdir())
     sig = weights_signature(a)
     assert sig.startswith("xxh3-128:") and sig != weights_signature(b)
-    assert hf.signature_cache_path(a).is_file() and not (Path(a) / hf.SIGNATURE_FILE).exists()
-    assert hf.signature_cache_path(a).is_relative_to(tmp_path / "cache")
-    calls = []
-    real = hf._file_digest
-    monkeypatch.setattr(hf, "_file_digest", lambda p: calls.append(p) or real(p))
-    assert weights_signature(a) == sig and calls == []  # cached: nothing rehashed
+    assert weights_signature(elsewhere) == sig  # another path, same weights
+    assert not (tmp_path / "cache").exists()
+    assert sorted(p.name for p in Path(a).iterdir()) == files  # nothing written there
     f = Path(a) / "model.safetensors"
-    data = bytearray(f.read_bytes())
-    data[-1] ^= 1  # one bit of one weight, same size
-    f.write_bytes(bytes(data))
+    tuned = {k: (v + np.ones_like(v)).astype(v.dtype) for k, v in load_file(str(f)).items()}
+    save_file(tuned, str(f))  # a fine-tune: same names, dtypes and shapes, other bytes
     changed = weights_signature(a)
-    assert changed != sig and calls == [f]  # only the changed file is hashed again
-    assert weights_signature(a) == changed
+    assert changed != sig
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 1  # one bit of the last weight (a sampled chunk), same size
+    f.write_bytes(bytes(data))
+    assert weights_signature(a) not in (sig, changed)
+    cfg = json.loads((Path(elsewhere) / "config.json").read_text())
+    (Path(elsewhere) / "config.json").write_text(json.dumps({**cfg, "rope_theta": 1.5e4}))
+    assert weights_signature(elsewhere) != sig  # the config defines the weights too
     # The engine hands this digest to HiCache: the L3 namespace follows the checkpoint's bytes.
-    assert hf.load_model(a).weights_signature() == f"mla-file:{changed}"
+    assert hf.load_model(a).weights_signature() == f"mla-file:{weights_signature(a)}"
+    # what is read: the header and SAMPLES chunks per file, whatever its size
+    assert signature.sample_offsets(100, 100 + (1 << 30))[:2] == [100, 100 + ((1 << 30)
+                                                                           - 4096) // 63]
+    assert len(signature.sample_offsets(100, 100 + (1 << 30))) == signature.SAMPLES
+    assert signature.sample_offsets(8, 8 + 10_000) == [8, 4104, 8200]  # small: all of it
+
+
+def test_hicache_signs_a_policy_checkpoint_by_content(ckpts, tmp_path):
+    """With L3 on and no [model] signature, HiCache names the weights of [model] path by
+    content: another mount of the same weights shares the namespace, other weights do not."""
+    import shutil
+
+    from hicache.facade.lifecycle import check_args
+    a = ckpts["v2_dense"][0]
+    b = shutil.copytree(a, tmp_path / "mnt" / "copy")
+    other = ckpts["v3_moe_halfrope_published"][0]
+    sig = {name: check_args(policy(p, tmp_path / "l3", 1), 1, None, (0, 1), None)[1]
+           for name, p in (("a", a), ("b", b), ("other", other))}
+    assert sig["a"] == sig["b"] == hf.load_model(a).weights_signature()
+    assert sig["other"] != sig["a"] and str(tmp_path) not in sig["a"]
+    assert check_args(policy(a, tmp_path / "l3", 1), 1, None, (0, 1), "rev-7")[1] == \
+        "rev-7"
 
 
 def test_a_top_level_original_max_position_embeddings_is_read_first(ckpts):

@@ -57,15 +57,23 @@ def test_engine_keys_are_per_shard_and_per_namespace():
     assert signature({"b": 1, "a": [2]}) == signature({"a": [2], "b": 1}) == "a=[2],b=1"
 
 
+def _ckpt(d, seed: int):
+    import numpy as np
+    from safetensors.numpy import save_file
+    d.mkdir(parents=True)
+    (d / "config.json").write_text('{"hidden": 8}')
+    g = np.random.default_rng(seed)
+    save_file({"w": g.standard_normal((300, 250)).astype(np.float32)},
+              str(d / "model.safetensors"))
+    return str(d)
+
+
 def test_weights_signature_follows_the_weight_bytes(tmp_path):
     d = tmp_path / "ckpt"
-    d.mkdir()
-    (d / "config.json").write_text('{"hidden": 8}')
-    (d / "model.safetensors").write_bytes(os.urandom(300_000))
-    a = weights_signature(str(d))
+    a = weights_signature(_ckpt(d, 0))
     assert a == weights_signature(str(d))
     data = bytearray((d / "model.safetensors").read_bytes())
-    data[-5] ^= 1  # a fine-tune of the same shapes: same names and sizes, other bytes
+    data[-5] ^= 1  # one weight of a sampled chunk: same names and sizes, other bytes
     (d / "model.safetensors").write_bytes(bytes(data))
     assert weights_signature(str(d)) != a
     assert weights_signature(str(d), override="rev-1") == "rev-1"
@@ -73,3 +81,57 @@ def test_weights_signature_follows_the_weight_bytes(tmp_path):
     (d / "model.safetensors").unlink()
     with pytest.raises(L3Error, match="cannot sign"):
         weights_signature(str(d))
+
+
+def test_adapter_stores_take_the_fleet_secret_rule(tmp_path, monkeypatch, redis_url):
+    """What both adapters call with their extra config: a Redis store without the fleet secret
+    is refused with the policy's one line; the config's secret or ``authenticate: false``."""
+    from helpers import secret_file
+
+    from hicache.errors import ConfigError
+    from hicache.integrations.common import open_stores, trust_of
+    from hicache.l3 import auth
+    from hicache.l3.keyed import KeyedStore
+    monkeypatch.delenv(auth.ENV, raising=False)
+    ns = Namespace(model="m", num_layers=1, kv_dim=8, dtype="uint8", page_size=1, dcp_size=2)
+    with pytest.raises(ConfigError, match="secret_file: the redis backend is shared"):
+        open_stores(redis_url, ns, [0, 1], trust=trust_of({"store": redis_url}))
+    sec = secret_file(tmp_path)
+    stores = open_stores(redis_url, ns, [0, 1], trust=trust_of({"secret_file": sec}))
+    assert all(isinstance(s, KeyedStore) for s in stores.values())
+    for s in stores.values():
+        s.close()
+    stores = open_stores(redis_url, ns, [0, 1], trust=trust_of({"authenticate": False}))
+    assert not any(isinstance(s, KeyedStore) for s in stores.values())
+    for s in stores.values():
+        s.close()
+    assert trust_of(None) == auth.Trust()
+    with pytest.raises(ConfigError, match="authenticate: must be true or false"):
+        trust_of({"authenticate": "false"})
+
+
+def test_namespaces_name_local_weights_by_content_not_path(tmp_path):
+    """Both adapters' namespace fields: the same weights at another path are the same fields
+    (pages shared across nodes mounting them elsewhere); other weights never; a hub id or an
+    explicit signature keeps the model name beside it."""
+    import shutil
+
+    from hicache.integrations.common import weights_fields
+    a = _ckpt(tmp_path / "node-a" / "models" / "m", 1)
+    b = shutil.copytree(a, tmp_path / "node-b" / "mnt" / "weights")
+    other = _ckpt(tmp_path / "node-a" / "models" / "tuned", 2)
+    fa, fb = weights_fields(a), weights_fields(str(b))
+    assert fa == fb and set(fa) == {"weights"} and str(tmp_path) not in signature(fa)
+    assert weights_fields(other) != fa
+    assert weights_fields("org/model") == {"model": "org/model", "weights": "id:org/model"}
+    assert weights_fields(a, "rev-1") == {"model": a, "weights": "rev-1"}
+
+
+def test_a_tier_too_small_for_its_job_is_one_line_naming_the_sizes():
+    from hicache.integrations.common import undersized
+    line = undersized("CPU tier", 4 * 4096, 4096, 64 * 4096, 1024)
+    assert line.count("\n") == 0 and "holds 16,384 B" in line
+    assert "one request's KV (262,144 B at 1,024 tokens)" in line
+    assert "less than one block across all layers (4,096 B)" in undersized("t", 100, 4096)
+    assert undersized("t", 64 * 4096, 4096, 64 * 4096, 1024) is None
+    assert undersized("t", 4096, 4096) is None  # max_model_len unknown: only the block rule

@@ -16,6 +16,7 @@ import pytest
 import redis
 import torch
 
+from hicache.l3.auth import Trust
 from hicache import cli
 from hicache.l3 import Namespace, open_store, page_keys, registry
 from hicache.l3.localserver import port_free
@@ -80,7 +81,7 @@ def test_ls_shows_what_service_runs_wrote_and_purge_deletes_exactly_one(kind, tm
     rc, out, err = run_cli(capsys, "l3", "purge", *store, "--namespace", gone["namespace"][:8])
     assert rc == 0, err
     assert out.strip() == (f"deleted namespace {gone['namespace']} ({gone['model']}, "
-                           f"{gone['layout']}): {gone['keys']} keys, {gone['bytes']} bytes")
+                           f"{gone['layout']}): {gone['keys']} keys, {gone['bytes']} bytes freed")
     rc, out, _ = run_cli(capsys, "l3", "ls", *store, "--json")
     assert json.loads(out) == [kept]  # the other namespace is untouched
     assert _held(kind, where) == (kept["keys"], kept["bytes"])
@@ -105,7 +106,7 @@ def test_ls_shows_what_service_runs_wrote_and_purge_deletes_exactly_one(kind, tm
 
 
 def _three_pages(where, rank):
-    with open_store(where, NS, rank, secrets=None) as s:
+    with open_store(where, NS, rank, secrets=None, trust=Trust(authenticate=False)) as s:
         keys = page_keys(list(range(3 * NS.page_tokens)), NS.page_tokens, NS, rank)
         assert s.put(keys, [torch.full(NS.shard_shape, float(i)) for i in range(3)]).written == 3
         return keys
@@ -128,9 +129,9 @@ def test_purge_of_one_rank_keeps_the_others_and_the_record(kind, tmp_path, redis
     assert (gone.keys, gone.ranks) == (3, (0,)) and gone.bytes == info.bytes // 2
     (after,) = registry.namespaces(where)
     assert (after.keys, after.ranks, after.namespace) == (3, (1,), NS)  # record kept
-    with open_store(where, NS, 1, secrets=None) as s:
+    with open_store(where, NS, 1, secrets=None, trust=Trust(authenticate=False)) as s:
         assert s.exists_prefix(keys[1]) == 3
-    with open_store(where, NS, 0, secrets=None) as s:
+    with open_store(where, NS, 0, secrets=None, trust=Trust(authenticate=False)) as s:
         assert s.exists_prefix(keys[0]) == 0
     whole = registry.purge(where, NS.digest.hex())  # the whole namespace
     assert (whole.keys, whole.ranks, whole.namespace) == (3, (1,), NS)
@@ -171,7 +172,7 @@ def test_localserver_cluster_uses_consecutive_ports_and_prints_the_l3_url(tmp_pa
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert f"port {p + 1}" in r.stderr
     proc = subprocess.Popen([sys.executable, "-m", "hicache.l3.localserver", "--cluster", "3",
-                             "--port", str(p), "--dir", str(tmp_path / "cl")],
+                             "--replicas", "0", "--port", str(p), "--dir", str(tmp_path / "cl")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()

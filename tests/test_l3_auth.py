@@ -53,6 +53,7 @@ def authed(request, tmp_path):
         section = b.section(**fx.keys)
         ours = open_store(section_where(b, section), NS, 0, secrets=secrets)
         raw = b.open(section, NS, 0)  # the same store, no secret
+        request.node.where = section_where(b, section)
         yield fx, ours, raw
         ours.close()
         raw.close()
@@ -113,15 +114,49 @@ def test_rotation_reads_either_secret_and_writes_the_current_one(tmp_path):
         s.put(keys[:2], [shard(0), shard(1)])
     both = auth.load(None, env={auth.ENV: new, auth.ENV_PREVIOUS: old})
     with open_store(path, NS, 0, secrets=both) as s:
-        out = empty(4)
-        assert s.exists_prefix(keys) == 2 and s.get(keys, out) == 2
-        assert torch.equal(out[1], shard(1))
         s.put(keys[2:], [shard(2), shard(3)])
     with open_store(path, NS, 0, secrets=auth.load(None, env={auth.ENV: new})) as s:
-        assert s.exists_prefix(keys) == 0  # the old secret's pages are gone for it
+        assert s.exists_prefix(keys) == 0  # the old secret's pages are not the new one's
         assert s.exists_prefix(keys[2:]) == 2  # what the rotation wrote stays
     with open_store(path, NS, 0, secrets=auth.load(None, env={auth.ENV: old})) as s:
         assert s.exists_prefix(keys[2:]) == 0  # and the old secret alone cannot find it
+    with open_store(path, NS, 0, secrets=both) as s:
+        out = empty(2)
+        assert s.exists_prefix(keys) == 2 and s.get(keys[:2], out) == 2
+        assert torch.equal(out[1], shard(1))
+    # a hit on an old page rewrote it under the current secret: the new secret alone finds it
+    with open_store(path, NS, 0, secrets=auth.load(None, env={auth.ENV: new})) as s:
+        out = empty(4)
+        assert s.exists_prefix(keys) == 4 and s.get(keys, out) == 4
+        assert all(torch.equal(out[i], shard(i)) for i in range(4))
+
+
+def test_a_leaked_previous_secret_cannot_sign_pages_under_the_current_secrets_keys(authed,
+                                                                                     tmp_path,
+                                                                                     request):
+    """The attacker holds the previous (leaked) secret and lists the server's keys: it re-signs
+    the values stored under the current secret's keys with other KV. None is served; values
+    under the previous secret's own keys still are (the rotation window)."""
+    fx, ours, raw = authed
+    leaked = auth.read_secret(secret_file(tmp_path, "leaked"), "test")
+    rotated = open_store(request.node.where, NS, 0,
+                         secrets=auth.Secrets(ours.secrets.current, leaked))
+    request.addfinalizer(rotated.close)
+    keys = page_keys(PROMPT, PT, NS, 0)
+    assert rotated.put(keys, [shard(i) for i in range(4)]).written == 4
+    head = ours.inner._head_prefix
+    for i, k in enumerate(KeyedStore.store_keys(keys, rotated.secrets.current)):
+        other = shard(200 + i).view(torch.uint8).reshape(-1).numpy().tobytes()
+        fx.raw_put(ours.inner, k, head + leaked.tag(k, head, other) + other)
+    assert rotated.get(keys, empty(4)) == 0 and rotated.stats.auth_failures == 1
+    # the previous secret still vouches for the pages under its own keys, and a hit moves
+    # each of them under the current secret
+    keys2 = page_keys(PROMPT[::-1], PT, NS, 0)
+    with open_store(request.node.where, NS, 0, secrets=auth.Secrets(leaked)) as before:
+        assert before.put(keys2, [shard(i) for i in range(4)]).written == 4
+    out = empty(4)
+    assert rotated.get(keys2, out) == 4 and torch.equal(out[3], shard(3))
+    assert ours.exists_prefix(keys2) == 4 and ours.get(keys2, empty(4)) == 4
 
 
 def test_the_secret_file_must_be_private_regular_and_long_enough(tmp_path):
@@ -167,6 +202,40 @@ def test_a_shared_store_without_a_secret_is_refused_unless_said_so(tmp_path, mon
     lm = loads(f'[l3]\nenabled = true\n[l3.lmdb]\npath = "{tmp_path}/l"\n')
     monkeypatch.delenv(auth.ENV)
     assert validate(lm, machine=m) == []  # LMDB may run without one
+
+
+def test_every_way_into_a_shared_store_takes_the_same_rule(tmp_path, monkeypatch, redis_url,
+                                                           caplog):
+    """open_store on a bare URL (what the engine adapters call, with their extra config as
+    ``trust``) refuses a shared store without the secret with the policy's one line, runs it
+    with the explicit ``authenticate = false`` and says so in one warning line."""
+    import logging
+    monkeypatch.delenv(auth.ENV, raising=False)
+    monkeypatch.setattr(auth, "_WARNED", set())
+    for kw in ({}, {"trust": auth.Trust()}, {"secrets": None}):
+        with pytest.raises(ConfigError, match="secret_file: the redis backend is shared") as e:
+            open_store(redis_url, NS, 0, **kw)
+        assert "\n" not in str(e.value) and "set authenticate = false" in str(e.value)
+    with pytest.raises(ConfigError, match="needs a fleet secret"):
+        open_store(["redis://127.0.0.1:1", "redis://127.0.0.1:2"], NS, 0)  # a cluster
+    with caplog.at_level(logging.WARNING, logger="hicache"):
+        for _ in range(2):  # one line per process, however many stores open
+            open_store(redis_url, NS, 0, trust=auth.Trust(authenticate=False)).close()
+    lines = [r.getMessage() for r in caplog.records if "without a fleet secret" in r.getMessage()]
+    assert len(lines) == 1 and "authenticate = false" in lines[0]
+    sec = secret_file(tmp_path)
+    with open_store(redis_url, NS, 0, trust=auth.Trust(secret_file=sec)) as s:
+        assert isinstance(s, KeyedStore) and s.secrets == auth.load(None, env={auth.ENV: sec})
+    monkeypatch.setenv(auth.ENV, sec)
+    with open_store(redis_url, NS, 0) as s:
+        assert isinstance(s, KeyedStore)
+    with pytest.raises(ConfigError, match="authenticate: must be true or false"):
+        auth.Trust.of({"authenticate": "no"})
+    with pytest.raises(ConfigError, match="secret_file: must be a path"):
+        auth.Trust.of({"secret_file": 3})
+    monkeypatch.delenv(auth.ENV)
+    with open_store(str(tmp_path / "l"), NS, 0) as s:  # LMDB may run without one
+        assert not isinstance(s, KeyedStore)
 
 
 def test_the_service_counts_auth_failures_in_stats_and_metrics(tmp_path):
@@ -220,8 +289,19 @@ def test_l3_check_verifies_macs_with_the_secret(tmp_path):
     assert rc == 0 and "4 authenticated values not verified" in out
     rc, out = check("--secret-file", sec)
     assert rc == 0 and "MACs verified" in out
-    rc, out = check("--secret-file", other)
-    assert rc == 1 and "4 of 4 values fail their checksum or MAC" in out
+    for extra in ((), ("--quarantine",)):  # every MAC fails: a wrong secret, not damage
+        rc, out = check("--secret-file", other, *extra)
+        assert rc == 2 and "every MAC fails (4 of 4" in out and "secret is likely wrong" in out
+        assert os.path.isdir(path) and "\n" not in out  # never moved aside
+    # one value really damaged under the right secret: damage (quarantine allowed)
+    from hicache.l3.lmdb_backend import _tamper
+    with open_store(path, NS, 0, secrets=auth.load(None, env={auth.ENV: sec})) as s:
+        _tamper(s.inner, KeyedStore.store_keys(keys[:1], s.secrets.current)[0])
+    rc, out = check("--secret-file", sec)
+    assert rc == 1 and "1 of 4 values fail their checksum or MAC" in out
+    with open_store(path, NS, 0, secrets=auth.load(None, env={auth.ENV: sec})) as s:
+        s.delete(keys[:1])
+        s.put(keys[:1], [shard(0)])
     rc, out = check("--secret-file", other, "--previous-secret-file", sec)
     assert rc == 0 and "MACs verified" in out
     os.chmod(other, 0o640)

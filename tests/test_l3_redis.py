@@ -15,6 +15,7 @@ import pytest
 import redis
 import torch
 
+from hicache.l3.auth import Trust
 from hicache.config import HiCacheConfig
 from hicache.distributed import launch
 from hicache.l3 import Namespace, RedisStore, open_store, page_keys
@@ -180,7 +181,7 @@ def test_cluster_round_trip_and_corruption(redis_cluster):
     with redis.RedisCluster.from_url(urls[0]) as c:
         c.flushall(target_nodes="primaries")
     k = page_keys(tokens(24), PT, NS, 0)
-    with open_store(urls, NS, 0) as s:
+    with open_store(urls, NS, 0, trust=Trust(authenticate=False)) as s:
         assert s.cluster
         assert s.put(k, [shard(i) for i in range(24)]).written == 24
         out = empty(24)

@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hicache.l3.auth import Trust
 from hicache.errors import L3Error
 from hicache.l3 import (FORMAT_VERSION, L3Store, Namespace, PageStore, RedisStore, open_store,
                         page_keys, replica_of, should_write, store_replica)
@@ -155,7 +156,7 @@ def test_ranks_in_one_process_share_one_store(backend):
 def test_open_store_picks_the_backend(tmp_path, redis_url):
     from hicache.config import HiCacheConfig
     lm = open_store(str(tmp_path / "a"), NS, 0, capacity_bytes=100 * SLOT)
-    rd = open_store(redis_url, NS, 0, timeout_s=1.0)
+    rd = open_store(redis_url, NS, 0, timeout_s=1.0, trust=Trust(authenticate=False))
     cfg = HiCacheConfig.from_dict({"l3": {"backend": "redis", "authenticate": False,
                                           "redis": {"url": redis_url, "timeout_s": 3}}})
     rc = open_store(cfg.l3, NS, 1)

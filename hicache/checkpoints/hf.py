@@ -2,7 +2,7 @@
 
     model = load_checkpoint("path/to/checkpoint")   # config.json + safetensors, memory-mapped
     model = load_model(path)                        # a directory as above, or an MLAModel.save file
-    sig = weights_signature("path/to/checkpoint")   # digest of the weight files (cached)
+    sig = weights_signature("path/to/checkpoint")   # digest of headers + sampled bytes (signature.py)
 
 Loading reads ``config.json`` (``hicache.checkpoints.hf_config``: unknown architectures and
 unsupported values are errors naming the key), then the safetensors headers of
@@ -43,6 +43,7 @@ import torch
 
 from hicache.checks import regular_file
 from hicache.checkpoints.hf_config import read_hf_config, weight_files
+from hicache.checkpoints.signature import weights_signature
 from hicache.engine.model import MLAModel, ModelConfig
 from hicache.errors import CheckpointError
 
@@ -288,102 +289,12 @@ def load_model(path: str | os.PathLike, device: Optional[str | torch.device] = N
     """A checkpoint directory (``load_checkpoint``) or a file written by ``MLAModel.save``."""
     if os.path.isdir(path):
         model = load_checkpoint(path, device)
-        # The L3 weights identity is the digest of the files (cached beside them), not of the
-        # tensors: a 600 GB checkpoint is hashed once, not at every start.
+        # The L3 weights identity names the weights by content (headers + sampled bytes:
+        # hicache.checkpoints.signature), never by path, in well under a second.
         model.source_digest = weights_signature(path)
         return model
     regular_file(path, "the model file", CheckpointError)  # stat before open
     return MLAModel.load(path, device)
-
-
-# ---- weights signature ----------------------------------------------------------------------
-SIGNATURE_FILE = ".hicache-weights-signature.json"  # the name of the cache before it moved
-
-
-def signature_cache_path(directory: str | os.PathLike) -> Path:
-    """The weights-signature cache file of a checkpoint directory, in hicache's user cache
-    directory (never in the checkpoint directory)."""
-    import hashlib
-
-    from ..paths import cache_dir
-    key = hashlib.blake2b(str(Path(directory).resolve()).encode(), digest_size=12).hexdigest()
-    return cache_dir() / "weights-signatures" / f"{key}.json"
-
-
-_CHUNK = 16 << 20
-
-
-def _file_digest(path: Path) -> str:
-    import xxhash
-    h = xxhash.xxh3_128()
-    if not regular_file(path, "a checkpoint file", CheckpointError):
-        raise CheckpointError(f"{path}: missing")
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def weights_signature(directory: str | os.PathLike) -> str:
-    """A digest of the checkpoint's weights: ``config.json``, the safetensors index (when
-    sharded) and every weight file, each hashed whole (XXH3-128) and combined by name.
-
-    Each file's digest is cached in hicache's user cache directory
-    (:func:`hicache.paths.cache_dir`: ``$HICACHE_CACHE_DIR``, default under the XDG cache home;
-    one file per checkpoint directory, named by a hash of its absolute path), keyed by size and
-    mtime, so a restart rehashes only files that changed (a 600 GB checkpoint is hashed once).
-    The model directory is never written (it may be read-only or shared). An unwritable cache
-    directory only costs rehashing. Returns ``"xxh3-128:<hex>"``.
-    """
-    import xxhash
-    d = Path(directory)
-    try:
-        files, _ = weight_files(d)
-    except CheckpointError as e:
-        _raise(e)
-    names = ["config.json"] + (["model.safetensors.index.json"]
-                               if (d / "model.safetensors.index.json").is_file() else [])
-    paths = [d / n for n in names] + files
-    cache_path = signature_cache_path(d)
-    try:
-        regular_file(cache_path, "the signature cache")  # a FIFO: no cache, never a hang
-        cached = json.loads(cache_path.read_text()).get("files", {})
-        if not isinstance(cached, dict):
-            cached = {}
-    except (OSError, ValueError, AttributeError):
-        cached = {}
-    entries, changed = {}, False
-    for p in paths:
-        try:
-            st = p.stat()
-        except OSError as e:
-            raise CheckpointError(f"{p}: cannot read: {e.strerror or e}") from None
-        rel = p.relative_to(d).as_posix()
-        old = cached.get(rel)
-        if (isinstance(old, dict) and old.get("size") == st.st_size
-                and old.get("mtime_ns") == st.st_mtime_ns and isinstance(old.get("digest"), str)):
-            entries[rel] = old
-        else:
-            entries[rel] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                            "digest": _file_digest(p)}
-            changed = True
-    if changed or set(cached) != set(entries):
-        tmp = cache_path.with_name(f"{cache_path.name}.{os.getpid()}.tmp")
-        try:
-            cache_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps({"version": 1, "dir": str(d.resolve()),
-                                       "files": entries}, indent=1))
-            os.replace(tmp, cache_path)
-        except OSError:  # unwritable cache directory: nothing cached
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
-    total = xxhash.xxh3_128()
-    for rel in sorted(entries):
-        total.update(f"{rel}\0{entries[rel]['size']}\0{entries[rel]['digest']}\n".encode())
-    return f"xxh3-128:{total.hexdigest()}"
-
 
 
 def checkpoint_config(directory: str | os.PathLike) -> ModelConfig:

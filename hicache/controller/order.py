@@ -71,3 +71,11 @@ class EvictionOrder:
 
     def __contains__(self, n: Node) -> bool:
         return n in (self._where if self.lfu else self._lru)
+
+
+def make_order(eviction: str):
+    """The eviction order a ``[policy] eviction`` choice names (lru, lfu, reuse)."""
+    if eviction == "reuse":
+        from hicache.controller.reuse_order import ReuseOrder
+        return ReuseOrder()
+    return EvictionOrder(eviction == "lfu")

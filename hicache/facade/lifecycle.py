@@ -63,7 +63,7 @@ def check_args(config: HiCacheConfig, world: int, mode: str | None,
     if mode not in CACHE_MODES:
         raise UsageError(f"unknown mode {mode!r}; expected one of {', '.join(CACHE_MODES)}")
     if weights_signature is None:
-        weights_signature = config.model.signature
+        weights_signature = config.model.signature or checkpoint_signature(config, mode)
     if not isinstance(weights_signature, str):
         raise UsageError(f"weights_signature must be a str, got {weights_signature!r}")
     if "l3" in CACHE_MODES[mode] and not weights_signature:
@@ -77,6 +77,15 @@ def check_args(config: HiCacheConfig, world: int, mode: str | None,
     if not (len(replica) == 2 and 0 <= replica[0] < replica[1]):
         raise UsageError(f"replica must be (id, count) with 0 <= id < count, got {replica}")
     return mode, weights_signature
+
+
+def checkpoint_signature(config: HiCacheConfig, mode: str) -> str:
+    """With L3 on and no signature given, the checkpoint ``[model] path`` names (by content,
+    never by path: the engine's own ``MLAModel.weights_signature()`` for it); else ""."""
+    if not config.model.path or "l3" not in CACHE_MODES[mode]:
+        return ""
+    from hicache.checkpoints.signature import weights_signature
+    return f"mla-file:{weights_signature(config.model.path)}"
 
 
 def agree_close(cache, flush: bool, error: BaseException | None) -> bool:

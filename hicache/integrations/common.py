@@ -10,6 +10,7 @@ from typing import Any, Iterable
 
 from ..errors import CheckpointError, L3Error
 from ..l3 import L3Store, Namespace, keys_for_rank, open_store
+from ..l3.auth import Trust
 from ..l3.keys import DIGEST_BYTES
 
 log = logging.getLogger(__name__)
@@ -35,9 +36,9 @@ def weights_signature(model: str, override: str | None = None) -> str:
     """A signature of the weights a model name stands for.
 
     ``override`` (a revision, a checksum, ...) wins. A local checkpoint directory is signed by
-    the digest of its config and weight files (:func:`hicache.checkpoints.hf.weights_signature`,
-    cached in hicache's user cache directory, never in the model directory). For a hub id nothing local pins the weights: the id is used and a
-    warning asks for ``weights_signature``.
+    its content (:func:`hicache.checkpoints.signature.weights_signature`: config, safetensors
+    headers and sampled tensor bytes; never its path). For a hub id nothing local pins the
+    weights: the id is used and a warning asks for ``weights_signature``.
     """
     if override:
         return str(override)
@@ -48,12 +49,37 @@ def weights_signature(model: str, override: str | None = None) -> str:
                     "its weights; pass weights_signature (e.g. the revision) so a store written "
                     "with other weights never hits", model)
         return f"id:{model}"
-    from ..checkpoints.hf import weights_signature as checkpoint_signature
+    from ..checkpoints.signature import weights_signature as checkpoint_signature
     try:
         return checkpoint_signature(model)
     except CheckpointError as e:
         raise L3Error(f"cannot sign the weights of {model!r}: {e}; pass weights_signature") \
             from None
+
+
+def weights_fields(model: str, override: str | None = None) -> dict[str, str]:
+    """The namespace fields that name the weights: their content signature alone for a local
+    checkpoint (the same weights at another path share pages), else the model name (a hub id)
+    with the signature or the override the caller gave."""
+    weights = weights_signature(model, override)
+    if not override and isinstance(model, str) and os.path.isdir(model):
+        return {"weights": weights}
+    return {"model": model, "weights": weights}
+
+
+def undersized(tier: str, tier_bytes: int, block_bytes: int, request_bytes: int | None = None,
+               max_len: int | None = None) -> str | None:
+    """The one warning line for a tier that cannot do its job (None when it can): smaller
+    than one block across all layers (it holds nothing), or than one request's KV at the
+    engine's longest request (``max_len`` tokens: such a request is never offloaded whole)."""
+    if tier_bytes < block_bytes:
+        return (f"hicache: warning: the {tier} holds {tier_bytes:,} B, less than one block "
+                f"across all layers ({block_bytes:,} B): it can offload nothing")
+    if request_bytes and tier_bytes < request_bytes:
+        return (f"hicache: warning: the {tier} holds {tier_bytes:,} B, less than one "
+                f"request's KV ({request_bytes:,} B at {max_len:,} tokens): a request that "
+                "long is never offloaded whole; size it for at least one request")
+    return None
 
 
 def held(store: L3Store, skeys: list[bytes]) -> list[bool]:
@@ -121,16 +147,25 @@ def require_client(where: Any) -> None:
                           "pip install 'hicache[redis]'") from None
 
 
+def trust_of(extra: Any) -> Trust:
+    """The fleet-secret keys of an adapter's config (``secret_file``, ``previous_secret_file``,
+    ``authenticate``: the policy ``[l3]`` keys, the same rule); ConfigError naming a bad one."""
+    return Trust.of(extra)
+
+
 def open_stores(where: Any, namespace: Namespace, ranks: Iterable[int], *, writer: bool = True,
-                capacity_bytes: int | None = None, timeout_s: float | None = None
-                ) -> dict[int, L3Store]:
-    """One store per shard index (LMDB ranks in one process share one environment)."""
+                capacity_bytes: int | None = None, timeout_s: float | None = None,
+                trust: Trust | None = None) -> dict[int, L3Store]:
+    """One store per shard index (LMDB ranks in one process share one environment). A shared
+    store (Redis) without the fleet secret is refused, unless ``trust.authenticate`` is
+    False (one warning line)."""
     require_client(where)
     out: dict[int, L3Store] = {}
     try:
         for r in ranks:
             out[r] = open_store(where, namespace, r, writer=writer,
-                                capacity_bytes=capacity_bytes, timeout_s=timeout_s)
+                                capacity_bytes=capacity_bytes, timeout_s=timeout_s,
+                                trust=trust)
     except BaseException:
         for s in out.values():
             s.close()

@@ -5,10 +5,13 @@ Turn it on with SGLang's own flags, no patch to SGLang (DCP 1)::
     --enable-hierarchical-cache --hicache-storage-backend dynamic
     --hicache-storage-backend-extra-config '{"backend_name": "hicache",
         "module_path": "hicache.integrations.sglang", "class_name": "HiCacheL3Storage",
-        "interface_v1": 1, "store": "redis://l3-host:6379/0"}'
+        "interface_v1": 1, "store": "redis://l3-host:6379/0",
+        "secret_file": "/etc/hicache/l3.secret"}'
 
 Extra-config keys: ``store`` (an LMDB directory, a Redis URL or a list of Redis Cluster node
-URLs), ``capacity_bytes`` (LMDB), ``timeout_s`` (Redis), ``weights_signature`` (pins the weights
+URLs), ``capacity_bytes`` (LMDB), ``timeout_s`` (Redis), ``secret_file`` /
+``previous_secret_file`` / ``authenticate`` (the fleet secret, as in a policy's ``[l3]``: a Redis
+store without one is refused unless ``authenticate`` is false), ``weights_signature`` (pins the weights
 when the model is a hub id), and ``quantization``, ``kv_cache_dtype``, ``revision`` (default:
 SGLang's server args; each changes the bytes, so each is in the namespace). ``interface_v1`` makes SGLang call ``batch_get_v1``/``batch_set_v1``,
 which copy straight between the store and the host pool; without it SGLang's generic path calls
@@ -42,7 +45,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from ..errors import L3Error
 from ..l3 import L3Store, Namespace, open_store
 from .common import (get_each, kv_dtype_name, require_client, signature,
-                     store_keys, weights_signature)
+                     store_keys, trust_of, weights_fields)
 from .health import REASONS, Health
 
 log = logging.getLogger(__name__)
@@ -94,13 +97,14 @@ class HiCacheL3Storage(HiCacheStorage):
             raise L3Error("the hicache storage backend serves MLA models (rank-replicated KV); "
                           "this model's KV is split by TP heads")
         require_client(self.where)
+        self.trust = trust_of(extra)  # the fleet secret: checked here, used at registration
         self.config = storage_config
         self.capacity_bytes = extra.get("capacity_bytes")
         self.timeout_s = extra.get("timeout_s")
         override = extra.get("weights_signature")
         if not (override or storage_config.model_name):
             raise L3Error("SGLang gave no model name; pass weights_signature in the extra config")
-        self.weights = weights_signature(storage_config.model_name or "", override)
+        self.weights = weights_fields(storage_config.model_name or "", override)
         self.writer = bool(storage_config.is_storage_writer)  # SGLang's rule for its backups
         self.rank = storage_config.dcp_rank
         args = _server_args()
@@ -130,7 +134,7 @@ class HiCacheL3Storage(HiCacheStorage):
             raise L3Error(f"host pool DCP {pool.dcp_rank}/{pool.dcp_size} differs from the "
                           f"storage config's {cfg.dcp_rank}/{cfg.dcp_size}")
         fields = {
-            "engine": "sglang", "model": cfg.model_name, "weights": self.weights,
+            "engine": "sglang", **self.weights,  # by content for a local checkpoint
             "pp": cfg.pp_size, "pp_rank": cfg.pp_rank, "layers": [pool.start_layer,
                                                                   pool.end_layer],
             "cp": cfg.attn_cp_size, "cp_rank": cfg.attn_cp_rank,
@@ -146,7 +150,8 @@ class HiCacheL3Storage(HiCacheStorage):
         if self.store is not None:
             self.store.close()
         self.store = open_store(self.where, ns, self.rank, writer=True,
-                                capacity_bytes=self.capacity_bytes, timeout_s=self.timeout_s)
+                                capacity_bytes=self.capacity_bytes, timeout_s=self.timeout_s,
+                                trust=self.trust)
         self.namespace = ns
         self.mem_pool_host = pool
         self.logical_page_size = pool.page_size * pool.dcp_size

@@ -7,14 +7,17 @@ Turn it on with vLLM's own connector config, no patch to vLLM::
         "cpu_bytes_to_use": 68719476736,
         "secondary_tiers": [{"type": "HiCacheTier",
                              "module_path": "hicache.integrations.vllm",
-                             "store": "redis://l3-host:6379/0"}]}}'
+                             "store": "redis://l3-host:6379/0",
+                             "secret_file": "/etc/hicache/l3.secret"}]}}'
 
 Tier arguments: ``store`` (an LMDB directory, a Redis URL or a list of Redis Cluster node URLs),
 ``capacity_bytes`` (LMDB), ``timeout_s`` (Redis), ``mla`` (dedupe MLA copies; default: vLLM's
 ``use_mla`` when it can be read, else False), ``weights_signature`` (pins the weights when the
 model is a hub id), ``quantization`` and ``revision`` (default: vLLM's model config when one is
 current), ``io_threads``, ``locality`` (default: REMOTE for a Redis URL, LOCAL for LMDB; a remote
-tier gets vLLM's network backpressure water marks), ``enable_kv_events`` (BlockStored events with
+tier gets vLLM's network backpressure water marks), ``secret_file`` / ``previous_secret_file`` /
+``authenticate`` (the fleet secret, as in a policy's ``[l3]``: a Redis store without one is
+refused unless ``authenticate`` is false; default ``$HICACHE_L3_SECRET_FILE``), ``enable_kv_events`` (BlockStored events with
 medium STORAGE for what the tier stored, when vLLM's KV events are on).
 
 The tier runs in vLLM's scheduler process and sees, per chunk, one CPU row holding every worker's
@@ -52,7 +55,7 @@ from ..checks import check_int
 from ..errors import L3Error
 from ..l3 import Namespace
 from .common import (held, is_remote, kv_dtype_name, open_stores, signature, store_keys,
-                     weights_signature)
+                     trust_of, undersized, weights_fields)
 from .health import REASONS, Health
 from .rows import RowLayout, row_layout
 
@@ -78,19 +81,20 @@ def _detect_mla() -> bool:
     return bool(getattr(_current_model_config(), "use_mla", False))
 
 
-def namespace_for(config: Any, layout: RowLayout, mla: bool, weights: str, *,
+def namespace_for(config: Any, layout: RowLayout, mla: bool, weights: dict[str, str], *,
                   quantization: str | None = None, revision: str | None = None) -> Namespace:
     """The L3 namespace of a vLLM ``OffloadingConfig``: one shard = one worker slot's bytes.
 
     It signs everything that changes a shard's bytes (model weights and revision, weight
     quantization, KV dtype, block and chunk sizes, groups, layout) and nothing that does not:
-    an MLA latent is the same on every TP rank, so a shard depends only on the pipeline stage
-    and the DCP split, and deployments at TP=2 and TP=4 (or vLLM's single-copy row) share pages;
-    a KV split by heads keeps every parallel size."""
+    an MLA latent is the same on every TP rank, and vLLM's replicated (single-copy) row is the
+    same row at every TP size, so a shard depends only on the pipeline stage and the DCP split,
+    and deployments at TP=2 and TP=4 share pages; a KV split by heads keeps every parallel
+    size."""
     par, model, cache = config.parallel, config.model, config.cache
     groups = [(g.tokens_per_block, list(g.layer_names)) for g in config.groups]
     fields = {
-        "engine": "vllm", "model": model.name, "weights": weights,
+        "engine": "vllm", **weights,  # by content for a local checkpoint (weights_fields)
         "revision": revision, "quantization": quantization,
         "kv_dtype": kv_dtype_name(model.dtype),
         "tokens_per_hash": cache.tokens_per_hash,
@@ -98,7 +102,8 @@ def namespace_for(config: Any, layout: RowLayout, mla: bool, weights: str, *,
         "worker_bytes_per_block": config.worker_kv_bytes_per_block, "mla": mla,
         "canonical": bool(config.canonical_layout), "kv_layout": config.kv_cache_layout,
     }
-    if mla and par.pcp_size == 1:  # replicated latent: the shard is (PP stage, DCP rank)
+    single = bool(getattr(config, "replicated_layout", False))  # vLLM's one-copy row
+    if (mla or single) and par.pcp_size == 1:  # rows alike at every TP: (PP stage, DCP rank)
         fields.update(pp=par.pp_size, dcp=par.dcp_size)
     else:
         fields.update(tp=par.tp_size, pp=par.pp_size, pcp=par.pcp_size, dcp=par.dcp_size,
@@ -107,9 +112,41 @@ def namespace_for(config: Any, layout: RowLayout, mla: bool, weights: str, *,
                      dtype="uint8", page_size=1, dcp_size=layout.num_shards)
 
 
-def worker_bytes_of(config: Any) -> int:
-    """One worker's bytes of one offload chunk (from the config alone, whatever the spec)."""
-    return int(config.worker_kv_bytes_per_block) * int(config.cache.blocks_per_chunk)
+def request_chunks(config: Any) -> tuple[int, int]:
+    """(offload chunks one request of max_model_len tokens takes, max_model_len); (0, 0) when
+    vLLM does not say (its config's ``model.max_model_len``, else the current model config)."""
+    max_len = int(getattr(config.model, "max_model_len", 0) or
+                  getattr(_current_model_config(), "max_model_len", 0) or 0)
+    if max_len <= 0:
+        return 0, 0
+    per = int(config.cache.blocks_per_chunk)
+    return sum(-(-max_len // (int(g.tokens_per_block) * per)) for g in config.groups), max_len
+
+
+def worker_bytes_of(config: Any, spec: Any = None, row_bytes: int = 0) -> int:
+    """One worker's bytes of one offload chunk: from the config (whatever the spec); a spec
+    that leaves ``worker_kv_bytes_per_block`` 0 (vLLM's test specs) gets them from the row
+    its workers registered (the CPU spec's per-worker slot, else the primary row split among
+    its slots)."""
+    per_block = int(config.worker_kv_bytes_per_block)
+    if per_block > 0:
+        return per_block * int(config.cache.blocks_per_chunk)
+    slot = int(getattr(spec, "cpu_page_size_per_worker", 0) or 0)
+    if slot > 0:
+        return slot
+    single = bool(getattr(config, "replicated_layout", False))
+    return int(row_bytes) // (1 if single else max(1, int(config.parallel.world_size)))
+
+
+def _events_list(spec: Any, enabled: bool) -> "list[OffloadingEvent] | None":
+    """Where the tier's KV events gather: a list when asked and vLLM's KV events are on."""
+    if not enabled:
+        return None
+    if spec.kv_events_config.enable_kv_cache_events:
+        return []
+    log.warning("hicache tier: enable_kv_events is set but vLLM's KV cache events are off; "
+                "the tier emits none")
+    return None
 
 
 class _Lookup(AsyncLookupManager):
@@ -136,11 +173,15 @@ class HiCacheTier(SecondaryTierManager):
                  weights_signature: str | None = None, io_threads: int = 2,
                  locality: str | None = None, enable_kv_events: bool = False,
                  quantization: str | None = None, revision: str | None = None,
+                 secret_file: str | None = None, previous_secret_file: str | None = None,
+                 authenticate: bool = True,
                  backpressure_detector: "BackpressureDetector | None" = None) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if store is None:
             raise L3Error("the hicache tier needs 'store': an LMDB directory, a Redis URL or a "
                           "list of Redis Cluster node URLs")
+        trust = trust_of({"secret_file": secret_file, "authenticate": authenticate,
+                          "previous_secret_file": previous_secret_file})
         check_int(io_threads, "io_threads", error=L3Error)
         # A Redis store is remote: say so (KV events, and vLLM's backpressure water marks)
         self.locality = Locality(locality if locality is not None else
@@ -151,7 +192,7 @@ class HiCacheTier(SecondaryTierManager):
         par = config.parallel
         self.mla = _detect_mla() if mla is None else bool(mla)
         # Only what every spec has (the config and vLLM's row): never a CPU-spec attribute.
-        worker_bytes = worker_bytes_of(config)
+        worker_bytes = worker_bytes_of(config, offloading_spec, self.block_size_bytes)
         single = bool(getattr(config, "replicated_layout", False))  # vLLM's one-copy row
         self.layout = row_layout(world_size=par.world_size, tp=par.tp_size, pp=par.pp_size,
                                  pcp=par.pcp_size, dcp=par.dcp_size, mla=self.mla,
@@ -171,25 +212,37 @@ class HiCacheTier(SecondaryTierManager):
         self._rows = np.asarray(primary_kv_view).view(np.uint8).reshape(len(primary_kv_view), -1)
         self._shards = range(self.layout.num_shards)
         self._slots = {s: self.layout.slots_of(s) for s in self._shards}
+        self._warn_sizes(offloading_spec, capacity_bytes if not is_remote(store) else None)
         self.stores = open_stores(store, self.namespace, self._shards,
-                                  capacity_bytes=capacity_bytes, timeout_s=timeout_s)
+                                  capacity_bytes=capacity_bytes, timeout_s=timeout_s,
+                                  trust=trust)
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="hicache_vllm_tier")
         self._lock = threading.Lock()
         self._finished: list[JobResult] = []
         self._inflight: dict[int, Future] = {}
         self._load_keys: dict[int, list[OffloadKey]] = {}
         self._store_keys: dict[int, list[OffloadKey]] = {}
-        self.events: list[OffloadingEvent] | None = None
-        if enable_kv_events:
-            if offloading_spec.kv_events_config.enable_kv_cache_events:
-                self.events = []
-            else:
-                log.warning("hicache tier: enable_kv_events is set but vLLM's KV cache events "
-                            "are off; the tier emits none")
+        self.events = _events_list(offloading_spec, enable_kv_events)
         self.health = Health()
         self._latency: list[tuple[str, float]] = []
         self._lookup = _Lookup(self, tier_type)
         self._closed = False
+
+    def _warn_sizes(self, spec: Any, capacity: int | None) -> None:
+        """One warning line for vLLM's CPU tier (``cpu_bytes_to_use``) or this tier's LMDB
+        ``capacity_bytes`` smaller than one chunk, or than one request at max_model_len."""
+        chunks, max_len = request_chunks(spec.config)
+        row, shard_row = self.block_size_bytes, self.layout.num_shards * \
+            self.layout.worker_bytes
+        sizes = [("CPU tier (cpu_bytes_to_use)", int(getattr(spec, "num_chunks", 0)) * row,
+                  row)]
+        if capacity is not None:
+            sizes.append(("hicache tier's LMDB store (capacity_bytes)", int(capacity),
+                          shard_row))
+        for tier, have, block in sizes:
+            line = undersized(tier, have, block, chunks * block if chunks else None, max_len)
+            if line:
+                log.warning(line)
 
     # ---- shard I/O (pool threads) ----------------------------------------------------------------
     def held(self, keys: list[OffloadKey]) -> list[bool]:
@@ -454,5 +507,6 @@ _DETECTOR_ATTRS = {"high_water_s": ("_high", "high_water_s"),
                    "low_water_s": ("_low", "low_water_s")}
 
 
-def weights_signature_of(config: Any, override: str | None) -> str:
-    return weights_signature(config.model.name, override)
+def weights_signature_of(config: Any, override: str | None) -> dict[str, str]:
+    """The namespace fields naming vLLM's model's weights (:func:`weights_fields`)."""
+    return weights_fields(config.model.name, override)

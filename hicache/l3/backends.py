@@ -32,27 +32,38 @@ def resolve(where: Any) -> tuple[registry.Backend, Any]:
 _POLICY = object()
 
 
-def secrets_for(where: Any, backend: registry.Backend):
-    """The fleet secrets a store on ``where`` uses: a policy ``[l3]`` section's (a shared
-    backend without one is refused, unless ``authenticate = false``), else the environment's
-    (``$HICACHE_L3_SECRET_FILE``); None: unauthenticated."""
+def _is_section(where: Any) -> bool:
+    return getattr(where, "backend", None) is not None and hasattr(where, "options")
+
+
+def secrets_for(where: Any, backend: registry.Backend, trust: Any = None):
+    """The fleet secrets a store on ``where`` uses: a policy ``[l3]`` section's, else
+    ``trust``'s (:class:`hicache.l3.auth.Trust`: the adapters' extra config), else the
+    environment's (``$HICACHE_L3_SECRET_FILE``). A shared backend without one is refused
+    (one line), unless ``authenticate = false`` (one warning line); None: unauthenticated."""
     from . import auth
-    if getattr(where, "backend", None) is not None and hasattr(where, "options"):
+    if _is_section(where):
         return auth.required(where, backend.shared, backend.name)
-    return auth.load(None)
+    return auth.required(trust or auth.Trust(), backend.shared, backend.name, prefix="")
 
 
 def open_store(where: Any, namespace: Namespace, rank: int, *, writer: bool = True,
                capacity_bytes: int | None = None, timeout_s: float | None = None,
-               secrets: Any = _POLICY, **options) -> L3Store:
+               secrets: Any = _POLICY, trust: Any = None, **options) -> L3Store:
     """Open this rank's L3 page store on ``where`` (see :func:`resolve`). ``capacity_bytes``
     and ``timeout_s`` override the section's (where the backend has them); ``secrets``
-    (:class:`hicache.l3.auth.Secrets`, or None: unauthenticated) overrides
-    :func:`secrets_for`; ``options`` go to the backend's store class. An authenticated store
-    comes wrapped in :class:`hicache.l3.keyed.KeyedStore`."""
+    (:class:`hicache.l3.auth.Secrets`) overrides :func:`secrets_for`, and ``secrets=None``
+    (unauthenticated) on a shared backend needs ``trust=Trust(authenticate=False)`` like any
+    other way in; ``options`` go to the backend's store class. An authenticated store comes
+    wrapped in :class:`hicache.l3.keyed.KeyedStore`."""
     backend, section = resolve(where)
     if secrets is _POLICY:
-        secrets = secrets_for(where, backend)
+        secrets = secrets_for(where, backend, trust)
+    elif secrets is None:
+        from . import auth
+        auth.unauthenticated(where if _is_section(where) else (trust or auth.Trust()),
+                             backend.shared, backend.name,
+                             prefix="l3." if _is_section(where) else "")
     store = backend.open(section, namespace, rank, writer=writer, capacity_bytes=capacity_bytes,
                          timeout_s=timeout_s, secrets=secrets, **options)
     if secrets is None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import abc
 import hmac
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable, Sequence, Union
 
@@ -42,7 +43,7 @@ from .keys import FORMAT_VERSION, KEY_BYTES, Namespace
 from ..errors import L3Error
 
 if TYPE_CHECKING:
-    from .auth import Secrets
+    from .auth import Secret, Secrets
 
 Out = Union[Sequence[torch.Tensor], Callable[[int], torch.Tensor]]
 
@@ -141,6 +142,7 @@ class L3Store(abc.ABC):
         self._head_prefix = header_prefix(namespace, rank, secrets is not None)
         self._head_len = len(self._head_prefix) + self._sum_len
         self._lock = threading.Lock()
+        self._verify = threading.local()  # .secret: which secret a read verifies (keyed.py)
         self._stats = {f.name: 0 for f in fields(L3Stats)}
         self._stats["read_s"] = 0.0
         self._stats["write_s"] = 0.0
@@ -237,10 +239,22 @@ class L3Store(abc.ABC):
         """A held header is the one this store writes (its tag is checked when it is read)."""
         return len(head) == self._head_len and bytes(head[:-self._sum_len]) == self._head_prefix
 
+    @contextmanager
+    def verifying(self, secret: "Secret"):
+        """Reads in this block (this thread) verify MACs with ``secret`` alone: the secret
+        whose key derivation gave the keys read (a rotation's previous secret; by default the
+        current one). A value under a current-secret key never verifies with another secret."""
+        self._verify.secret = secret
+        try:
+            yield self
+        finally:
+            self._verify.secret = None
+
     def _valid(self, key: bytes, head, data) -> bool:
         """The header is exactly the one this store writes and the data hashes to its checksum,
-        or its MAC verifies under the current or the previous secret (format version,
-        namespace, rank, shape, dtype and size all live in the header)."""
+        or its MAC verifies under the one secret this read verifies with (:meth:`verifying`;
+        the current secret unless told otherwise). Format version, namespace, rank, shape,
+        dtype and size all live in the header."""
         if data is None or len(data) != self.page_bytes or len(head) != self._head_len:
             return False
         head = bytes(head)
@@ -249,8 +263,8 @@ class L3Store(abc.ABC):
             return False
         if self.secrets is None:
             return head[-n:] == checksum(key, data)
-        return any(hmac.compare_digest(head[-n:], s.tag(key, self._head_prefix, data))
-                   for s in self.secrets.all)
+        secret = getattr(self._verify, "secret", None) or self.secrets.current
+        return hmac.compare_digest(head[-n:], secret.tag(key, self._head_prefix, data))
 
     def _bump(self, **kv) -> None:
         if self.secrets is not None and kv.get("corrupt"):  # an authenticated value failed

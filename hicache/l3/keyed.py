@@ -5,11 +5,15 @@ secret the backend holds each page under a keyed store key instead (:mod:`hicach
 checks the MAC of every value it reads. This wrapper turns caller keys into store keys (the
 current secret's for everything; for reads, where the current secret finds nothing, the previous
 secret's too, so a rotation keeps what the previous secret stored) and is an ``L3Store`` to its
-callers. Attributes it does not define are the backend store's.
+callers. Each secret vouches only for the keys it derived: a value under a current-secret key
+verifies with the current secret's MAC alone, so whoever holds a leaked previous secret cannot
+re-sign the pages stored since the rotation; a page read from the previous secret is rewritten
+under the current one. Attributes it does not define are the backend store's.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
@@ -17,6 +21,9 @@ import torch
 from .auth import Secret, Secrets
 from .base import L3Stats, L3Store, Out, PutResult
 from .keys import DIGEST_BYTES
+from ..errors import L3Error
+
+log = logging.getLogger(__name__)
 
 _PREFIX = DIGEST_BYTES + 2  # namespace digest | rank
 
@@ -52,15 +59,32 @@ class KeyedStore:
         return n
 
     def get(self, keys: Sequence[bytes], out: Out) -> int:
+        """Pages under the current secret's keys (MACs checked with the current secret only),
+        then, during a rotation, the rest under the previous secret's keys (MACs checked with
+        the previous secret only); a page served from the previous secret is written again
+        under the current one, so the rotation window empties as pages are read."""
         keys = self.inner.check_keys(keys)
         dst = self.inner._destinations(keys, out)
         served = self.inner.get(self.store_keys(keys, self.secrets.current), dst)
         prev = self.secrets.previous
-        if prev is not None and served < len(keys):
-            first = served
+        if prev is None or served >= len(keys):
+            return served
+        first, seen = served, {}
+        with self.inner.verifying(prev):
             served += self.inner.get(self.store_keys(keys[first:], prev),
-                                     lambda i: dst(first + i))
+                                     lambda i: seen.setdefault(i, dst(first + i)))
+        if served > first and self.inner.writer:
+            self._rewrite(keys[first:served], [seen[i] for i in range(served - first)])
         return served
+
+    def _rewrite(self, keys: list[bytes], pages: list[torch.Tensor]) -> None:
+        """Pages read under the previous secret, stored again under the current one (a failed
+        write costs only a later re-read)."""
+        try:
+            self.inner.put(self.store_keys(keys, self.secrets.current), pages)
+        except L3Error as e:
+            log.warning("hicache L3: rewriting %d pages under the current secret failed: %s",
+                        len(keys), e)
 
     def put(self, keys: Sequence[bytes], shards: Sequence[torch.Tensor]) -> PutResult:
         keys = self.inner.check_keys(keys)

@@ -173,6 +173,7 @@ def claims(where) -> bool:
 RECORD = b"ns:"  # meta sub-database: RECORD + namespace digest -> Namespace.record()
 _PREFIX = 18  # namespace digest (16 B) | rank (2 B): the part of a key no secret changes
 _PURGE_BATCH = 4096  # keys deleted per write transaction
+_PURGE_ROOM = 64 << 20  # map room past the file a purge opens with (grown on MapFullError)
 
 
 @contextmanager
@@ -183,9 +184,11 @@ def _env(path: str, writer: bool):
     data = os.path.join(os.fspath(path), "data.mdb")
     if not os.path.isfile(data):
         raise L3Error(f"{path!r} holds no LMDB store (no data.mdb)")
-    size = os.path.getsize(data)
-    shared = _acquire_env(os.fspath(path), max(size, 1 << 20), max(size, 1 << 20), writer,
-                          True)
+    size = max(os.path.getsize(data), 1 << 20)
+    # a writer (purge) needs free pages past the file's end: a delete copies the pages it
+    # changes before the old ones are free, and a map the size of the file has none
+    room = size + max(_PURGE_ROOM, size // 4) if writer else size
+    shared = _acquire_env(os.fspath(path), room, room, writer, True)
     try:
         yield shared
     finally:
@@ -195,14 +198,20 @@ def _env(path: str, writer: bool):
 def _txn(shared, fn, write: bool):
     import lmdb
     for _ in range(4):
+        grow = False
         with shared.gate.shared():
             try:
                 with shared.env.begin(write=write, buffers=True) as txn:
                     return fn(txn)
             except lmdb.MapResizedError:
                 pass
+            except lmdb.MapFullError:
+                if not write:
+                    raise
+                grow = True
         with shared.gate.exclusive():
-            shared.env.set_mapsize(0)  # adopt the size another process set
+            # adopt the size another process set, or (a full map) double it
+            shared.env.set_mapsize(2 * shared.env.info()["map_size"] if grow else 0)
     raise L3Error(f"L3 store {shared.path!r} keeps being resized by other processes")
 
 

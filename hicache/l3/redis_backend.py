@@ -17,7 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from . import registry
 from ..config import opt
-from ..errors import ConfigError, L3CorruptError, L3Error
+from ..errors import ConfigError, L3CorruptError, L3Error, L3PartialError
 
 SCHEMES = ("redis", "rediss", "unix")
 
@@ -254,14 +254,46 @@ def _scan_keys(client, pattern: bytes):
         yield batch
 
 
-def scan(section: RedisSection) -> registry.Scan:
-    """SCAN the ``hicache:`` keys (O(keys held): one round trip per thousand keys, plus one
-    pipelined STRLEN per key for the bytes) and read the namespace records."""
+def _nodes(client) -> list:
+    """``(name, plain client)`` per primary of a cluster (a standalone server: itself)."""
+    import redis
+    if isinstance(client, redis.RedisCluster):
+        return [(f"{n.host}:{n.port}", client.get_redis_connection(n))
+                for n in client.get_primaries()]
+    return [("server", client)]
+
+
+def _per_node(section: RedisSection, what: str, fn, result):
+    """Run ``fn(node client)`` on every primary; a node that fails is named, the others still
+    run. L3PartialError (carrying ``result``: what the reachable nodes answered) when any
+    failed."""
+    import redis
     client = admin_client(section)
-    n = len(KEY_PREFIX)
-    pages: dict = {}
-    records: dict = {}
+    reached, lost = [], []
     try:
+        for name, node in _nodes(client):
+            try:
+                fn(node)
+                reached.append(name)
+            except (redis.exceptions.RedisError, OSError) as e:
+                lost.append(f"{name} ({classify(e)})")
+    finally:
+        client.close()
+    if lost:
+        raise L3PartialError(
+            f"{what} {describe(section)}: cluster node(s) {', '.join(lost)} unreachable; "
+            f"{what} covered only {', '.join(reached) or 'no node'}", result, reached, lost)
+    return result
+
+
+def scan(section: RedisSection) -> registry.Scan:
+    """SCAN the ``hicache:`` keys on every primary (O(keys held): one round trip per thousand
+    keys, plus one pipelined STRLEN per key for the bytes) and read the namespace records."""
+    n = len(KEY_PREFIX)
+    found = registry.Scan({}, {})
+    pages, records = found.pages, found.records
+
+    def node_scan(client) -> None:
         for batch in _scan_keys(client, _glob(KEY_PREFIX) + b"*"):
             data = [k for k in batch if len(k) == n + _KEY]
             recs = [k for k in batch if len(k) == n + _RECORD_KEY and k[n:].startswith(RECORD)]
@@ -283,18 +315,18 @@ def scan(section: RedisSection) -> registry.Scan:
                         records[bytes.fromhex(k[n + len(RECORD):].decode())] = v
                     except ValueError:
                         pass
-    finally:
-        client.close()
-    return registry.Scan(pages, records)
+
+    return _per_node(section, "listing", node_scan, found)
 
 
 def purge(section: RedisSection, digest: bytes, rank: int | None) -> tuple[int, int]:
-    """SCAN the namespace's keys and UNLINK them (pipelined, a thousand a round trip); then
-    its record. Writers running meanwhile may add pages back."""
-    client = admin_client(section)
+    """SCAN the namespace's keys on every primary and UNLINK them (pipelined, a thousand a
+    round trip); then its record. Writers running meanwhile may add pages back."""
     prefix = KEY_PREFIX + digest + (rank.to_bytes(2, "big") if rank is not None else b"")
-    n = nbytes = 0
-    try:
+    total = [0, 0]
+    rec = record_key(digest)
+
+    def node_purge(client) -> None:
         for batch in _scan_keys(client, _glob(prefix) + b"*"):
             batch = [k for k in batch if len(k) == len(KEY_PREFIX) + _KEY]
             pipe = client.pipeline(transaction=False)
@@ -305,13 +337,18 @@ def purge(section: RedisSection, digest: bytes, rank: int | None) -> tuple[int, 
             res = pipe.execute(raise_on_error=False)
             for size, gone in zip(res, res[len(batch):]):
                 if gone == 1:
-                    n += 1
-                    nbytes += size if isinstance(size, int) else 0
-        if rank is None:
-            client.unlink(record_key(digest))
-    finally:
-        client.close()
-    return n, nbytes
+                    total[0] += 1
+                    total[1] += size if isinstance(size, int) else 0
+        if rank is None:  # the record lives on one node: the one whose SCAN finds it
+            for batch in _scan_keys(client, _glob(rec)):
+                client.unlink(*batch)
+
+    try:
+        _per_node(section, "purge", node_purge, total)
+    except L3PartialError as e:
+        e.partial = tuple(total)
+        raise
+    return total[0], total[1]
 
 
 def usage(store) -> registry.Usage:

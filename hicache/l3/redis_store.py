@@ -77,6 +77,12 @@ def _packer(encode):
     return Packer(6000, encode)
 
 
+def _conf(reply) -> dict:
+    """A CONFIG GET reply as a dict of str."""
+    return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes)
+            else v) for k, v in dict(reply).items()}
+
+
 def _close_quietly(client) -> None:
     """Close a client that is being dropped (the server may already be gone)."""
     if client is None:
@@ -130,6 +136,11 @@ class RedisStore(L3Store):
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                         redis.exceptions.ClusterError, redis.exceptions.BusyLoadingError,
                         OSError, IndexError)  # IndexError: a cluster client with no live node
+        from .cluster_route import ClusterRouter
+        self._router = ClusterRouter(
+            (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError),
+            self.retry_after_s, self._count_error,
+            ",".join(redact(self.url)) if self.cluster else redact(self.url))
         encoder = redis.connection.Encoder("utf-8", "strict", False)
         self._client_kw = dict(
             socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
@@ -164,6 +175,7 @@ class RedisStore(L3Store):
                     host = f"[{host}]" if ":" in host else host  # an IPv6 literal
                     client = r.RedisCluster(url=f"redis://{host}:{port}",
                                             startup_nodes=nodes[1:],
+                                            require_full_coverage=False,
                                             connection_class=Connection, **kw)
                 else:
                     client = r.Redis.from_url(self.url, **self._client_kw)
@@ -192,25 +204,44 @@ class RedisStore(L3Store):
                 conf = client.config_get("maxmemory*")
         except Exception:  # CONFIG may be disabled on a managed server: nothing to check
             return
-        conf = {(k.decode() if isinstance(k, bytes) else k):
-                (v.decode() if isinstance(v, bytes) else v) for k, v in dict(conf).items()}
+        conf = _conf(conf)
         policy = conf.get("maxmemory-policy", "")
         if not policy.startswith("allkeys-") or conf.get("maxmemory") in ("0", None):
             warnings.warn(f"L3 Redis {redact(self.url)}: maxmemory={conf.get('maxmemory')} "
                           f"maxmemory-policy={policy}; set maxmemory and an allkeys-lru policy "
                           "or the server fills up and refuses writes", stacklevel=3)
+        if self.cluster:
+            self._warn_coverage(client)
 
-    def _fail(self, err: BaseException) -> None:
-        """The server is unavailable: count it and answer at once for ``retry_after_s``."""
+    def _warn_coverage(self, client) -> None:
+        """A cluster whose nodes require full slot coverage refuses EVERY key while one shard
+        has no live node: say so once (``cluster-require-full-coverage no`` keeps the rest)."""
+        try:
+            vals = client.config_get("cluster-require-full-coverage", target_nodes="all")
+        except Exception:  # CONFIG disabled: nothing to check
+            return
+        confs = vals.values() if isinstance(vals, dict) and any(
+            isinstance(v, dict) for v in vals.values()) else [vals]
+        if any(_conf(c).get("cluster-require-full-coverage") == "yes" for c in confs):
+            warnings.warn(f"L3 Redis cluster {redact(self.url)}: cluster-require-full-coverage "
+                          "yes; one shard without a live node then makes every node refuse "
+                          "every key (all of L3 misses); set it to no", stacklevel=4)
+
+    def _count_error(self, err: BaseException) -> None:
+        """One call (or one cluster node's share of it) found the store unavailable."""
         from .redis_backend import classify
         reason = classify(err)
         with self._lock:
             self.error_reasons[reason] = self.error_reasons.get(reason, 0) + 1
         self._bump(errors=1)
-        self._down_until = time.monotonic() + self.retry_after_s
         self.last_error = err
         if self.first_error is None:
             self.first_error = err
+
+    def _fail(self, err: BaseException) -> None:
+        """The server is unavailable: count it and answer at once for ``retry_after_s``."""
+        self._count_error(err)
+        self._down_until = time.monotonic() + self.retry_after_s
         client, self._client = self._client, None
         _close_quietly(client)
 
@@ -230,6 +261,8 @@ class RedisStore(L3Store):
         if client is None:
             return None
         try:
+            if self.cluster:  # node by node: a dead shard costs its own keys only
+                return self._router.run(client, commands)
             pipe = client.pipeline(transaction=False)
             for cmd in commands:
                 pipe.execute_command(*cmd)

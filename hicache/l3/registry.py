@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ..errors import L3Error
+from ..errors import L3Error, L3PartialError
 
 # name -> the module that registers it (imported when the name is first looked up)
 BUILTIN = {"lmdb": "hicache.l3.lmdb_backend", "redis": "hicache.l3.redis_backend"}
@@ -227,12 +227,21 @@ def namespaces(where: Any) -> list[NamespaceInfo]:
     """Every namespace held in the store on ``where`` (a URL, a list of cluster node URLs, an
     LMDB directory or a policy ``[l3]`` section), the largest first. Keys are grouped by their
     ``namespace digest | rank`` prefix, which a fleet secret leaves readable (it keys only the
-    chain part), and described by the namespace records the writers keep beside the pages."""
-    from .keys import Namespace
+    chain part), and described by the namespace records the writers keep beside the pages.
+    A cluster with an unreachable node: L3PartialError whose ``partial`` lists what the
+    reachable nodes hold."""
     backend, section = _section(where)
     if backend.scan is None:
         raise L3Error(f"the {backend.name} backend cannot list its namespaces")
-    found = backend.scan(section)
+    try:
+        return _infos(backend.scan(section))
+    except L3PartialError as e:
+        e.partial = _infos(e.partial)
+        raise
+
+
+def _infos(found: Scan) -> list[NamespaceInfo]:
+    from .keys import Namespace
     per: dict[bytes, list] = {}
     for (digest, rank), (n, nbytes) in found.pages.items():
         e = per.setdefault(digest, [0, 0, set()])
@@ -276,12 +285,21 @@ def purge(where: Any, namespace: Any, rank: Optional[int] = None) -> NamespaceIn
     digest = getattr(namespace, "digest", None)
     ns, ranks = (namespace if digest is not None else None), ()
     if digest is None:
-        found = _find(namespace, namespaces(where))
+        try:
+            held = namespaces(where)
+        except L3PartialError as e:  # find it among what the reachable nodes hold
+            held = e.partial
+        found = _find(namespace, held)
         digest, ns, ranks = bytes.fromhex(found.digest), found.namespace, found.ranks
     if rank is not None and (not isinstance(rank, int) or rank < 0):
         raise L3Error(f"rank must be an int >= 0, got {rank!r}")
-    n, nbytes = backend.purge(section, bytes(digest), rank)
-    return NamespaceInfo(bytes(digest).hex(), n, nbytes, ranks if rank is None else (rank,), ns)
+    ranks = ranks if rank is None else (rank,)
+    try:
+        n, nbytes = backend.purge(section, bytes(digest), rank)
+    except L3PartialError as e:  # what the reachable nodes deleted
+        e.partial = NamespaceInfo(bytes(digest).hex(), *e.partial, ranks, ns)
+        raise
+    return NamespaceInfo(bytes(digest).hex(), n, nbytes, ranks, ns)
 
 
 def usage(store: Any) -> Optional[Usage]:

@@ -7,6 +7,7 @@ import os
 import sys
 
 from hicache.l3 import PageStore, RedisStore
+from hicache.l3.keyed import KeyedStore
 
 STUBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stubs")
 _spec = importlib.util.find_spec("torchvision")
@@ -25,7 +26,10 @@ if _spec is None or (_spec.origin or "").startswith(STUBS):  # see stubs/torchvi
 
 def damage(store, key: bytes) -> None:
     """Flip one payload byte of a stored value under the store, as a bad disk or a stray writer
-    would (the header and checksum stay as written)."""
+    would (the header and checksum or MAC stay as written)."""
+    if isinstance(store, KeyedStore):  # authenticated: the value lives under the keyed key
+        key = KeyedStore.store_keys([key], store.secrets.current)[0]
+        store = store.inner
     if isinstance(store, PageStore):
         with store._env.begin(write=True) as txn:
             v = bytearray(txn.get(key, db=store._data))

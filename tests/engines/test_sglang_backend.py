@@ -360,3 +360,54 @@ def test_tp_size_is_not_in_an_mla_namespace(tmp_path):
     assert r.batch_exists(HASHES[:2]) == 2
     w.close()
     r.close()
+
+
+def test_a_shared_store_takes_the_fleet_secret_rule(redis_url, monkeypatch, fleet_secret,
+                                                    caplog):
+    """SGLang's backend refuses a Redis store without the fleet secret with the policy's one
+    line; the extra config's ``secret_file`` or the environment gives it; ``authenticate:
+    false`` runs unauthenticated with one warning line; a bad key is refused at once."""
+    import logging
+
+    from hicache.errors import ConfigError
+    from hicache.l3 import auth
+    from hicache.l3.keyed import KeyedStore
+    monkeypatch.delenv(auth.ENV)
+    monkeypatch.setattr(auth, "_WARNED", set())
+    src = host_pool("page_first")
+    fill(src, 21)
+    with pytest.raises(ConfigError, match="secret_file: the redis backend is shared .*set "
+                                          "authenticate = false"):
+        backend(redis_url, src)
+    b = backend(redis_url, src, secret_file=fleet_secret)
+    assert isinstance(b.store, KeyedStore)
+    assert b.batch_set_v1(HASHES[:2], indices(src, [0, 1])) == [True] * 2
+    with caplog.at_level(logging.WARNING, logger="hicache"):
+        u = backend(redis_url, src, authenticate=False)
+    assert not isinstance(u.store, KeyedStore) and u.batch_exists(HASHES[:2]) == 0
+    assert len([r for r in caplog.records if "without a fleet secret" in r.getMessage()]) == 1
+    with pytest.raises(ConfigError, match="authenticate: must be true or false"):
+        backend(redis_url, src, authenticate="no")
+    b.close()
+    u.close()
+
+
+def test_weights_are_named_by_content_not_path(tmp_path):
+    """The same weights at another path share pages; other weights never (no
+    weights_signature given: the local checkpoint is signed by content)."""
+    import shutil
+
+    from test_vllm_tier import tiny_checkpoint
+    where = str(tmp_path / "l3")
+    a = tiny_checkpoint(tmp_path / "node-a" / "m", 0)
+    b = shutil.copytree(a, tmp_path / "node-b" / "weights")
+    other = tiny_checkpoint(tmp_path / "node-a" / "tuned", 1)
+    src = host_pool("page_first")
+    fill(src, 31)
+    w = backend(where, src, model=a, weights_signature=None)
+    assert w.batch_set_v1(HASHES[:2], indices(src, [0, 1])) == [True] * 2
+    r = backend(where, host_pool("page_first"), model=str(b), weights_signature=None)
+    o = backend(where, host_pool("page_first"), model=other, weights_signature=None)
+    assert r.batch_exists(HASHES[:2]) == 2 and o.batch_exists(HASHES[:2]) == 0
+    for x in (w, r, o):
+        x.close()

@@ -46,7 +46,7 @@ class Tiered:
 
     def __init__(self, where, *, tp=4, dcp=2, chunks=4, weights="w1", mla=True,
                  kv_dtype="bfloat16", replicated=False, events=False, tier_extra=None,
-                 extra=None):
+                 extra=None, model="tiny-mla"):
         tier = {"type": "HiCacheTier", "module_path": "hicache.integrations.vllm",
                 "store": where, "mla": mla, "weights_signature": weights,
                 "capacity_bytes": 32 << 20, "timeout_s": 5.0, **(tier_extra or {})}
@@ -61,7 +61,7 @@ class Tiered:
             extra_config={"cpu_bytes_to_use": chunks * row, "secondary_tiers": [tier],
                           "tier_poll_interval_s": 0, **(extra or {})},
             engine_id=f"hicache-test-{uuid.uuid4().hex[:12]}",
-            model=OffloadingModelConfig(name="tiny-mla", dtype=kv_dtype),
+            model=OffloadingModelConfig(name=model, dtype=kv_dtype),
             cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
             parallel=OffloadingParallelConfig(
                 rank=0, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=dcp,
@@ -308,11 +308,11 @@ class _BareSpec(OffloadingSpec):
         raise AssertionError("the hicache tier asked a spec for its worker")
 
 
-def _config(tp=2, dcp=1, chunks=4, replicated=False):
+def _config(tp=2, dcp=1, chunks=4, replicated=False, worker_bytes=WORKER_BYTES):
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers.0.attn",),
                                       group_id=0),),
-        worker_kv_bytes_per_block=WORKER_BYTES, enable_kv_cache_events=False,
+        worker_kv_bytes_per_block=worker_bytes, enable_kv_cache_events=False,
         extra_config={}, engine_id=f"bare-{uuid.uuid4().hex[:8]}",
         model=OffloadingModelConfig(name="tiny-mla", dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
@@ -534,3 +534,158 @@ def test_redis_timeouts_and_refusals_count_by_reason(redis_factory):
         assert set(seen) == {"refused"}
     finally:
         t.close()
+
+
+def test_a_shared_tier_takes_the_fleet_secret_rule(redis_url, monkeypatch, fleet_secret, caplog):
+    """The tier refuses a Redis store without the fleet secret with the policy's one line; the
+    secret comes from the tier's own config or the environment; ``authenticate: false`` runs
+    it unauthenticated with one warning line."""
+    import logging
+
+    from hicache.errors import ConfigError
+    from hicache.l3 import auth
+    from hicache.l3.keyed import KeyedStore
+    monkeypatch.delenv(auth.ENV)
+    monkeypatch.setattr(auth, "_WARNED", set())
+    with pytest.raises(ConfigError, match="secret_file: the redis backend is shared .*set "
+                                          "authenticate = false"):
+        Tiered(redis_url)
+    t = Tiered(redis_url, tier_extra={"secret_file": fleet_secret})
+    try:
+        assert all(isinstance(s, KeyedStore) for s in t.tier.stores.values())
+        a = stored_and_evicted(t)
+    finally:
+        t.close()
+    with caplog.at_level(logging.WARNING, logger="hicache"):
+        t = Tiered(redis_url, tier_extra={"authenticate": False})
+    try:
+        assert not any(isinstance(s, KeyedStore) for s in t.tier.stores.values())
+        assert t.resolve(t.request("c"), a) == [MISS] * 3  # the keyed pages are not its own
+    finally:
+        t.close()
+    warned = [r for r in caplog.records if "without a fleet secret" in r.getMessage()]
+    assert len(warned) == 1
+
+
+def tiny_checkpoint(path, seed: int) -> str:
+    """A local checkpoint directory: config.json and one safetensors file."""
+    import json
+    import os
+
+    from safetensors.numpy import save_file
+    os.makedirs(path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 8}, f)
+    g = np.random.default_rng(seed)
+    save_file({"model.embed_tokens.weight": g.standard_normal((64, 8)).astype(np.float32)},
+              os.path.join(path, "model.safetensors"))
+    return str(path)
+
+
+def test_weights_are_named_by_content_not_path(tmp_path):
+    """Two nodes mounting the same weights at different paths share pages; other weights at
+    the first node's path never hit."""
+    import shutil
+    where = str(tmp_path / "l3")
+    a = tiny_checkpoint(tmp_path / "node-a" / "models" / "m", 0)
+    b = shutil.copytree(a, tmp_path / "node-b" / "mnt" / "weights")
+    t1 = Tiered(where, weights=None, model=a)
+    try:
+        keys = stored_and_evicted(t1)
+    finally:
+        t1.close()
+    t2 = Tiered(where, weights=None, model=str(b))
+    try:
+        assert t2.tier.namespace.digest == t1.tier.namespace.digest
+        assert t2.resolve(t2.request("c"), keys) == [HIT] * 3
+    finally:
+        t2.close()
+    shutil.rmtree(a)
+    tiny_checkpoint(a, 1)  # other weights at the same path
+    t3 = Tiered(where, weights=None, model=a)
+    try:
+        assert t3.resolve(t3.request("d"), keys) == [MISS] * 3
+    finally:
+        t3.close()
+
+
+def test_a_tier_smaller_than_one_request_says_so_once(tmp_path, monkeypatch, caplog):
+    """vLLM's CPU tier of 4 chunks (16-token blocks, one per chunk) cannot hold one request of
+    max_model_len 1024 tokens (64 chunks): one warning line naming both sizes; a big enough
+    tier says nothing; an LMDB capacity under one chunk's shards says so too."""
+    import logging
+    import types
+
+    import hicache.integrations.vllm as hv
+    monkeypatch.setattr(hv, "_current_model_config",
+                        lambda: types.SimpleNamespace(max_model_len=1024))
+    row = 4096  # one chunk's primary row (4 workers x 1024 B)
+    with caplog.at_level(logging.WARNING, logger="hicache.integrations.vllm"):
+        t = Tiered(str(tmp_path / "a"), chunks=4)
+        t.close()
+    lines = [r.getMessage() for r in caplog.records if "less than one" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert f"CPU tier (cpu_bytes_to_use) holds {4 * row:,} B" in lines[0]
+    assert f"one request's KV ({64 * row:,} B at 1,024 tokens)" in lines[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hicache.integrations.vllm"):
+        t = Tiered(str(tmp_path / "b"), chunks=64)
+        t.close()
+        t = Tiered(str(tmp_path / "c"), chunks=64, tier_extra={"capacity_bytes": 1500})
+        t.close()
+    lines = [r.getMessage() for r in caplog.records if "less than one" in r.getMessage()]
+    assert len(lines) == 1 and "LMDB store (capacity_bytes) holds 1,500 B, less than one " \
+        "block across all layers (2,048 B)" in lines[0], lines
+
+
+def _round_trip(tier, rows, key, fill) -> None:
+    rows[1, :] = 0
+    rows[1, :len(fill)] = fill
+    tier.submit_store(TransferJob(job_id=1, keys=[key], chunk_ids=np.array([1]),
+                                  is_promotion=False, req_context=ReqContext(req_id="r")))
+    tier.drain_jobs()
+    assert [r.success for r in tier.get_finished_jobs()] == [True]
+    tier.submit_load(TransferJob(job_id=2, keys=[key], chunk_ids=np.array([3]),
+                                 is_promotion=True, req_context=ReqContext(req_id="r")))
+    tier.drain_jobs()
+    assert [r.success for r in tier.get_finished_jobs()] == [True]
+    assert np.array_equal(rows[3], rows[1])
+
+
+def test_a_spec_without_worker_bytes_takes_them_from_the_row(tmp_path):
+    """vLLM's own tier tests build specs with worker_kv_bytes_per_block = 0: the tier sizes
+    its shards from the primary row the workers registered (split among its slots)."""
+    for replicated, mla in ((False, False), (True, False), (False, True)):
+        spec = _BareSpec(_config(tp=2, replicated=replicated, worker_bytes=0))
+        rows = np.zeros((4, 4096), dtype=np.uint8)
+        tier = HiCacheTier(spec, memoryview(rows), "HiCacheTier",
+                           store=str(tmp_path / f"l3-{replicated}-{mla}"), mla=mla,
+                           weights_signature="w1")
+        try:
+            assert tier.layout.worker_bytes == (4096 if replicated else 2048)
+            key = okey("zero", int(replicated))
+            data = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
+            if mla and not replicated:  # MLA copies are copies
+                data[2048:] = data[:2048]
+            _round_trip(tier, rows, key, data)
+        finally:
+            tier.shutdown()
+
+
+def test_replicated_rows_share_across_tp_sizes_and_split_rows_do_not(tmp_path):
+    """vLLM's replicated (single-copy) row holds the same bytes at every TP size: TP is not in
+    its namespace, MLA or not; a row of per-worker slots split by heads keeps TP."""
+    def ns(tp, replicated, mla):
+        spec = _BareSpec(_config(tp=tp, replicated=replicated))
+        rows = np.zeros((4, 4096 * 4), dtype=np.uint8)
+        tier = HiCacheTier(spec, memoryview(rows), "HiCacheTier",
+                           store=str(tmp_path / f"l3-{tp}-{replicated}-{mla}"), mla=mla,
+                           weights_signature="w1")
+        try:
+            return tier.namespace.digest
+        finally:
+            tier.shutdown()
+    assert ns(2, True, False) == ns(4, True, False)
+    assert ns(2, True, True) == ns(4, True, True)
+    assert ns(2, False, True) == ns(4, False, True)
+    assert ns(2, False, False) != ns(4, False, False)
