@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_spec import add_spec_options, spec_main, spec_requested
+from .bench_spec import (add_spec_options, rank_spec, spec_main, spec_requested, spec_summary,
+                         tpot_summary)
 from .bench_tenants import (add_tenant_options, apply_scopes, check_tenant_options,
                             scope_lines, scope_report, with_events)
 from . import preflight
@@ -58,18 +59,20 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
     group = dist.group.WORLD if dist.is_initialized() else None
     model = engine_model(cfg, seed=opts["seed"])
     out: dict = {"rank": rank}
+    draft, spec = rank_spec(cfg, model, opts)  # --spec: the draft's pages and drafting
     # the built-in model's digest names its weights in the L3 keys
-    with HiCache(cfg, rank, group, mode=mode,
-                 weights_signature=model.weights_signature()) as cache, \
-            _serve_metrics(cache, rank, opts):
+    with HiCache(cfg, rank, group, mode=mode, weights_signature=model.weights_signature(),
+                 draft=draft) as cache, _serve_metrics(cache, rank, opts):
         model.to(cache.kv.device)  # the engine computes where its KV port lives
+        if spec is not None:
+            spec.draft.to(cache.kv.device)
         probe = None
         if opts.get("verify"):  # the rows each served page brought, and first-token logits
             from .kvcheck import KVProbe
             probe = KVProbe(cache.kv, cache.page_tokens, all_pages=mode == "recompute")
         server = Server(model, cache, group=group, backend=opts["backend"],
                         chunk_tokens=opts["chunk"], max_running=opts["max_running"],
-                        max_overtakes=opts.get("max_overtakes", 4), probe=probe)
+                        max_overtakes=opts.get("max_overtakes", 4), probe=probe, spec=spec)
         bar = _progress_bar(len(jobs), f"{opts['workload']}:{mode}") \
             if rank == 0 and opts["progress"] else None
         t0 = time.perf_counter()
@@ -96,7 +99,8 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
         cache.check()
         out.update(stats=first, final_stats=cache.stats(), wall_s=wall, passes=passes, soak=soak,
                    prefill_tokens=prefill[0], prefill_s=prefill[1])
-    out["results"] = [(r.request_id, r.prompt_len, r.output, r.ttft_s, r.hit) for r in results]
+    out["results"] = [(r.request_id, r.prompt_len, r.output, r.ttft_s, r.hit, r.tpot_s, r.spec,
+                       r.decode_tpot_s) for r in results]
     return out
 
 
@@ -270,6 +274,9 @@ def summarize(mode: str, ranks: list[dict], opts: dict) -> dict:
     }
     if "hybrid" in st:  # hybrid checkpoints: KDA state snapshots (docs/hybrid.md)
         row["hybrid"] = hybrid_summary(ranks)
+    row["tpot_s"] = tpot_summary(res)
+    if any(r[6] for r in res):  # --spec: the speculative figures (hicache/bench_spec.py)
+        row["speculative"] = spec_summary([r[6] for r in res])
     row["final_stats"] = [r["final_stats"] for r in ranks]  # per rank, after the soak
     if all("probe" in r for r in ranks):  # --verify: compared, then dropped from the report
         row["probes"] = [r["probe"] for r in ranks]

@@ -1,42 +1,55 @@
-"""``hicache-bench --spec none,mtp|draft``: speculative decoding rows side by side.
+"""``hicache-bench --spec none,mtp|draft``: the cache workloads served with speculative decoding.
 
-Each method in ``--spec`` decodes the same seeded prompt greedily on the policy's DCP group
-(``hicache.decode_cli.decode_worker``: gloo processes, one launch for every method); a row gets
-the decode wall time per output token (TPOT), its ratio to the ``none`` row of the same run, and
-the ``"speculative"`` object of ``hicache decode --json`` (``proposed``, ``accepted``,
-``acceptance_rate``, ``mean_accepted_len``, ``target_steps``, ``tokens_per_target_step``,
-``draft_recomputed_tokens``), plus the target's and the draft's KV bytes per rank and whether the
-tokens equal plain decoding's (they must: the bench exits 1 otherwise).
+Each method in ``--spec`` serves the same workload (chat, agentic, or a trace) through the
+batched serving loop (``hicache.serving.Server`` with ``hicache.serving_spec``: every running
+request drafts k tokens, the batch verifies in one target step per round) on the policy's DCP
+group, in the deepest cache mode the policy has (``l1+l2+l3`` with L3 on, else ``l1+l2``; or
+``--modes``). Per mode and method a row gives TPOT (per request: time from its first to its
+last token over its tokens after the first; the p50 over requests) and the decode-only TPOT
+(the wall time of the decode steps a request was in, over the same tokens: without the
+prefills of other requests between its tokens), each with its ratio to the ``none`` row of
+the same mode, and the JSON ``"speculative"`` object: ``requests``,
+``tokens_per_target_step``, ``acceptance_rate``, ``draft_recomputed_tokens`` and ``by_source``
+(acceptance of the requests by where their draft KV came from: ``cold``, ``l1``, ``l2``,
+``l3``, ``recomputed``). A source whose acceptance is below the cold requests' by more than
+``SOURCE_MARGIN`` is flagged (``flagged``; "LOW" in the table): restored draft state that
+drafts worse than recomputed state is wrong. ``--verify``: every request's tokens must equal
+plain decoding's (the ``none`` row, run for the purpose when not asked), else exit 1. The
+single-prompt comparison is ``hicache decode --spec`` (``bench/spec.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from .config import HiCacheConfig
 from .errors import UsageError
 from .report import table
 
-PROMPT_LEN = 256
-WARMUP_STEPS = 2
 METHODS = ("none", "mtp", "draft")
+SOURCE_MARGIN = 0.1  # acceptance below the cold requests' by more than this is flagged
 
-__all__ = ["add_spec_options", "spec_requested", "spec_main", "spec_rows"]
+__all__ = ["add_spec_options", "spec_requested", "spec_main", "spec_summary", "rank_spec",
+           "SOURCE_MARGIN"]
 
 
 def add_spec_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("speculative decoding (rows side by side, docs/speculative.md)")
+    g = p.add_argument_group("speculative decoding, batched (docs/speculative.md)")
     g.add_argument("--spec", default=None, metavar="M[,M...]",
-                   help="comma-separated, any of none, mtp, draft: decode the same prompt with "
-                        "each and print TPOT and the speculative columns side by side")
+                   help="comma-separated, any of none, mtp, draft: serve the workloads with "
+                        "each (batched: every running request drafts, one target step per "
+                        "round) and print TPOT, tokens per target step and acceptance by "
+                        "draft KV source side by side")
     g.add_argument("--draft-model", default=None, metavar="DIR",
                    help="--spec draft: the draft checkpoint directory or model file")
     g.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
-                   help="draft tokens k per target step (1..8; default: the policy's [spec])")
+                   help="draft tokens k per request per round (1..8; default: the policy's "
+                        "[spec])")
 
 
 def spec_requested(args) -> bool:
@@ -67,97 +80,189 @@ def _methods(args) -> list[str]:
     return names
 
 
-def _specs(args, cfg: HiCacheConfig, names: list[str]) -> list:
-    from .decode_cli import DecodeSpec
+# ---- in each rank -------------------------------------------------------------------------------
+def rank_spec(cfg: HiCacheConfig, model, opts: dict) -> tuple:
+    """(the ``DraftSpec`` a ``HiCache`` keeps the draft's pages under, the ``SpecServing`` of
+    the ``Server``) for ``opts["spec"]``; ``(None, None)`` for none."""
+    method = opts.get("spec") or "none"
+    if method == "none":
+        return None, None
+    from .checkpoints.drafter import draft_spec, load_draft
     from .engine.spec import SpecSettings
-    from .cli import number
-    from .serving import model_config
-    number("--max-output", args.max_output, 1, 4096)
+    from .serving_spec import SpecServing
+    settings = SpecSettings(method, opts.get("draft_model") or "", opts["num_draft_tokens"])
+    draft = load_draft(settings, model, cfg.model.path)
+    return draft_spec(draft, cfg.page_tokens), SpecServing(draft, settings.num_draft_tokens)
+
+
+# ---- the figures ----------------------------------------------------------------------------------
+def _rate(accepted: int, proposed: int) -> float:
+    return accepted / proposed if proposed else 0.0
+
+
+def spec_summary(per_request: list[dict], margin: float = SOURCE_MARGIN) -> dict:
+    """The ``"speculative"`` object of one row from its requests' ``Result.spec`` dicts."""
+    from .serving_spec import SOURCES
+    by: dict = {}
+    for r in per_request:
+        b = by.setdefault(r["source"], {"requests": 0, "proposed": 0, "accepted": 0})
+        b["requests"] += 1
+        b["proposed"] += r["proposed"]
+        b["accepted"] += r["accepted"]
+    by = {s: dict(by[s], acceptance_rate=_rate(by[s]["accepted"], by[s]["proposed"]))
+          for s in SOURCES if s in by}
+    cold = by.get("cold", {}).get("acceptance_rate")
+    flagged = [s for s, b in by.items() if s != "cold" and cold is not None and b["proposed"]
+               and b["acceptance_rate"] < cold - margin]
+    steps = sum(r["target_steps"] for r in per_request)
+    proposed = sum(r["proposed"] for r in per_request)
+    return {"requests": len(per_request),
+            "tokens_per_target_step": sum(r["emitted"] for r in per_request) / steps
+            if steps else 0.0,
+            "acceptance_rate": _rate(sum(r["accepted"] for r in per_request), proposed),
+            "proposed": proposed, "target_steps": steps,
+            "draft_recomputed_tokens": sum(r["draft_recomputed_tokens"] for r in per_request),
+            "by_source": by, "margin": margin, "flagged": flagged}
+
+
+def spec_row(method: str, k, row: dict, base: dict | None) -> dict:
+    """A mode's summary row (``bench_cli.summarize``) as a ``--spec`` row."""
+    def ratio(key):
+        b = base["tpot_s"][key] if base else 0.0
+        return row["tpot_s"][key] / b if b else None
+    return {"name": f"{row['name']} {method}", "mode": row["name"], "spec": method,
+            "k": k if method != "none" else None, "requests": len(row["outputs"]),
+            "tpot_s": row["tpot_s"], "tpot_ratio": ratio("p50"),
+            "decode_tpot_ratio": ratio("decode_p50"),
+            "ttft_s": row["ttft_s"], "hit_ratio": row["hit_ratio"],
+            "speculative": row.get("speculative"), "outputs": row["outputs"]}
+
+
+# ---- the command ---------------------------------------------------------------------------------
+def _modes(args, cfg: HiCacheConfig) -> list[str]:
+    from .service import CACHE_MODES
+    if args.modes != ",".join(CACHE_MODES):  # given on the command line
+        from .bench_cli import _names
+        return _names("--modes", args.modes, CACHE_MODES)
+    return ["l1+l2+l3" if cfg.l3.enabled else "l1+l2"]
+
+
+def _runs(args, cfg: HiCacheConfig, names: list[str]) -> tuple[list, list, int]:
+    """(workloads, modes, k) after every check, before any rank starts."""
+    from .bench_cli import WORKLOADS, _names
+    from .engine.spec import SpecSettings
     k = args.num_draft_tokens if args.num_draft_tokens is not None else cfg.spec.num_draft_tokens
-    m = model_config(cfg, seed=args.seed)
-    over = () if args.model else tuple(
-        (f, getattr(m, f)) for f in ("vocab_size", "hidden_size", "num_layers", "num_heads",
-                                     "kv_lora_rank", "qk_rope_head_dim", "intermediate_size",
-                                     "dtype"))
-    out = []
-    for n in names:
-        draft = args.draft_model if n == "draft" else None
-        SpecSettings(n, draft or "", k)  # k out of range: one line, before any rank starts
-        out.append(DecodeSpec(dcp=cfg.parallel.dcp, prompt_len=PROMPT_LEN,
-                              new_tokens=args.max_output, seed=args.seed,
-                              page_size=cfg.cache.page_size, model_path=args.model,
-                              model_overrides=over, warmup_steps=WARMUP_STEPS,
-                              spec=n, draft_model=draft, num_draft_tokens=k))
-    return out
-
-
-def _tpot(res: dict) -> float:
-    """Decode wall time per output token of one rank's result."""
-    steps, sp = res["step_times"], res.get("speculative")
-    if sp is None:
-        return statistics.mean(steps)
-    return sum(steps) / max(1.0, sp["tokens_per_target_step"] * sp["target_steps"])
-
-
-def spec_rows(specs: list, results: list[list[dict]]) -> list[dict]:
-    """One row per method (``results[i]``: every rank's result of ``specs[i]``)."""
-    plain = next((r for s, r in zip(specs, results) if s.spec == "none"), results[0])
-    base_t, base_tokens = max(_tpot(r) for r in plain), plain[0]["tokens"]
-    rows = []
-    for s, res in zip(specs, results):
-        t = max(_tpot(r) for r in res)  # the group moves at its slowest rank
-        rows.append({"spec": s.spec, "k": s.num_draft_tokens if s.spec != "none" else None,
-                     "tpot_s": t, "tpot_ratio": t / base_t if base_t else 0.0,
-                     "speculative": res[0].get("speculative"),
-                     "target_kv_bytes_per_rank": max(r["kv_bytes"] for r in res),
-                     "draft_kv_bytes_per_rank": max(r.get("draft_kv_bytes", 0) for r in res),
-                     "tokens_match": all(r["tokens"] == base_tokens for r in res)})
-    return rows
-
-
-def _print(rows: list[dict], dcp: int) -> None:
-    print(f"speculative decoding: prompt {PROMPT_LEN}, dcp {dcp} "
-          "(TPOT ratio: over the 'none' row of this run)")
-    head = ["spec", "k", "TPOT ms", "x none", "proposed", "accepted", "accept", "mean acc",
-            "target steps", "tok/step", "draft recomp", "draft KV B/rank", "tokens ok"]
-    body = []
-    for r in rows:
-        sp = r["speculative"] or {}
-        body.append([r["spec"], r["k"] or "-", f"{r['tpot_s'] * 1e3:.2f}",
-                     f"{r['tpot_ratio']:.2f}", sp.get("proposed", "-"),
-                     sp.get("accepted", "-"),
-                     f"{sp['acceptance_rate']:.2f}" if sp else "-",
-                     f"{sp['mean_accepted_len']:.2f}" if sp else "-",
-                     sp.get("target_steps", "-"),
-                     f"{sp['tokens_per_target_step']:.2f}" if sp else "1.00",
-                     sp.get("draft_recomputed_tokens", "-"),
-                     r["draft_kv_bytes_per_rank"], r["tokens_match"]])
-    print(table(body, head))
+    for n in names:  # k out of range: one line, before any rank starts
+        SpecSettings(n, args.draft_model if n == "draft" else "", k)
+    workloads = [Path(args.trace).stem] if args.trace else \
+        _names("--workload", args.workload, WORKLOADS)
+    return workloads, _modes(args, cfg), k
 
 
 def spec_main(args, cfg: HiCacheConfig) -> int:
-    """Run every ``--spec`` method, print the table (or the JSON), 1 when tokens differ."""
-    from .decode_cli import decode_worker, decode_worker_many
-    from .distributed import launch
-    specs = _specs(args, cfg, _methods(args))
-    c = cfg.parallel.dcp
-    if c == 1:
-        results = [[decode_worker(0, 1, s)] for s in specs]
-    else:
-        per_rank = launch(c, decode_worker_many, specs, backend="gloo", timeout_s=900)
-        results = [[per_rank[r][i] for r in range(c)] for i in range(len(specs))]
-    rows = spec_rows(specs, results)
-    report = {"benchmark": "spec", "dcp": c, "prompt_len": PROMPT_LEN,
-              "new_tokens": args.max_output, "model": args.model or "built-in",
-              "rows": rows}
+    """Serve every workload with each ``--spec`` method; the table (or JSON); exit 1 when
+    ``--verify`` finds a request whose tokens differ from plain decoding's."""
+    from .bench_cli import _cold_l3, _jobs, run_mode
+    from .service import CACHE_MODES
+    names = _methods(args)
+    workloads, modes, k = _runs(args, cfg, names)
+    report = {"benchmark": "spec", "dcp": cfg.parallel.dcp, "k": k,
+              "model": args.model or "built-in", "workloads": []}
+    failed = []
+    for w in workloads:
+        jobs = _jobs(args, w, cfg)
+        entry = {"workload": w, "rows": []}
+        for mode in modes:
+            want = names if "none" in names or not args.verify else ["none"] + names
+            runs = {}
+            for n in want:  # each on an empty L3 store of its own: the methods start alike
+                opts = {"seed": args.seed, "backend": args.backend, "chunk": args.chunk,
+                        "max_running": args.max_running, "progress": not args.no_progress,
+                        "duration": 0.0, "workload": f"{w}:{n}", "metrics_port": None,
+                        "verify": False, "spec": n, "draft_model": args.draft_model,
+                        "num_draft_tokens": k}
+                with _cold_l3(cfg, "l3" in CACHE_MODES[mode]) as c:
+                    runs[n] = run_mode(c, mode, jobs, opts)
+            rows = [spec_row(n, k, runs[n], runs.get("none")) for n in want]
+            failed += _verify(args, w, rows)
+            entry["rows"] += [r for r in rows if r["spec"] in names]
+        report["workloads"].append(entry)
+    _emit(args, report)
+    for f in failed:
+        print(f"FAIL {f}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _verify(args, workload: str, rows: list[dict]) -> list[str]:
+    """Each row's tokens against the same mode's ``none`` row (``tokens_match``); with
+    ``--verify`` the rows that differ are failures."""
+    base = next((r for r in rows if r["spec"] == "none"), None)
+    out = []
+    for r in rows:
+        if base is None:
+            r["tokens_match"] = None
+            continue
+        bad = sum(1 for key in base["outputs"] if r["outputs"].get(key) != base["outputs"][key])
+        r["tokens_match"] = bad == 0
+        if bad and args.verify:
+            out.append(f"{workload}: {r['name']}: token ids of {bad} of {len(base['outputs'])} "
+                       "requests differ from plain decoding")
+    return out
+
+
+def _emit(args, report: dict) -> None:
+    for e in report["workloads"]:
+        for r in e["rows"]:
+            r.pop("outputs", None)
     text = json.dumps(report, indent=1, default=str)
     if args.out:
         Path(args.out).write_text(text)
     if args.json:
         print(text)
-    else:
-        _print(rows, c)
-    bad = [r["spec"] for r in rows if not r["tokens_match"]]
-    for name in bad:
-        print(f"FAIL --spec {name}: tokens differ from plain decoding", file=sys.stderr)
-    return 1 if bad else 0
+        return
+    for e in report["workloads"]:
+        _print(e, report)
+
+
+def _sources(sp: dict | None) -> str:
+    if not sp:
+        return "-"
+    return " ".join(f"{s} {b['acceptance_rate']:.2f}({b['requests']})"
+                    + (" LOW" if s in sp["flagged"] else "") for s, b in sp["by_source"].items())
+
+
+def _print(entry: dict, report: dict) -> None:
+    print(f"\n== {entry['workload']}: speculative serving, dcp {report['dcp']}, k "
+          f"{report['k']} (TPOT: p50 over requests; decode: its decode steps only; x none: "
+          "over the none row of the same mode; acceptance by draft KV source, LOW: below "
+          f"cold by > {SOURCE_MARGIN})")
+    body = []
+    for r in entry["rows"]:
+        sp = r["speculative"]
+        body.append([r["mode"], r["spec"], r["requests"], f"{r['tpot_s']['p50'] * 1e3:.2f}",
+                     f"{r['tpot_ratio']:.2f}" if r["tpot_ratio"] else "-",
+                     f"{r['tpot_s']['decode_p50'] * 1e3:.2f}",
+                     f"{r['decode_tpot_ratio']:.2f}" if r["decode_tpot_ratio"] else "-",
+                     f"{sp['tokens_per_target_step']:.2f}" if sp else "1.00",
+                     f"{sp['acceptance_rate']:.2f}" if sp else "-",
+                     sp["draft_recomputed_tokens"] if sp else "-", _sources(sp),
+                     "-" if r["tokens_match"] is None else r["tokens_match"]])
+    print(table(body, ["mode", "spec", "requests", "TPOT ms", "x none", "decode ms/tok",
+                       "x none", "tok/step", "accept",
+                       "draft recomp", "accept by source (requests)", "tokens ok"]))
+    flagged = [(r["name"], s) for r in entry["rows"] if r["speculative"]
+               for s in r["speculative"]["flagged"]]
+    for name, s in flagged:
+        print(f"  {name}: requests whose draft KV came from {s} accept less than cold ones: "
+              "restored draft state may be wrong")
+
+
+def tpot_summary(res: list) -> dict:
+    """p50 / p90 of the requests' TPOT (those with more than one token), and the p50 of
+    their decode-only TPOT (``decode_p50``: the decode steps' wall time per token, without
+    the prefills of other requests that ran between their tokens)."""
+    many = [r for r in res if len(r[2]) > 1]
+    t = np.array([r[5] for r in many] or [0.0])
+    d = np.array([r[7] for r in many] or [0.0])
+    return {"p50": float(np.percentile(t, 50)), "p90": float(np.percentile(t, 90)),
+            "decode_p50": float(np.percentile(d, 50))}

@@ -47,6 +47,7 @@ from .engine.model import MLAModel, ModelConfig
 from .engine.runner import DCPRunner, RequestState
 from .errors import ConfigError, DeviceFullError, DivergenceError, TransferError
 from . import serving_hybrid as hybrid
+from . import serving_spec as spec_steps
 from .service import HiCache
 
 
@@ -66,6 +67,9 @@ class Result:
     output: list[int]
     ttft_s: float
     hit: dict  # tokens per tier: {"l1", "l2", "l3"}
+    tpot_s: float = 0.0  # (last token - first token) / (tokens - 1); 0 for one token
+    decode_tpot_s: float = 0.0  # its decode steps' wall time / (tokens - 1): no prefill stalls
+    spec: dict | None = None  # speculative serving: its counts and draft KV source
 
 
 @dataclass(eq=False)  # identity: `in` and remove() never compare token arrays
@@ -82,6 +86,9 @@ class _Active:
     # hybrid models: positions whose KDA state the cache wants, and the snapshots taken there
     want: list = field(default_factory=list)
     snaps: dict = field(default_factory=dict)
+    spec: object = None  # speculative serving: a serving_spec.RequestSpec
+    first_at: float = 0.0  # when its first token came (TPOT)
+    decode_s: float = 0.0  # wall time of the decode steps it was in (decode-only TPOT)
 
 
 def _scope(job) -> tuple:
@@ -97,7 +104,7 @@ class Server:
     def __init__(self, model: MLAModel, cache: HiCache, *, backend: str = "a2a",
                  replicate_q: bool = True, group=None, chunk_tokens: int = 512,
                  max_running: int = 4, stall_steps: int = 200_000,
-                 max_overtakes: int = 4, probe=None) -> None:
+                 max_overtakes: int = 4, probe=None, spec=None) -> None:
         if chunk_tokens < 1 or max_running < 1:
             raise ConfigError(f"chunk_tokens and max_running must be >= 1, got {chunk_tokens} "
                               f"and {max_running}")
@@ -112,6 +119,11 @@ class Server:
         self.runner = DCPRunner(model, cache.kv, backend=backend, replicate_q=replicate_q,
                                 group=group, layer_hook=self._wait_layer)
         self.hybrid = hybrid.check(self.runner, cache)
+        # speculative serving (a serving_spec.SpecServing): k drafts per request per round,
+        # one batched verify; the draft runs on the cache's draft pool
+        self.spec = spec
+        self.draft_runner = spec_steps.draft_runner(spec, cache) if spec is not None else None
+        self.rounds = 0  # batched target steps that decoded (plain or verify)
         self.chunk_tokens = chunk_tokens
         self.max_running = max_running
         self.prefill_tokens = 0
@@ -134,10 +146,10 @@ class Server:
             self.cache.wait_layer(rid, layer)
         self.cache_s["wait_layer"] += time.perf_counter() - t0
 
-    def _timed(self, call: str, *args):
+    def _timed(self, call: str, *args, **kwargs):
         t0 = time.perf_counter()
         try:
-            return getattr(self.cache, call)(*args)
+            return getattr(self.cache, call)(*args, **kwargs)
         finally:
             self.cache_s[call] += time.perf_counter() - t0
 
@@ -240,7 +252,20 @@ class Server:
         return started
 
     def _decode(self, decoding: list) -> None:
-        """One token for every decoding request (one batched extend)."""
+        """One token for every decoding request (one batched extend); speculative serving:
+        up to k + 1 for each, verified in one batched target step. The step's wall time is
+        added to each request's ``decode_s`` (its decode-only TPOT)."""
+        self.rounds += 1
+        t0 = time.perf_counter()
+        self._step_tokens(decoding)
+        dt = time.perf_counter() - t0
+        for a in decoding:
+            a.decode_s += dt
+
+    def _step_tokens(self, decoding: list) -> None:
+        if self.spec is not None:
+            spec_steps.round_(self.runner, decoding, self.spec.num_draft_tokens, self.hybrid)
+            return
         if self.hybrid:
             logits = hybrid.decode(self.runner, decoding)
         else:
@@ -256,14 +281,16 @@ class Server:
                   and len(a.output) >= a.job.output_len]:
             active.remove(a)
             fed = np.concatenate([a.job.tokens, np.asarray(a.output[:-1], dtype=np.int64)])
-            if self.hybrid:
-                self._timed("finish", a.job.request_id, fed, hybrid.finished(self.runner, a))
-            else:
-                self._timed("finish", a.job.request_id, fed)
+            snaps = hybrid.finished(self.runner, a) if self.hybrid else None
+            self._timed("finish", a.job.request_id, fed, snaps, **spec_steps.finished(a))
             self.inserted += 1
             p = a.prefix
+            n = len(a.output)
+            tpot = (time.perf_counter() - a.first_at) / (n - 1) if n > 1 else 0.0
             finished.append(Result(a.job.request_id, len(a.job.tokens), a.output, a.ttft,
-                                   {"l1": p.device_len, "l2": p.host_len, "l3": p.storage_len}))
+                                   {"l1": p.device_len, "l2": p.host_len, "l3": p.storage_len},
+                                   tpot, a.decode_s / (n - 1) if n > 1 else 0.0,
+                                   spec_steps.report(a)))
 
     def _rematch_waiters(self, active: list) -> None:
         """What finished requests inserted may be in L1 now what a request still waiting on L3
@@ -376,17 +403,24 @@ class Server:
         except DeviceFullError:
             a.stale_at = self.inserted
             return False  # L1 is busy with running requests: retry after the next step
-        state = RequestState(page_table=prefix.page_table, length=prefix.hit_len)
+        state = a.state = RequestState(page_table=prefix.page_table, length=prefix.hit_len)
         suffix = torch.as_tensor(job.tokens[prefix.hit_len:], dtype=torch.int64)
         self._waiting_on = [job.request_id]
+        seen = None  # speculative: each chunk's final hidden states go to the drafter
+        if self.spec is not None:
+            a.spec = spec_steps.start(self.draft_runner, a)
+            seen = lambda lo: spec_steps.prefilled(self.runner, a, lo)  # noqa: E731
         t0 = time.perf_counter()
         try:
             if self.hybrid:  # restore the hit's KDA state, snapshot where the cache wants
                 logits = hybrid.prefill(self.runner, self.cache, a, state, suffix,
-                                        self.chunk_tokens)
+                                        self.chunk_tokens, seen)
             else:
                 for s in range(0, len(suffix), self.chunk_tokens):
+                    lo = state.length
                     logits = self.runner.extend(state, suffix[s:s + self.chunk_tokens])
+                    if seen is not None:
+                        seen(lo)
         finally:
             self._waiting_on = []
         dt = time.perf_counter() - t0
@@ -394,8 +428,10 @@ class Server:
         self.prefill_tokens += len(suffix)
         self.cache.observe_prefill(len(suffix), dt)
         a.output.append(int(logits[-1].argmax()))
-        a.ttft = time.perf_counter() - a.admitted
+        a.first_at = time.perf_counter()
+        a.ttft = a.first_at - a.admitted
         if self.probe is not None:  # after the prefill: every layer of the hit has arrived
             self.probe.prefilled(job.request_id, job.tokens, prefix, logits[-1])
-        a.state = state
+        if a.spec is not None:
+            spec_steps.caught_up(a)
         return True

@@ -24,9 +24,11 @@ def check(runner, cache) -> bool:
     return True
 
 
-def prefill(runner, cache, a, state, suffix: torch.Tensor, chunk: int) -> torch.Tensor:
+def prefill(runner, cache, a, state, suffix: torch.Tensor, chunk: int, seen=None
+            ) -> torch.Tensor:
     """The unmatched suffix of request ``a`` (``state`` at its hit), in chunks; returns the
-    last chunk's logits. Snapshots land in ``a.snaps``."""
+    last chunk's logits. Snapshots land in ``a.snaps``; ``seen(start)`` after each chunk (a
+    drafter reads ``runner.last_hidden``)."""
     job, prefix = a.job, a.prefix
     if prefix.hit_len:  # (the cache cut the hit back to a snapshot: the same position)
         pos, conv, rec = prefix.state
@@ -45,6 +47,8 @@ def prefill(runner, cache, a, state, suffix: torch.Tensor, chunk: int) -> torch.
             a.snaps.update((sn.length, (sn.conv, sn.rec)) for sn in snaps)
         else:
             logits = runner.extend(state, part)
+        if seen is not None:
+            seen(lo)
     return logits
 
 

@@ -21,7 +21,11 @@ VOCAB = 96
 LAYERS = 2  # N: the main model's layers; the MTP module is layer N
 
 
-def make_mtp_checkpoint(path, *, seed=0, own_head=False, with_mtp=True, moe=True, vocab=VOCAB):
+def make_mtp_checkpoint(path, *, seed=0, own_head=False, with_mtp=True, moe=True, vocab=VOCAB,
+                        far_norm=False):
+    """``far_norm``: the main model's final-norm weights spread over [0.2, 4] (far from 1, as
+    trained checkpoints' are), so feeding the MTP module the hidden state before or after that
+    norm makes a difference."""
     from safetensors.torch import load_file, save_file
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     cfg = DeepseekV3Config(
@@ -37,6 +41,11 @@ def make_mtp_checkpoint(path, *, seed=0, own_head=False, with_mtp=True, moe=True
     model = DeepseekV3ForCausalLM(cfg)
     g = torch.Generator().manual_seed(seed)
     seed_weights(model, g)
+    if far_norm:
+        with torch.no_grad():
+            hs = cfg.hidden_size
+            model.model.norm.weight.copy_(torch.linspace(0.2, 4.0, hs)[torch.randperm(
+                hs, generator=g)])
     path = Path(path)
     model.save_pretrained(path)
     raw = json.loads((path / "config.json").read_text())

@@ -114,3 +114,18 @@ def test_l3_dead_shard_benchmark_json():
     out = run("l3.py", "--dead-shard", "3", "--prefixes", "30", "--prefix-pages", "8")
     assert out["shards"] == 3 and 0 < out["kept_mean_pages"] < 8
     assert out["model_spread_pages"] < out["model_colocated_pages"]
+
+
+def test_spec_serving_benchmark_json():
+    """bench/spec_serving.py: the chat workload served plainly and with a draft (batched), at
+    DCP 2: TPOT ratio against the plain row of the same run, tokens per target step,
+    acceptance by draft KV source, tokens equal to plain decoding's."""
+    out = run("spec_serving.py", "--dcp", "2", "--noise", "0")
+    rows = out["rows"]
+    assert [(r["dcp"], r["spec"]) for r in rows] == [(2, "none"), (2, "draft")]
+    plain, spec = rows
+    assert plain["tpot_ratio"] == 1.0 and plain["tokens_per_target_step"] == 1.0
+    assert abs(spec["tpot_ratio"] * plain["tpot_ms"] - spec["tpot_ms"]) < 1e-6 * spec["tpot_ms"]
+    assert spec["acceptance_rate"] == 1.0 and spec["tokens_per_target_step"] > 1.5  # = target
+    assert sum(spec["source_requests"].values()) == spec["requests"] == plain["requests"] > 1
+    assert all(r["tokens_ok"] for r in rows) and spec["flagged"] == []

@@ -90,23 +90,33 @@ def draft_file(tmp_path_factory):
     return str(path)
 
 
-def test_bench_spec_rows_side_by_side(draft_file, tmp_path, capsys):
+def test_bench_spec_serves_the_chat_workload_batched(draft_file, tmp_path, capsys):
+    """``hicache-bench --spec none,draft`` serves the chat workload through the batched loop:
+    per row the ``speculative`` object (requests, tokens per target step, acceptance, by
+    draft KV source), TPOT against the none row, and --verify: every request's tokens equal
+    plain decoding's."""
     out = tmp_path / "spec.json"
     rc, text, _ = run(bench_cli.main, ["--spec", "none,draft", "--draft-model", draft_file,
-                                       "--dcp", "1", "--max-output", "9",
-                                       "--num-draft-tokens", "2", "--out", str(out)], capsys)
+                                       "--dcp", "1", "--workload", "chat", "--scale", "0.01",
+                                       "--max-output", "9", "--num-draft-tokens", "2",
+                                       "--l3-path", str(tmp_path / "l3"), "--verify",
+                                       "--no-progress", "--out", str(out)], capsys)
     assert rc == 0
-    head = text.splitlines()[1]
-    for col in ("TPOT ms", "proposed", "accepted", "tok/step", "draft recomp"):
+    head = next(x for x in text.splitlines() if x.startswith("mode"))
+    for col in ("TPOT ms", "x none", "tok/step", "accept", "accept by source", "tokens ok"):
         assert col in head
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["spec"] for r in rows] == ["none", "draft"]
+    (entry,) = json.loads(out.read_text())["workloads"]
+    rows = entry["rows"]
+    assert [(r["mode"], r["spec"]) for r in rows] == [("l1+l2+l3", "none"),
+                                                     ("l1+l2+l3", "draft")]
     assert rows[0]["speculative"] is None and rows[0]["tpot_ratio"] == 1.0
     sp = rows[1]["speculative"]
-    assert set(sp) == {"proposed", "accepted", "acceptance_rate", "mean_accepted_len",
-                       "target_steps", "tokens_per_target_step", "draft_recomputed_tokens"}
-    assert sp["acceptance_rate"] == 1.0 and sp["tokens_per_target_step"] > 2  # draft = target
-    assert all(r["tokens_match"] for r in rows) and rows[1]["draft_kv_bytes_per_rank"] > 0
+    assert sp["requests"] == rows[1]["requests"] > 1
+    # draft = target: every proposal accepted (a round proposes fewer near a request's end)
+    assert sp["acceptance_rate"] == 1.0 and sp["tokens_per_target_step"] > 1.5
+    assert sum(b["requests"] for b in sp["by_source"].values()) == sp["requests"]
+    assert {"cold", "l1"} <= set(sp["by_source"]) and sp["flagged"] == []
+    assert all(r["tokens_match"] for r in rows)
 
 
 @pytest.mark.parametrize("argv, line", [

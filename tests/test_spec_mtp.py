@@ -101,9 +101,19 @@ def test_mtp_logits_match_transformers(ckpts, name):
 
 
 def test_mtp_missing_tensors_name_the_first(tmp_path):
+    import json
     path = tmp_path / "plain"
     make_mtp_checkpoint(path, with_mtp=False)
     target = load_model(path)
+    with pytest.raises(CheckpointError, match=r"has no MTP modules \(config.json "
+                                              r"num_nextn_predict_layers is 0 or absent\)"):
+        load_mtp(path, target)
+    raw = json.loads((path / "config.json").read_text())
+    raw["num_nextn_predict_layers"] = 1  # declared, but the tensors are not there
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=r"no MTP module 1 \(config.json "
+                                              "num_nextn_predict_layers = 1"):
+        load_mtp(path, target, index=1)
     with pytest.raises(CheckpointError, match=rf"tensor model\.layers\.{LAYERS}\.enorm\.weight "
                                               "is missing"):
         load_mtp(path, target)
@@ -156,3 +166,91 @@ def test_mtp_draft_kv_is_the_recompute(ckpts, name):
     want = mtp.layers[0].kv_rows(x, torch.arange(m))
     _, got = drafter.runner.kv.read(0, drafter.state.slots(0, m, page))
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def _rms(x, w, eps):
+    """RMSNorm as the DeepSeek-V3 report defines it: x / sqrt(mean(x^2) + eps) * w."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+@torch.no_grad()
+def paper_mtp_logits(hf_model, main, added, tokens, prompt_len):
+    """MTP depth 1 written from the DeepSeek-V3 technical report (section 2.2), independently of
+    hicache's module:
+
+        h_i        the main model's final representation of token i: ``main`` is transformers'
+                   model of the checkpoint (N layers; transformers skips the MTP tensors),
+                   its ``last_hidden_state`` comes after the final RMSNorm, what its output
+                   head reads
+        h'_i     = M [RMSNorm(h_i); RMSNorm(Emb(t_{i+1}))]
+        h^1_i    = TRM(h'_0 .. h'_i)            (transformers' decoder layer N, causal)
+        P_{i+2}  = OutHead(h^1_i)               (shared_head: RMSNorm then the head)
+
+    M is the checkpoint's ``eh_proj`` [hidden, 2 hidden]; its input columns hold the embedding
+    half first (the order vLLM's and SGLang's loaders read), so the report's M splits as
+    [M_h | M_e] = [W[:, hs:] | W[:, :hs]]. Returns (logits [T, vocab], h' [T, hidden])."""
+    cfg = hf_model.config
+    cfg._attn_implementation = "eager"
+    hs, eps, p = cfg.hidden_size, cfg.rms_norm_eps, f"model.layers.{LAYERS}."
+    ids = torch.tensor([tokens[:prompt_len]])
+    h = main.model(ids).last_hidden_state[0].float()  # h_i, i < prompt_len
+    emb = hf_model.model.embed_tokens.weight[torch.tensor(tokens[1:prompt_len + 1])].float()
+    w = added[p + "eh_proj.weight"].float()
+    m_e, m_h = w[:, :hs], w[:, hs:]
+    x = _rms(h, added[p + "hnorm.weight"], eps) @ m_h.T + \
+        _rms(emb, added[p + "enorm.weight"], eps) @ m_e.T
+    t = x.shape[0]
+    pos = torch.arange(t)[None]
+    mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+    out = hf_model.model.layers[LAYERS](x[None], attention_mask=mask, position_ids=pos,
+                                        position_embeddings=hf_model.model.rotary_emb(x[None],
+                                                                                      pos))
+    out = (out[0] if isinstance(out, tuple) else out)[0]
+    head = added.get(p + "shared_head.head.weight", hf_model.lm_head.weight).float()
+    return _rms(out, added[p + "shared_head.norm.weight"], eps) @ head.T, h
+
+
+def test_mtp_is_fed_the_final_normed_hidden_state(tmp_path):
+    """On a checkpoint whose final-norm weights lie in [0.2, 4], the drafter's MTP logits at
+    every prompt position equal the report's formulation fed the main model's final (normed)
+    representation, and its proposal is that formulation's top-1. Fed the last layer's output
+    before the final norm (what the drafter used to read), the same formulation moves by far
+    more than the tolerance: the checkpoint tells the two apart."""
+    from hicache.engine.runner import DCPRunner
+    from hicache.engine.spec import MTPDrafter
+    from hicache.l1 import DeviceKVPool
+    from hicache.layout import DCPLayout
+    path = tmp_path / "far_norm"
+    from transformers import DeepseekV3ForCausalLM
+    hf_model, added = make_mtp_checkpoint(path, seed=4, far_norm=True)
+    main = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert len(main.model.layers) == LAYERS
+    norm_w = main.model.norm.weight.detach()
+    assert float(norm_w.min()) < 0.3 and float(norm_w.max()) > 3.5
+    target = load_model(path)
+    mtp = load_mtp(path, target)
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.randint(0, VOCAB, (13,), generator=g).tolist()
+    cfg, page = target.cfg, 4
+    pool = DeviceKVPool(DCPLayout(1, 0, page), cfg.num_layers, cfg.kv_dim, cfg.torch_dtype, 8)
+    runner = DCPRunner(target, pool, attn_backend="torch")
+    st = RequestState()
+    reserve(st, PageAllocator(8), len(prompt) + 4, page)
+    last = runner.extend(st, prompt)[-1]
+    seq = prompt + [int(last.argmax())]
+    ref, h_final = paper_mtp_logits(hf_model, main, added, seq, len(prompt))
+    drafter = MTPDrafter(replicated_runner(mtp, page, 8, "torch"), st.page_table)
+    drafter.observe(runner.last_hidden, 0, st.length)
+    got = drafter._run(seq, keep=0)
+    assert close(got.numpy(), ref.numpy())
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    # the same formulation fed the pre-norm output (h_final / w, up to the RMS scale that
+    # hnorm removes) is far from it on this checkpoint
+    pre = h_final / norm_w.float()
+    x_pre = mtp.inputs(seq[1:], pre)
+    x_fin = mtp.inputs(seq[1:], h_final)
+    assert float((x_pre - x_fin).abs().max()) > 100 * TOL * float(x_fin.abs().max())
+    # the proposal through the drafter's public path is the formulation's top-1
+    fresh = MTPDrafter(replicated_runner(mtp, page, 8, "torch"), st.page_table)
+    fresh.observe(runner.last_hidden, 0, st.length)
+    assert fresh.propose(seq, 1) == [int(ref[-1].argmax())]

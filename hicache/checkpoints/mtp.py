@@ -13,7 +13,7 @@ from hicache.engine.model import MLAModel, ModelConfig
 from hicache.engine.mtp import MTP_OPTIONAL, MTPModule
 from hicache.errors import CheckpointError
 
-__all__ = ["load_mtp", "mtp_tensors", "num_mtp_modules"]
+__all__ = ["load_mtp", "main_layers", "mtp_tensors", "num_mtp_modules"]
 
 
 def num_mtp_modules(directory: str | Path) -> int:
@@ -40,6 +40,27 @@ def mtp_tensors(cfg: ModelConfig, index: int = 0) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def main_layers(target) -> int:
+    """The main model's layers as ``config.json``'s ``num_hidden_layers`` counts them (MTP
+    module j is layer ``main_layers + j``): every layer of a hybrid model, MLA and KDA."""
+    hybrid = getattr(target, "hybrid", None)
+    return hybrid.num_layers if hybrid is not None else target.cfg.num_layers
+
+
+def _check_declared(d: Path, target, n: int, index: int) -> None:
+    """One line when the checkpoint has no MTP module ``index`` to load."""
+    if n == 0:
+        raise CheckpointError(f"{d} has no MTP modules (config.json num_nextn_predict_layers "
+                              "is 0 or absent); use --spec draft with a draft model")
+    if index >= n:
+        raise CheckpointError(f"{d}: no MTP module {index} (config.json "
+                              f"num_nextn_predict_layers = {n})")
+    if getattr(target, "hybrid", None) is not None:
+        raise CheckpointError(f"{d}: MTP module {index} of a hybrid (KDA) checkpoint (layer "
+                              f"{main_layers(target) + index} of num_hidden_layers = "
+                              f"{main_layers(target)}) is not supported; use --spec draft")
+
+
 def _engine_name(name: str, layer_index: int) -> str:
     """Checkpoint tensor name of the MTP module -> ``MTPModule`` parameter name."""
     from hicache.checkpoints import hf
@@ -61,6 +82,7 @@ def load_mtp(directory: str | Path, target: MLAModel, index: int = 0) -> MTPModu
     d = Path(directory)
     cfg = target.cfg
     n = num_mtp_modules(d)
+    _check_declared(d, target, n, index)
     files, _ = weight_files(d)
     where = {}
     try:

@@ -33,9 +33,42 @@ class HybridRunner(DCPRunner):
         super().__init__(model, kv, **kwargs)
         self.states = KDAStatePool(model.hybrid, model.cfg.torch_dtype, kv.device, state_slots)
         self.last_snapshots: list = []
+        # per request (id of its RequestState): position -> its KDA state, kept by verify_batch
+        self.kept: dict[int, dict[int, StateSnapshot]] = {}
 
     def release(self, state: RequestState) -> None:
         self.states.release(state)
+        self.kept.pop(id(state), None)
+
+    def verify_batch(self, states: Sequence[RequestState], token_lists: Sequence,
+                     keep: bool = False) -> list[torch.Tensor]:
+        """``extend_batch`` keeping every request's KDA state (conv window and recurrent
+        matrix, every KDA layer) at the step's start and after each of its positions, so
+        ``rewind`` rolls a rejection back without recompute. Each position runs the token loop from the state
+        before it, as a decode step does (``KDALayer.mix`` cut at every position)."""
+        at = [list(range(st.length, st.length + len(t) + 1))
+              for st, t in zip(states, token_lists)]
+        logits = self.extend_batch(states, token_lists, snapshot_at=at)
+        for st, snaps in zip(states, self.last_snapshots):
+            mine = self.kept.get(id(st)) if keep else None
+            if mine is None:
+                mine = self.kept[id(st)] = {}
+            mine.update((sn.length, sn) for sn in snaps)
+        return logits
+
+    def rewind(self, state: RequestState, length: int) -> None:
+        """Back to ``length``: the KDA state kept there by ``verify_batch`` is restored (no
+        recompute); a position no verify kept is a ``UsageError`` (the state cannot be
+        rewound further)."""
+        if length == state.length:
+            return
+        snap = self.kept.get(id(state), {}).get(length)
+        if snap is None or length > state.length:
+            raise UsageError(f"rewind to {length!r}: no KDA state kept there (the request is "
+                             f"at {state.length}; a hybrid request rewinds only within the "
+                             "positions of its verify steps)")
+        super().rewind(state, length)
+        self.states.restore(state, snap)
 
     def extend_snapshots(self, state: RequestState, new_tokens, at: Sequence[int]
                          ) -> tuple[torch.Tensor, list[StateSnapshot]]:
@@ -79,7 +112,8 @@ class HybridRunner(DCPRunner):
                 self.layer_hook(j)
             self.kv.write(j, write, layer.kv_rows(h, pos_dev))
             h = self._layer(j, layer, h, pos_dev, local, sizes)
-        logits = model.logits(h)
+        self.last_hidden = model.final_norm(h)  # what an MTP module or a drafter reads
+        logits = model.head_logits(self.last_hidden)
         dtype = self.states.conv.dtype
         self.last_snapshots = [
             [StateSnapshot(st.length + c,

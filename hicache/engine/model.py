@@ -485,8 +485,17 @@ class MLAModel(nn.Module):
         """The LM head [vocab, hidden] (the embedding when tied)."""
         return self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
 
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The last layer's output -> the model's final representation (its final RMSNorm):
+        what the LM head reads, and what an MTP module is fed (``runner.last_hidden``)."""
+        return rms_norm(h, self.norm, self.cfg.rms_eps)
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The final representation [T, hidden] -> logits [T, vocab] fp32."""
+        return x @ self.head.float().T
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return rms_norm(h, self.norm, self.cfg.rms_eps) @ self.head.float().T  # [T, vocab]
+        return self.head_logits(self.final_norm(h))  # [T, vocab]
 
     # ---- dense reference ---------------------------------------------------------------------
     @torch.no_grad()

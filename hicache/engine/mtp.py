@@ -84,8 +84,16 @@ class MTPModule(nn.Module):
         h = rms_norm(h_prev.float(), self.hnorm, eps)
         return torch.cat([e, h], -1) @ self.eh_proj.float().T
 
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The decoder layer's output -> the module's final representation
+        (``shared_head.norm``): what its head reads and, chained, its next step is fed."""
+        return rms_norm(h, self.head_norm, self.cfg.rms_eps)
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.head.float().T
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return rms_norm(h, self.head_norm, self.cfg.rms_eps) @ self.head.float().T
+        return self.head_logits(self.final_norm(h))
 
     @torch.no_grad()
     def forward(self, tokens, h_prev: torch.Tensor) -> torch.Tensor:

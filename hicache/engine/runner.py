@@ -215,7 +215,7 @@ class DCPRunner:
         self.attn_backend = attn_backend
         self.layer_hook = layer_hook
         self.stats = EngineStats()
-        self.last_hidden: Optional[torch.Tensor] = None  # the last extend's final h
+        self.last_hidden: Optional[torch.Tensor] = None  # the last extend's final normed h
 
     @property
     def page_tokens(self) -> int:
@@ -286,7 +286,9 @@ class DCPRunner:
                      inputs: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
         """``extend`` for several requests at once; one set of collectives per layer.
         ``inputs`` (fp32 [sumK, hidden]) replaces the token embeddings (an MTP module's input);
-        ``self.last_hidden`` keeps the last layer's output [sumK, hidden] (before the norm)."""
+        ``self.last_hidden`` keeps the final representation [sumK, hidden]: the last layer's
+        output after the model's final norm, what the LM head reads and an MTP module is fed
+        (as vLLM's, SGLang's and Megatron's MTP are; docs/speculative.md)."""
         toks = self._check(states, token_lists)
         sizes = [t.numel() for t in toks]
         write, pos_dev, local = self._index(states, sizes)
@@ -298,11 +300,28 @@ class DCPRunner:
                 self.layer_hook(i)
             self.kv.write(i, write, layer.kv_rows(h, pos_dev))
             h = self._layer(i, layer, h, pos_dev, local, sizes)
-        self.last_hidden = h
-        logits = model.logits(h)  # [sumK, vocab]
+        self.last_hidden = model.final_norm(h)
+        logits = model.head_logits(self.last_hidden)  # [sumK, vocab]
         for st, k in zip(states, sizes):
             st.length += k
         return list(torch.split(logits, sizes))
+
+    # ---- speculative verify ------------------------------------------------------------------
+    def verify_batch(self, states: Sequence[RequestState], token_lists: Sequence,
+                     keep: bool = False) -> list[torch.Tensor]:
+        """``extend_batch`` of drafted tokens, after which ``rewind`` may take each request back
+        to any position the step ran (``keep``: to those of the previous verify too, a
+        drafter's chained steps). MLA rows need nothing kept: rows past the committed length
+        are overwritten by the next step (a hybrid runner keeps its KDA state per position)."""
+        return self.extend_batch(states, token_lists)
+
+    def rewind(self, state: RequestState, length: int) -> None:
+        """Forget the positions ``>= length`` of ``state`` (a rejected draft's): they were
+        written by a ``verify_batch`` and are overwritten by the next step."""
+        if isinstance(length, bool) or not isinstance(length, int) or \
+                not 0 <= length <= state.length:
+            raise UsageError(f"rewind to {length!r}: the request is at {state.length}")
+        state.length = length
 
     def _layer(self, i: int, layer, h: torch.Tensor, pos_dev: torch.Tensor, local: list,
                sizes: list[int]) -> torch.Tensor:

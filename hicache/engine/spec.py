@@ -25,9 +25,10 @@ Drafters:
 - ``DraftModelDrafter``: any model the engine loads (same vocabulary). It feeds the committed
   tokens it has not seen, then chains k - 1 single-token steps; rejected positions roll back.
 - ``MTPDrafter``: a DeepSeek-V3 MTP module (``hicache.engine.mtp``). MTP position i pairs the
-  target's hidden state at i with token i+1. After each target step the module is extended over
-  the newly committed positions with the target's hidden states (replacing its own chained
-  rows), then chains k - 1 steps on its own output hidden state. Without the prompt's hidden
+  target's final representation at i (after its final norm, as vLLM, SGLang and Megatron feed
+  it) with token i+1. After each target step the module is extended over the newly committed
+  positions with the target's hidden states (replacing its own chained rows), then chains
+  k - 1 steps on its own final representation (after ``shared_head.norm``, as SGLang). Without the prompt's hidden
   states (a PCP prefill returns only the last logits) the module starts at the first decoded
   position: RoPE attention is relative, so its positions are counted from there.
 """
@@ -47,7 +48,7 @@ METHODS = ("none", "mtp", "draft")
 MAX_DRAFT_TOKENS = 8
 
 __all__ = ["METHODS", "MAX_DRAFT_TOKENS", "SpecSettings", "SpecStats", "DraftModelDrafter",
-           "MTPDrafter", "replicated_runner", "speculative_generate"]
+           "MTPDrafter", "propose_batch", "replicated_runner", "speculative_generate"]
 
 
 @dataclass(frozen=True)
@@ -135,8 +136,9 @@ class Drafter(abc.ABC):
 
     @abc.abstractmethod
     def observe(self, hidden: Optional[torch.Tensor], start: int, end: int) -> None:
-        """The target committed positions [start, end) (``hidden``: its last-layer output
-        there, or None when not known); positions >= end are not committed."""
+        """The target committed positions [start, end) (``hidden``: its final representation
+        there, ``runner.last_hidden``: after the final norm; None when not known); positions
+        >= end are not committed."""
 
     @abc.abstractmethod
     def propose(self, seq: Sequence[int], k: int) -> list[int]:
@@ -163,9 +165,11 @@ class DraftModelDrafter(Drafter):
     """A separate draft model, decoding greedily beside the target."""
 
     def observe(self, hidden, start: int, end: int) -> None:
-        self.state.length = min(self.state.length, end)
+        self.runner.rewind(self.state, min(self.state.length, end))
 
     def restored(self, draft_len: int, hit_len: int) -> int:
+        if hasattr(self.runner, "states"):
+            draft_len = 0  # a hybrid draft: its KDA state is not cached, so all is recomputed
         self.state.length = draft_len  # catch_up recomputes the rest of the hit
         return hit_len - draft_len
 
@@ -180,12 +184,36 @@ class DraftModelDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, seq: Sequence[int], k: int) -> list[int]:
-        st, run = self.state, self.runner
-        logits = run.extend(st, list(seq[st.length:]))
+        st, run = self.state, self.runner  # every step can be rewound (a hybrid draft's too)
+        logits = run.verify_batch([st], [list(seq[st.length:])])[0]
         out = [int(logits[-1].argmax())]
         while len(out) < k:
-            out.append(int(run.extend(st, [out[-1]])[-1].argmax()))
+            out.append(int(run.verify_batch([st], [[out[-1]]], keep=True)[0][-1].argmax()))
         return out
+
+
+@torch.no_grad()
+def propose_batch(drafters: Sequence[Drafter], seqs: Sequence[Sequence[int]],
+                  ks: Sequence[int]) -> list[list[int]]:
+    """``drafter.propose(seq, k)`` of several requests. Draft-model drafters sharing one runner
+    (a serving loop's) draft together: each step is one batched extend of every request
+    still drafting (its catch-up tokens first, then one chained token per step), so a batch
+    of n requests costs k draft steps, not n * k; other drafters propose one by one."""
+    out: list[list[int]] = [[] for _ in drafters]
+    batch = [i for i, d in enumerate(drafters) if ks[i] > 0 and type(d) is DraftModelDrafter
+             and d.runner is drafters[0].runner]
+    for i, d in enumerate(drafters):
+        if ks[i] > 0 and i not in batch:
+            out[i] = d.propose(seqs[i], ks[i])
+    keep, toks = False, [list(seqs[i][drafters[i].state.length:]) for i in batch]
+    while batch:
+        logits = drafters[0].runner.verify_batch([drafters[i].state for i in batch], toks,
+                                                 keep=keep)
+        for i, lg in zip(batch, logits):
+            out[i].append(int(lg[-1].argmax()))
+        batch = [i for i in batch if len(out[i]) < ks[i]]
+        keep, toks = True, [[out[i][-1]] for i in batch]
+    return out
 
 
 class MTPDrafter(Drafter):
@@ -315,13 +343,14 @@ def speculative_generate(runner, state, prompt: Sequence[int], last_logits: torc
         kk = min(k, new_tokens - len(out) - 1)  # never verify past the last wanted token
         drafts = drafter.propose(seq, kk) if kk > 0 else []
         start = state.length
-        logits = runner.extend(state, [seq[-1]] + drafts)  # positions start .. start + kk
+        # positions start .. start + kk (a hybrid target keeps its KDA state at each)
+        logits = runner.verify_batch([state], [[seq[-1]] + drafts])[0]
         picks = logits.argmax(-1).tolist()
         a = 0
         while a < len(drafts) and drafts[a] == picks[a]:
             a += 1
         new = drafts[:a] + [picks[a]]
-        state.length = start + a + 1  # rejected rows: overwritten by the next step
+        runner.rewind(state, start + a + 1)  # rejected rows: overwritten by the next step
         seq += new
         out += new
         drafter.observe(runner.last_hidden[:a + 1], start, state.length)
