@@ -485,7 +485,7 @@ def unique_pages(reqs, page) -> int:
 def production_trace(args) -> list:
     """``--trace``: a production trace's prompts (Mooncake / Bailian hash ids, blocks of
     ``--block-tokens``) as the bench's requests."""
-    from hicache.traces import as_requests, load
+    from hicache.workloads.traces import as_requests, load
     return as_requests(load(args.trace, args.trace_format, args.block_tokens,
                             max_requests=args.trace_requests), None)
 

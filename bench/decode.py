@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from hicache.distributed import launch
-from hicache.decode_cli import DecodeSpec, decode_worker, decode_worker_many
+from hicache.commands.decode import DecodeSpec, decode_worker, decode_worker_many
 
 VARIANTS = [("a2a", True), ("a2a", False), ("ag_rs", True), ("ag_rs", False)]
 

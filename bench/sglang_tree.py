@@ -62,7 +62,7 @@ def _requests(workload: str, scale: float, seed: int, trace: tuple = ()) -> list
     """The bench's requests: a seeded workload, or (``trace``: path, format, block tokens,
     requests) a production trace, made as ``bench/controller.py`` makes them."""
     if trace:
-        from hicache.traces import as_requests, load
+        from hicache.workloads.traces import as_requests, load
         path, fmt, block, n = trace
         return as_requests(load(path, fmt, block, max_requests=n), None)
     from hicache.workloads import agentic_trace, chat_trace

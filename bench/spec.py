@@ -24,7 +24,7 @@ import warnings
 import torch
 
 from hicache.distributed import launch
-from hicache.decode_cli import DecodeSpec, build_model, decode_worker, decode_worker_many
+from hicache.commands.decode import DecodeSpec, build_model, decode_worker, decode_worker_many
 
 
 def model_overrides(quick: bool) -> tuple:

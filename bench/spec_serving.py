@@ -27,10 +27,10 @@ from contextlib import redirect_stdout
 
 import torch
 
-from hicache import bench_cli
-from hicache.bench_model import engine_model
+from hicache.commands import bench as bench_cli
+from hicache.commands.bench_model import engine_model
 from hicache.config import load_config
-from hicache.report import table
+from hicache.commands.report import table
 
 
 def write_draft(path: str, noise: float, seed: int = 3) -> None:

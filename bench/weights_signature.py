@@ -23,7 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hicache.checkpoints import signature
-from hicache.report import table
+from hicache.commands.report import table
 
 TENSOR_BYTES = 64 << 20
 

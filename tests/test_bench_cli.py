@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from hicache import bench_cli
+from hicache.commands import bench as bench_cli
 
 from helpers import l3_writes_land_at_once, policy_toml, secret_file
 
@@ -266,7 +266,8 @@ def test_progress_bars_leave_no_semaphore_behind(tmp_path):
     import sys
     cfg_file = tmp_path / "policy.toml"
     cfg_file.write_text(policy_toml(dcp=2, page_size=8))
-    proc = subprocess.run([sys.executable, "-m", "hicache.bench_cli", "--config", str(cfg_file),
+    proc = subprocess.run([sys.executable, "-m", "hicache.commands.bench",
+                           "--config", str(cfg_file),
                            "--workload", "chat", "--scale", "0.01", "--max-output", "2",
                            "--modes", "l1"],
                           capture_output=True, text=True, timeout=240)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hicache import bench_cli, cli
+from hicache.commands import bench as bench_cli, cli
 
 from helpers import policy_toml
 
@@ -149,9 +149,9 @@ def test_bad_input_is_one_line(files, capsys, command, code, line):
 
 
 @pytest.mark.parametrize("argv, line", [
-    (["hicache.cli", "check-config", "{fifo}"], "this is a FIFO"),
-    (["hicache.bench_cli", "--trace", "/dev/zero"], "this is a device"),
-    (["hicache.cli", "decode", "--timeout", "nan"], "--timeout must be"),
+    (["hicache.commands.cli", "check-config", "{fifo}"], "this is a FIFO"),
+    (["hicache.commands.bench", "--trace", "/dev/zero"], "this is a device"),
+    (["hicache.commands.cli", "decode", "--timeout", "nan"], "--timeout must be"),
 ])
 def test_bad_input_as_a_real_process(files, argv, line):
     argv = [a.format(**files) for a in argv]

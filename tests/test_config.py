@@ -74,7 +74,7 @@ class Ran:
 
 @pytest.fixture
 def run_cli(capsys):
-    from hicache.cli import main
+    from hicache.commands.cli import main
 
     def run(*args):
         rc = main(list(args))
@@ -84,7 +84,7 @@ def run_cli(capsys):
 
 
 def test_console_entry_point_runs():
-    r = subprocess.run([sys.executable, "-m", "hicache.cli", "plan", "--model", "kimi-k2",
+    r = subprocess.run([sys.executable, "-m", "hicache.commands.cli", "plan", "--model", "kimi-k2",
                         "--tp", "16", "--dcp", "8"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "kimi-k2" in r.stdout
 

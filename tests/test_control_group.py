@@ -20,7 +20,7 @@ def _cuda_only_engine_group(rank, world, cfg_dict, prompts):
     import torch.distributed as dist
 
     from hicache import distributed as hd
-    from hicache.bench_cli import _agree_continue
+    from hicache.commands.bench import _agree_continue
     from hicache.engine.model import MLAModel
     from hicache.l3 import min_across_ranks
     from hicache.serving import Server, model_config

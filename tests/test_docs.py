@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from hicache import bench_cli, cli
+from hicache.commands import bench as bench_cli, cli
 from hicache.config import describe
-from hicache.policy_doc import reference
+from hicache.commands.policy_doc import reference
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -78,7 +78,7 @@ def test_a_flag_that_does_not_exist_is_caught():
 def test_policy_reference_is_the_schema():
     text = (ROOT / "docs" / "policy.md").read_text()
     assert text == reference(), \
-        "docs/policy.md is stale: python -m hicache.policy_doc > docs/policy.md"
+        "docs/policy.md is stale: python -m hicache.commands.policy_doc > docs/policy.md"
     for key, _default, _help in describe():
         section, name = key.rsplit(".", 1)
         assert f"`[{section}]`" in text and f"| `{name}` |" in text, key

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from hicache import decode_cli as cli
+from hicache.commands import decode as cli
 from hicache.engine.model import MLAModel, ModelConfig
 
 

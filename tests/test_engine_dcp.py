@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hicache.distributed import launch
-from hicache.decode_cli import DecodeSpec, build_model, decode_worker, make_prompt, summarize
+from hicache.commands.decode import DecodeSpec, build_model, decode_worker, make_prompt, summarize
 from hicache.engine.model import MLAModel, ModelConfig
 from hicache.engine.runner import DCPRunner, RequestState, reserve
 from hicache.errors import TopologyError, UsageError

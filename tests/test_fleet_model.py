@@ -86,7 +86,7 @@ def test_bad_fleet_inputs_are_refused():
 
 
 def _plan(*argv):
-    return subprocess.run([sys.executable, "-m", "hicache.cli", "plan", "--fleet", *argv],
+    return subprocess.run([sys.executable, "-m", "hicache.commands.cli", "plan", "--fleet", *argv],
                           capture_output=True, text=True, timeout=120)
 
 

@@ -204,7 +204,7 @@ def serve_modes(path, l3_root, dcp, jobs, rank=0, group=None):
 def two_rank_worker(rank, world, cases, tier_cases, pcp_cases, l3_root):
     """DCP 2 (both backends), the serving loop over every tier, PCP 2 prefill: one group."""
     import torch.distributed as dist
-    from hicache.decode_cli import DecodeSpec, decode_worker
+    from hicache.commands.decode import DecodeSpec, decode_worker
     group = dist.group.WORLD
     out = {}
     for name, (path, prompt) in cases.items():
@@ -308,7 +308,7 @@ def test_dcp4_matches_transformers(ckpts):
 
 
 def test_decode_cli_runs_a_checkpoint_on_explicit_prompt_ids(ckpts, capsys):
-    from hicache import decode_cli as cli
+    from hicache.commands import decode as cli
     path, prompt, ref_tokens, _ = ckpts["v2_moe_grouped_yarn_tied"]
     rc = cli.main(["decode", "--model", path, "--prompt-ids", ",".join(map(str, prompt)),
                    "--new-tokens", str(NEW), "--json", "--verify"])
@@ -325,7 +325,7 @@ def test_decode_cli_runs_a_checkpoint_on_explicit_prompt_ids(ckpts, capsys):
 
 
 def test_bench_runs_a_checkpoint(ckpts, tmp_path, capsys):
-    from hicache import bench_cli
+    from hicache.commands import bench as bench_cli
     path = ckpts["v3_moe_halfrope_published"][0]
     policy_file = tmp_path / "p.toml"
     policy_file.write_text('[model]\nnum_layers = 7\n[cache]\npage_size = 4\n[l1]\nnum_pages = 64\n'

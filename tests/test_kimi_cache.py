@@ -189,7 +189,7 @@ def test_check_config_plan_and_memory_count_snapshot_bytes(kimi, tmp_path, capsy
 
 def test_bench_reports_snapshots_by_tier_and_verifies(kimi, tmp_path, capsys):
     import json
-    from hicache import bench_cli
+    from hicache.commands import bench as bench_cli
     out = tmp_path / "r.json"
     f = tmp_path / "p.toml"
     f.write_text(f'[cache]\npage_size = 4\n[l1]\nnum_pages = 64\n[hybrid]\n'

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from hicache import cli
+from hicache.commands import cli
 from hicache.engine.kimi import HybridConfig
 from hicache.checkpoints.kimi_config import parse_kimi_config
 from hicache.engine.model import ModelConfig

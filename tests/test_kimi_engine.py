@@ -278,7 +278,7 @@ def test_snapshots_inside_a_step_restore_a_prefix_hit(ckpts):
 
 
 def test_decode_cli_runs_kimi_at_dcp2_and_rejects_bad_configs(ckpts, tmp_path, capsys):
-    from hicache import decode_cli as cli
+    from hicache.commands import decode as cli
     path, prompt, ref_tokens, _ = ckpts["kda_first_dense0_moe"]
     rc = cli.main(["decode", "--model", path, "--dcp", "2", "--prompt-ids",
                    ",".join(map(str, prompt)), "--new-tokens", str(NEW), "--json", "--verify"])

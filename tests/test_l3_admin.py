@@ -17,7 +17,7 @@ import redis
 import torch
 
 from hicache.l3.auth import Trust
-from hicache import cli
+from hicache.commands import cli
 from hicache.l3 import Namespace, open_store, page_keys, registry
 from hicache.l3.localserver import port_free
 

@@ -281,7 +281,8 @@ def test_l3_check_verifies_macs_with_the_secret(tmp_path):
 
     def check(*extra):
         env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_L3_")}
-        r = subprocess.run([sys.executable, "-m", "hicache.cli", "l3", "check", path, *extra],
+        r = subprocess.run([sys.executable, "-m", "hicache.commands.cli", "l3", "check", path,
+                            *extra],
                            capture_output=True, text=True, timeout=120, env=env)
         return r.returncode, r.stdout.strip() + r.stderr.strip()
 

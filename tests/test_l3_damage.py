@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hicache.errors import ConfigError, L3CorruptError, L3ForeignError
-from hicache import cli
+from hicache.commands import cli
 from hicache.config import HiCacheConfig
 from hicache.engine.model import MLAModel
 from hicache.l3 import Namespace, PageStore, lmdb_check, page_keys

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from hicache import bench_cli
+from hicache.commands import bench as bench_cli
 from hicache.l3.localserver import free_port
 
 from helpers import policy_toml, secret_file

@@ -73,7 +73,7 @@ def test_a_store_port_taken_before_rank_0_listens_is_tried_again(monkeypatch):
 
 
 def test_run_guarded_prints_one_line_per_failure(capsys):
-    from hicache.cli import run_guarded
+    from hicache.commands.cli import run_guarded
 
     def dies(_):
         raise RankError(1, "was killed by SIGKILL")

@@ -133,8 +133,8 @@ def reaches(part: str, *forbidden: str) -> list[str]:
 
 
 def test_the_static_probe_sees_lazy_imports():
-    # decode_cli imports the runner inside a function: the static probe must see it
-    assert reaches("decode_cli", "hicache.engine.runner")
+    # commands/decode imports the runner inside a function: the static probe must see it
+    assert reaches("commands/decode", "hicache.engine.runner")
 
 
 def test_the_kernels_import_no_engine():
@@ -142,12 +142,12 @@ def test_the_kernels_import_no_engine():
 
 
 def test_the_engine_core_imports_no_pcp_checkpoint_loader_or_cli():
-    assert reaches("engine", "hicache.pcp", "hicache.checkpoints", "hicache.decode_cli",
-                   "hicache.cli", "hicache.bench_cli", "hicache.service") == []
+    assert reaches("engine", "hicache.pcp", "hicache.checkpoints", "hicache.commands",
+                   "hicache.service") == []
 
 
 def test_pcp_imports_no_cli():
-    assert reaches("pcp", "hicache.decode_cli", "hicache.cli", "hicache.bench_cli") == []
+    assert reaches("pcp", "hicache.commands") == []
 
 
 def test_checkpoint_config_reading_needs_no_engine():
@@ -156,10 +156,10 @@ def test_checkpoint_config_reading_needs_no_engine():
 
 
 def test_the_soak_never_imports_the_bench_command():
-    # bench_cli runs the soak; what both need (the engine's model, the L3 backend) is in the
-    # neutral hicache.bench_model, so the arrow runs one way only
-    assert reaches("soak", "hicache.bench_cli") == []
-    assert reaches("bench_model", "hicache.bench_cli", "hicache.soak") == []
+    # the bench command runs the soak; what both need (the engine's model, the L3 backend) is
+    # in the neutral hicache.commands.bench_model, so the arrow runs one way only
+    assert reaches("commands/soak", "hicache.commands.bench") == []
+    assert reaches("commands/bench_model", "hicache.commands.bench", "hicache.commands.soak") == []
 
 
 def test_the_policy_file_imports_nothing_heavier_than_itself():
@@ -175,5 +175,5 @@ def test_the_companions_import_no_service_engine_or_serving_loop():
     # a companion reaches its service only through the Host it is given: the service loops
     # over companions, never the other way round
     assert reaches("companions", "hicache.service", "hicache.facade", "hicache.tier_io",
-                   "hicache.engine", "hicache.serving", "hicache.serving_hybrid") == []
+                   "hicache.engine", "hicache.serving", "hicache.serving.hybrid") == []
     assert reaches("facade", "hicache.service", "hicache.engine", "hicache.serving") == []

@@ -206,7 +206,7 @@ def test_bench_serves_metrics_per_rank_during_a_two_rank_run(tmp_path):
     port = _free_pair()
     out = tmp_path / "run.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hicache.bench_cli", "--config", str(cfg), "--workload", "chat",
+        [sys.executable, "-m", "hicache.commands.bench", "--config", str(cfg), "--workload", "chat",
          "--scale", "0.01", "--max-output", "3", "--modes", "l1+l2+l3", "--duration", "8",
          "--no-progress", "--metrics-port", str(port), "--out", str(out)],
         env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -245,7 +245,7 @@ def test_bench_serves_metrics_per_rank_during_a_two_rank_run(tmp_path):
 
 def test_bench_metrics_port_must_be_usable(tmp_path, capsys):
     import socket
-    from hicache import bench_cli
+    from hicache.commands import bench as bench_cli
     cfg = tmp_path / "policy.toml"
     cfg.write_text(bench_config(tmp_path / "l3"))
     assert bench_cli.main(["--config", str(cfg), "--metrics-port", "80"]) == 2

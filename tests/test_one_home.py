@@ -49,8 +49,8 @@ def test_each_list_name_means_one_thing():
     dcp = importlib.import_module("hicache.engine.dcp")
     assert set(service.CACHE_MODES) == {"recompute", "l1", "l1+l2", "l1+l2+l3"}
     assert ring.PCP_MODES == ("full_kv", "ring") and dcp.DCP_BACKENDS == ("a2a", "ag_rs")
-    for mod in (service, ring, dcp, importlib.import_module("hicache.decode_cli"),
-                importlib.import_module("hicache.bench_cli")):
+    for mod in (service, ring, dcp, importlib.import_module("hicache.commands.decode"),
+                importlib.import_module("hicache.commands.bench")):
         assert not hasattr(mod, "MODES"), mod.__name__
         assert mod is importlib.import_module("hicache.l3.backends") or \
             not hasattr(mod, "BACKENDS"), mod.__name__

@@ -15,7 +15,7 @@ import pytest
 import redis
 import torch
 
-from hicache import cli
+from hicache.commands import cli
 from hicache.errors import ConfigError
 from hicache.l3 import Namespace, auth, open_store, page_keys
 from hicache.l3.auth import Trust
@@ -149,7 +149,7 @@ def test_a_closed_pipe_ends_quietly(argv):
     r, w = os.pipe()
     os.close(r)  # the reader (`| head`) is gone before the first write
     try:
-        p = subprocess.run([sys.executable, "-m", "hicache.cli", *argv], stdout=w,
+        p = subprocess.run([sys.executable, "-m", "hicache.commands.cli", *argv], stdout=w,
                            stderr=subprocess.PIPE, text=True, timeout=120, cwd=ROOT,
                            env={**os.environ, "PYTHONPATH": str(ROOT)})
     finally:

@@ -78,7 +78,7 @@ def test_wheel_ships_the_policy_and_runs_both_commands(fresh):
 
 
 def test_check_config_without_a_file_uses_the_example(capsys):
-    from hicache.cli import main
+    from hicache.commands.cli import main
     from hicache.paths import default_policy
     assert main(["check-config", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["file"] == str(default_policy())
@@ -95,7 +95,7 @@ def no_redis(monkeypatch):
 
 
 def test_missing_redis_client_is_one_line_from_preflight(tmp_path, no_redis, capsys):
-    from hicache.cli import main
+    from hicache.commands.cli import main
     f = tmp_path / "policy.toml"
     f.write_text(policy_toml(tmp_path / "l3", l3={"backend": "redis",
                                                  "url": "redis://127.0.0.1:6379/0"}))

@@ -201,7 +201,7 @@ def test_the_service_builds_its_pools_and_namespace_from_the_config_format(tmp_p
 def test_check_config_and_plan_show_the_format(tmp_path, capsys):
     import json
 
-    from hicache.cli import main
+    from hicache.commands.cli import main
     policy = tmp_path / "p.toml"
     policy.write_text('[model]\nnum_layers = 3\nkv_lora_rank = 24\nrope_dim = 8\n'
                       'dtype = "bfloat16"\n[cache]\npage_size = 8\n[l1]\nnum_pages = 4\n')

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from hicache import decode_cli as cli
+from hicache.commands import decode as cli
 from hicache.layout import DCPLayout
 
 PROMPT, NEW, SEED, PAGE = 7, 3, 3, 4  # 7 tokens: not divisible by 2N for N = 2, 3

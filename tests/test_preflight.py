@@ -178,7 +178,7 @@ def test_every_valid_config_round_trips(d):
 
 
 def test_a_preset_passes_hicache_bench_resolution(tmp_path):
-    from hicache import bench_cli
+    from hicache.commands import bench as bench_cli
     policy = tmp_path / "p.toml"
     policy.write_text('[model]\npreset = "deepseek-r1"\n[parallel]\ntp = 2\ndcp = 2\n'
                       f'[l1]\nnum_pages = 8\n[l3.lmdb]\npath = "{tmp_path}/l3"\n')

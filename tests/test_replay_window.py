@@ -3,9 +3,9 @@
 
 import json
 
-from hicache import bench_cli
+from hicache.commands import bench as bench_cli
 from hicache.replay import command as replay_command
-from hicache import cli
+from hicache.commands import cli
 
 from helpers import policy_toml
 

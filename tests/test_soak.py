@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hicache.errors import TransferError
-from hicache import bench_cli
+from hicache.commands import bench as bench_cli
 from hicache.l3 import chain_hashes
 from hicache.faults import FaultConfig, FaultInjector, InjectedFault, corrupt_values
 from hicache.service import HiCache

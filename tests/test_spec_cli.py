@@ -12,7 +12,7 @@ import pytest
 from helpers import policy_toml
 from spec_ckpt import make_mtp_checkpoint
 
-from hicache import cli
+from hicache.commands import cli
 from hicache.config import loads
 from hicache.errors import ConfigError
 
@@ -70,7 +70,8 @@ def test_bad_spec_input_is_one_line(ck, capsys, args, line):
 
 
 def test_bad_spec_as_a_real_process(ck):
-    r = subprocess.run([sys.executable, "-m", "hicache.cli", "decode", "--model", ck["plain"],
+    r = subprocess.run([sys.executable, "-m", "hicache.commands.cli", "decode", "--model",
+                        ck["plain"],
                         "--spec", "mtp"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     (err,) = r.stderr.strip().splitlines()

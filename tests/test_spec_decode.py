@@ -18,7 +18,7 @@ import torch
 from spec_ckpt import VOCAB, make_mtp_checkpoint, perturbed_copy
 
 from hicache.distributed import launch
-from hicache.decode_cli import DecodeSpec, decode_worker
+from hicache.commands.decode import DecodeSpec, decode_worker
 from hicache.checkpoints.hf import load_model
 
 PAGE = 2

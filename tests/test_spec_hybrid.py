@@ -100,7 +100,7 @@ def test_rewind_only_within_a_verify(ck):
 
 
 def test_decode_cli_kimi_spec_draft_at_dcp2_and_mtp_says_no_modules(ck, capsys, tmp_path):
-    from hicache import decode_cli as cli
+    from hicache.commands import decode as cli
     prompt = prompt_of(4, 9)
     target = hf.load_model(ck["kimi"])
     want = target.generate(prompt, NEW)

@@ -9,7 +9,8 @@ import torch
 
 from helpers import policy_toml
 
-from hicache import bench_cli, cli, preflight
+from hicache import preflight
+from hicache.commands import bench as bench_cli, cli
 from hicache.config import loads
 from hicache.engine.model import MLAModel, ModelConfig
 from hicache.errors import ConfigError

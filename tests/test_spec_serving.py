@@ -1,5 +1,5 @@
 """Batched speculative decoding in the serving loop (``hicache.serving`` with
-``hicache.serving_spec``): every running request drafts k tokens, the batch verifies in one
+``hicache.serving.spec``): every running request drafts k tokens, the batch verifies in one
 target step per round, each request accepts its own prefix.
 
 One rank, the built-in model and a draft close to it (the target plus seeded noise): requests
@@ -18,11 +18,11 @@ from helpers import make_cfg
 from test_spec_cache import noisy
 
 from hicache import HiCache
-from hicache.bench_spec import spec_summary
+from hicache.commands.bench_spec import spec_summary
 from hicache.checkpoints.drafter import draft_spec
 from hicache.engine.model import MLAModel
 from hicache.serving import Server, model_config
-from hicache.serving_spec import SpecServing
+from hicache.serving.spec import SpecServing
 from hicache.workloads import Request
 
 K, NEW = 3, 13

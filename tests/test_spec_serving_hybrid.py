@@ -67,7 +67,7 @@ def serve(path, draft_path, l3_dir, rank=0, group=None, spec=True):
     the first."""
     from hicache.checkpoints.drafter import draft_spec
     from hicache.checkpoints.hf import load_model
-    from hicache.serving_spec import SpecServing
+    from hicache.serving.spec import SpecServing
     model = load_model(path)
     draft = load_model(draft_path) if spec else None
     cfg = cfg_of(path, l3_dir, 1 if group is None else 2).replace(
@@ -141,7 +141,7 @@ def builtin_run(rank, group, l3_dir, draft_file, runs):
     from hicache.checkpoints.drafter import draft_spec
     from hicache.engine.model import MLAModel
     from hicache.serving import model_config
-    from hicache.serving_spec import SpecServing
+    from hicache.serving.spec import SpecServing
     cfg = make_cfg(l3_dir, dcp=2, l1_pages=64)
     model = MLAModel(model_config(cfg))
     draft = MLAModel.load(draft_file)

@@ -63,7 +63,7 @@ def test_an_lmdb_store_whose_files_are_fifos_is_refused_at_once(tmp_path, name):
 def test_l3_check_of_a_fifo_data_mdb_returns_at_once(tmp_path):
     """The issue's case: `hicache l3 check DIR` used to wait out its 600 s child timeout."""
     os.mkfifo(tmp_path / "data.mdb")
-    r = subprocess.run([sys.executable, "-m", "hicache.cli", "l3", "check", str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", "hicache.commands.cli", "l3", "check", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert "DAMAGED" in r.stdout and "this is a FIFO" in r.stdout

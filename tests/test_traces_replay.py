@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from hicache import cli, traces
+from hicache.commands import cli
+from hicache.workloads import traces
 from hicache.controller import CacheController
 from hicache.errors import ConfigError
 from hicache.replay import ReplaySettings, replay
@@ -179,7 +180,7 @@ def test_reuse_eviction_keeps_a_prefix_that_came_back():
 
 
 def test_replay_of_a_hicache_trace_and_bench_trace_errors(tmp_path, capsys):
-    from hicache import bench_cli
+    from hicache.commands import bench as bench_cli
     h = write(tmp_path / "h.jsonl", [{"length": 40, "prefix_id": "s", "prefix_len": 32,
                                       "output_len": 2} for _ in range(5)])
     assert cli.main(["replay", str(h), "--trace-format", "hicache", "--page-tokens", "8",

@@ -11,8 +11,8 @@ from .. import topology
 from ..config import PolicySection, default
 from ..controller.policy import EVICTION_POLICIES, WRITE_POLICIES
 from ..errors import ConfigError
-from ..report import table
-from ..traces import FORMATS, load
+from ..commands.report import table
+from ..workloads.traces import FORMATS, load
 from .offline import ideal_hits, next_uses, reference_hits
 from .sim import TIERS, ReplayResult, ReplaySettings, replay
 from .sizes import parse_size, parse_sizes

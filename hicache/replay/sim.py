@@ -20,7 +20,7 @@ import numpy as np
 from ..controller import CacheController
 from ..errors import DeviceFullError
 from ..l3.cost import CostModel
-from ..traces import Trace, TraceRequest
+from ..workloads.traces import Trace, TraceRequest
 from .keys import Fillers, page_keys
 from .l3 import L3Pages
 from .offline import ReplayKeys

@@ -18,7 +18,7 @@ hit came from (``l1``, ``l2``, ``l3``) when the draft KV of the whole hit came b
 ``recomputed`` (a draft model recomputed the absent part, a hybrid draft all of it: its KDA
 state is not cached; an MTP module, which cannot recompute a hit's rows, started at the hit's
 end). Acceptance by source is the alarm for
-restored draft state that is wrong (``hicache.bench_spec``).
+restored draft state that is wrong (``hicache.commands.bench_spec``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Optional
 
 import torch
 
-from .engine.spec import SpecStats
-from .errors import ConfigError
+from ..engine.spec import SpecStats
+from ..errors import ConfigError
 
 SOURCES = ("cold", "l1", "l2", "l3", "recomputed")
 
@@ -71,7 +71,7 @@ def source_of(prefix) -> str:
 
 def draft_runner(spec: SpecServing, cache):
     """The one replicated draft runner of a server, on the cache's draft pool."""
-    from .engine.spec import replicated_runner
+    from ..engine.spec import replicated_runner
     if cache.draft is None:
         raise ConfigError("speculative serving needs a cache built with the draft's pages: "
                           "HiCache(..., draft=draft_spec(draft, page_tokens))")
@@ -81,8 +81,8 @@ def draft_runner(spec: SpecServing, cache):
 
 def start(runner, a) -> RequestSpec:
     """Before request ``a``'s prefill: its drafter, started from what its hit restored."""
-    from .engine.mtp import MTPModule
-    from .engine.spec import DraftModelDrafter, MTPDrafter
+    from ..engine.mtp import MTPModule
+    from ..engine.spec import DraftModelDrafter, MTPDrafter
     cls = MTPDrafter if isinstance(runner.model, MTPModule) else DraftModelDrafter
     drafter = cls(runner, a.prefix.page_table)
     recomputed = drafter.restored(a.prefix.draft_len, a.prefix.hit_len)
@@ -113,7 +113,7 @@ def _seq(a) -> list[int]:
 def round_(target, decoding: list, k: int, hybrid: bool) -> None:
     """One speculative round of every decoding request: drafts, one batched verify, per
     request acceptance, rollback, the drafter told what was committed."""
-    from .engine.spec import propose_batch
+    from ..engine.spec import propose_batch
     ks = [min(k, a.job.output_len - len(a.output) - 1) for a in decoding]  # never past the end
     drafted = propose_batch([a.spec.drafter for a in decoding], [_seq(a) for a in decoding], ks)
     lists = [[a.output[-1]] + d for a, d in zip(decoding, drafted)]

@@ -31,10 +31,10 @@ import time
 from dataclasses import replace
 
 from .bench_model import engine_model, l3_backend
-from .config import HiCacheConfig
-from .errors import TransferError
-from .faults import FaultConfig, FaultInjector, KINDS, L3_KINDS, OPT_IN
-from .kvcheck import Comparison, KVProbe, compare
+from ..config import HiCacheConfig
+from ..errors import TransferError
+from ..faults import FaultConfig, FaultInjector, KINDS, L3_KINDS, OPT_IN
+from ..kvcheck import Comparison, KVProbe, compare
 
 MARGIN_S = 30.0          # the soak ends within --duration plus this (one batch, a last drain)
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -72,7 +72,7 @@ class _RankSoak:
         self.kv = Comparison()
 
     def server(self, cache, probe=None):
-        from .serving import Server
+        from ..serving import Server
         o = self.opts
         return Server(self.model, cache, group=self.group, backend=o["backend"],
                       chunk_tokens=o["chunk"], max_running=o["max_running"], probe=probe)
@@ -80,7 +80,7 @@ class _RankSoak:
     def reference(self, jobs: list) -> None:
         """Recompute's tokens of every request, the rows of every prompt page and the
         first-token logits (hicache.kvcheck)."""
-        from .service import HiCache
+        from ..service import HiCache
         with HiCache(self.cfg, self.rank, self.group, mode="recompute") as ref_cache:
             self.model.to(ref_cache.kv.device)  # the engine computes where its KV port lives
             probe = KVProbe(ref_cache.kv, ref_cache.page_tokens, all_pages=True)
@@ -92,7 +92,7 @@ class _RankSoak:
         rank's report."""
         import psutil
 
-        from .metrics import HiCacheMetrics
+        from ..metrics import HiCacheMetrics
         opts = self.opts
         every = opts.get("fault_every", 40)
         self.l3srv = SharedServer(**opts["server"]) if opts.get("server") else None
@@ -112,7 +112,7 @@ class _RankSoak:
 
     def fresh(self) -> None:
         """A new service on the soak's L3 store, faults installed, and its server."""
-        from .service import HiCache
+        from ..service import HiCache
         self.cache = HiCache(self.cfg, self.rank, self.group, mode="l1+l2+l3",
                              weights_signature=self.sig)
         self.inj.install(self.cache)
@@ -236,7 +236,7 @@ class SharedServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        from .l3.localserver import LocalServer
+        from ..l3.localserver import LocalServer
         # append-only file: a restarted server comes back with what it had (but the last ~1 s)
         self._local = LocalServer(self.dir, port=self.port, maxmemory=self.maxmemory,
                                   extra=("--appendonly", "yes", "--appendfsync", "everysec")
@@ -245,7 +245,7 @@ class SharedServer:
             f.write(str(self._local.pid))
 
     def kill(self) -> None:
-        from .l3.localserver import _ping
+        from ..l3.localserver import _ping
         try:
             pid = int(open(os.path.join(self.dir, "pid")).read())
             os.kill(pid, signal.SIGKILL)
@@ -261,13 +261,13 @@ class SharedServer:
 # ---- the parent ------------------------------------------------------------------------------
 def run_soak(cfg: HiCacheConfig, jobs: list, opts: dict) -> dict:
     """Spawn the ranks, run the soak, return the ``"faults"`` report (see ``verdict``)."""
-    from .distributed import launch
+    from ..distributed import launch
     l3 = tempfile.mkdtemp(prefix="hicache-soak-l3-")
     server = None
     try:
         backend = l3_backend(cfg)
         if backend.shared:  # a server the ranks share: started (and killed) here
-            from .l3.localserver import free_port
+            from ..l3.localserver import free_port
             server = SharedServer(l3, free_port(), 256 << 20)
             server.start()
             opts = dict(opts, server={"dir": l3, "port": server.port,

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .checks import check_int
-from .errors import ConfigError
-from .workloads import MAX_REQUEST_TOKENS, MAX_TRACE_BYTES, load_trace
+from ..checks import check_int
+from ..errors import ConfigError
+from . import MAX_REQUEST_TOKENS, MAX_TRACE_BYTES, load_trace
 
 FORMATS = ("mooncake", "bailian", "hicache")
 NATIVE_BLOCK = {"mooncake": 512, "bailian": 16}  # tokens per hash id, as each trace was made
@@ -109,7 +109,7 @@ def load(path: str | Path, fmt: str, block: int | None = None, *,
     native = NATIVE_BLOCK[fmt]
     block = native if block is None else check_int(block, "--block-tokens", 1, 1 << 16,
                                                    ConfigError)
-    from .config import read_regular_file
+    from ..config import read_regular_file
     p = Path(path)
     try:
         data = read_regular_file(p, "a trace", MAX_TRACE_BYTES)
@@ -201,7 +201,7 @@ def _token_trace(path, block, max_requests, vocab: int, seed: int) -> Trace:
 def as_requests(trace: Trace, vocab: int | None) -> list:
     """The trace as the benches' jobs (``workloads.Request``, tokens below ``vocab``; None:
     ``id * block + position``, which must fit int32), in arrival order."""
-    from .workloads import Request
+    from . import Request
     out = []
     for i, r in enumerate(trace.requests):
         toks = r.tokens(vocab)

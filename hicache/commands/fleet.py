@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import math
 
-from .errors import UsageError
-from .fleet_model import FleetInputs, plan
+from ..errors import UsageError
+from ..fleet_model import FleetInputs, plan
 from .report import table
-from .topology import KVShape
+from ..topology import KVShape
 
 
 def add_args(p) -> None:

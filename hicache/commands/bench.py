@@ -26,20 +26,20 @@ from .bench_spec import (add_spec_options, rank_spec, spec_main, spec_requested,
                          tpot_summary)
 from .bench_tenants import (add_tenant_options, apply_scopes, check_tenant_options,
                             scope_lines, scope_report, with_events)
-from . import preflight
+from .. import preflight
 from .bench_model import engine_model, l3_backend
-from .checks import regular_file, system_dir
+from ..checks import regular_file, system_dir
 from .cli import number, run_guarded
-from .config import HiCacheConfig, load_config
-from .controller.policy import WRITE_POLICIES
-from .errors import UsageError
+from ..config import HiCacheConfig, load_config
+from ..controller.policy import WRITE_POLICIES
+from ..errors import UsageError
 from .report import table
-from .traces import FORMATS as TRACE_FORMATS
-from .service import CACHE_MODES, RESTORE_RETRIES, HiCache
-from .workloads import (MAX_REQUEST_TOKENS, SCALE_MAX, SEED_MAX, agentic_trace, chat_trace,
+from ..workloads.traces import FORMATS as TRACE_FORMATS
+from ..service import CACHE_MODES, RESTORE_RETRIES, HiCache
+from ..workloads import (MAX_REQUEST_TOKENS, SCALE_MAX, SEED_MAX, agentic_trace, chat_trace,
                         trace_summary)
 
-from .paths import default_policy  # noqa: E402
+from ..paths import default_policy  # noqa: E402
 
 EXAMPLE = default_policy()
 WORKLOADS = {"chat": chat_trace, "agentic": agentic_trace}
@@ -52,7 +52,7 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
     import torch
     import torch.distributed as dist
 
-    from .serving import Server
+    from ..serving import Server
 
     torch.manual_seed(0)
     cfg = HiCacheConfig.from_dict(cfg_dict)
@@ -68,7 +68,7 @@ def run_rank(rank: int, world: int, cfg_dict: dict, mode: str, jobs: list, opts:
             spec.draft.to(cache.kv.device)
         probe = None
         if opts.get("verify"):  # the rows each served page brought, and first-token logits
-            from .kvcheck import KVProbe
+            from ..kvcheck import KVProbe
             probe = KVProbe(cache.kv, cache.page_tokens, all_pages=mode == "recompute")
         server = Server(model, cache, group=group, backend=opts["backend"],
                         chunk_tokens=opts["chunk"], max_running=opts["max_running"],
@@ -111,7 +111,7 @@ def _serve_metrics(cache, rank: int, opts: dict):
     if not port:
         yield None
         return
-    from .metrics import HiCacheMetrics
+    from ..metrics import HiCacheMetrics
     metrics = HiCacheMetrics(cache, rank=rank)
     try:
         metrics.serve(port + rank)
@@ -148,7 +148,7 @@ def _agree_continue(local: bool, group) -> bool:
     import torch
     import torch.distributed as dist
 
-    from .distributed import control_group
+    from ..distributed import control_group
     flag = torch.tensor([int(local)])  # a CPU flag: over the group's gloo twin under NCCL
     dist.broadcast(flag, src=0, group=control_group(group))
     return bool(flag.item())
@@ -164,7 +164,7 @@ def run_mode(cfg: HiCacheConfig, mode: str, jobs: list, opts: dict) -> dict:
     if c == 1:
         ranks = [run_rank(0, 1, cfg.to_dict(), mode, jobs, opts)]
     else:
-        from .distributed import launch
+        from ..distributed import launch
         ranks = launch(c, run_rank, cfg.to_dict(), mode, jobs, opts, timeout_s=3600)
     return summarize(mode, ranks, opts)
 
@@ -229,7 +229,7 @@ def _cold_l3(cfg: HiCacheConfig, cold: bool):
     if not cold:
         yield cfg
         return
-    from .l3 import registry
+    from ..l3 import registry
     with registry.get(cfg.l3.backend).scratch(cfg.l3.options) as keys:
         yield cfg.replace(l3={cfg.l3.backend: keys})
 
@@ -275,7 +275,7 @@ def summarize(mode: str, ranks: list[dict], opts: dict) -> dict:
     if "hybrid" in st:  # hybrid checkpoints: KDA state snapshots (docs/hybrid.md)
         row["hybrid"] = hybrid_summary(ranks)
     row["tpot_s"] = tpot_summary(res)
-    if any(r[6] for r in res):  # --spec: the speculative figures (hicache/bench_spec.py)
+    if any(r[6] for r in res):  # --spec: the speculative figures (hicache/commands/bench_spec.py)
         row["speculative"] = spec_summary([r[6] for r in res])
     row["final_stats"] = [r["final_stats"] for r in ranks]  # per rank, after the soak
     if all("probe" in r for r in ranks):  # --verify: compared, then dropped from the report
@@ -346,7 +346,7 @@ def verify_outputs(reference: dict, rows: list[dict], ref_probes: list | None = 
     """Compare each mode's token ids with recompute's, request by request; with the runs'
     probes (``hicache.kvcheck``), also the KV rows of every page each mode served and the
     first-token logits, rank by rank (``kv``: per mode, a ``Comparison``'s figures)."""
-    from .kvcheck import Comparison, compare
+    from ..kvcheck import Comparison, compare
     differs, kv = {}, {}
     for r in rows:
         out = r["outputs"]
@@ -368,8 +368,8 @@ def verify_outputs(reference: dict, rows: list[dict], ref_probes: list | None = 
 def ideal_hit_ratio(jobs: list, outputs: dict, page_tokens: int) -> float:
     """The hit ratio with unlimited memory: each request, in arrival order, hits every whole
     page an earlier request computed (its prompt and the tokens it generated)."""
-    from .controller import CacheController
-    from .scope import make_scope
+    from ..controller import CacheController
+    from ..scope import make_scope
     total_pages = sum(len(j.tokens) + len(outputs[str(j.request_id)]) for j in jobs)
     ctrl = CacheController(page_tokens, total_pages // page_tokens + 1, 0)
     hits = prompt = 0
@@ -411,8 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_comparison_options(p)
     _add_output_options(p)
     _add_soak_options(p)
-    add_spec_options(p)  # spec: --spec none,mtp|draft rows (hicache/bench_spec.py)
-    add_tenant_options(p)  # --scope / --scopes / --kv-events (hicache/bench_tenants.py)
+    add_spec_options(p)  # spec: --spec none,mtp|draft rows (hicache/commands/bench_spec.py)
+    add_tenant_options(p)  # --scope / --scopes / --kv-events (hicache/commands/bench_tenants.py)
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -467,7 +467,7 @@ def _add_comparison_options(p: argparse.ArgumentParser) -> None:
                    help="every run of an L3 mode starts on an empty store of its own (a fresh "
                         "directory beside the LMDB l3.path, removed after the run): cold reps")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk tokens")
-    from .engine.dcp import DCP_BACKENDS  # the engine's list is the one home of these names
+    from ..engine.dcp import DCP_BACKENDS  # the engine's list is the one home of these names
     p.add_argument("--backend", default=DCP_BACKENDS[0], choices=DCP_BACKENDS)
     p.add_argument("--verify", action="store_true",
                    help="token ids of every mode must equal recompute's (run for the purpose "
@@ -502,7 +502,7 @@ def _add_soak_options(p: argparse.ArgumentParser) -> None:
 def _jobs(args, workload: str, cfg: HiCacheConfig) -> list:
     vocab = cfg.model.vocab_size
     if args.trace:
-        from .traces import as_requests, load
+        from ..workloads.traces import as_requests, load
         jobs = as_requests(load(args.trace, args.trace_format, args.block_tokens,
                                 max_requests=args.max_requests, vocab=vocab, seed=args.seed),
                            vocab)
@@ -559,7 +559,7 @@ def check_destination(flag: str, path: str, suffixes: tuple[str, ...] = ()) -> P
 def _l3_at(cfg: HiCacheConfig, where, flag: str) -> HiCacheConfig:
     """``--l3-path DIR`` (the default backend's directory) / ``--l3-url URL[,URL...]`` (the
     registered backend that claims the URL)."""
-    from .l3 import registry
+    from ..l3 import registry
     if flag == "--l3-path":
         b = registry.get(registry.DEFAULT)
     else:
@@ -667,7 +667,7 @@ def _check_faults(args, cfg: HiCacheConfig) -> None:
     number("--faults (seed)", args.faults, 0, SEED_MAX)
     number("--fault-every", args.fault_every, 2, 1 << 20)
     if args.fault_kinds is not None:
-        from .faults import KINDS
+        from ..faults import KINDS
         kinds = tuple(k.strip() for k in args.fault_kinds.split(",") if k.strip())
         bad = [k for k in kinds if k not in KINDS or k == "l3_restart"]
         if bad or not kinds:
@@ -796,7 +796,7 @@ def _main(args) -> int:
 
 
 def _faults_main(args, cfg: HiCacheConfig, workload: str) -> int:
-    """--faults: the fault-injection soak on the first workload (hicache.soak)."""
+    """--faults: the fault-injection soak on the first workload (hicache.commands.soak)."""
     from .soak import run_soak, table_rows
     jobs = _jobs(args, workload, cfg)
     opts = {"seed": args.seed, "backend": args.backend, "chunk": args.chunk,
@@ -880,7 +880,7 @@ def _print(workload: str, entry: dict, cfg: HiCacheConfig) -> None:
         print("  verify: token ids DIFFER from recompute: " + ", ".join(
             f"{m} ({n} of {v['requests']} requests)" for m, n in v["differs"].items()))
     if v:
-        from .kvcheck import Comparison
+        from ..kvcheck import Comparison
         for m, c in v["kv"].items():
             flag = "CORRUPT " if m in v["kv_corrupt"] else ""
             print(f"  verify {m}: {flag}{Comparison(**c).line()}")

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .checks import check_int
-from .errors import ConfigError
+from ..checks import check_int
+from ..errors import ConfigError
 
 
 SCALE_MAX = 4.0               # generated traces: scale in (0, SCALE_MAX]
@@ -144,7 +144,7 @@ def load_trace(path: str | Path, vocab_size: int = 32000, seed: int = 0) -> list
     tokens are shared by every line with the same prefix_id; the rest are unique)."""
     check_int(vocab_size, "vocab_size", 2, error=ConfigError)
     _check_seed(seed)
-    from .config import read_regular_file
+    from ..config import read_regular_file
     p = Path(path)
     try:
         data = read_regular_file(p, "a trace", MAX_TRACE_BYTES)

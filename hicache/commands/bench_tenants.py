@@ -10,8 +10,8 @@ import argparse
 from dataclasses import replace
 
 from .cli import number
-from .config import HiCacheConfig
-from .errors import UsageError
+from ..config import HiCacheConfig
+from ..errors import UsageError
 
 SHARED = "(shared)"  # the shared scope's row in the report
 

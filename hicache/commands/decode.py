@@ -477,7 +477,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    """Standalone entry (``python -m hicache.decode_cli decode ...``)."""
+    """Standalone entry (``python -m hicache.commands.decode decode ...``)."""
     parser = argparse.ArgumentParser(prog="hicache")
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser(sub)

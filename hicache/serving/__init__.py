@@ -42,13 +42,13 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .config import HiCacheConfig
-from .engine.model import MLAModel, ModelConfig
-from .engine.runner import DCPRunner, RequestState
-from .errors import ConfigError, DeviceFullError, DivergenceError, TransferError
-from . import serving_hybrid as hybrid
-from . import serving_spec as spec_steps
-from .service import HiCache
+from ..config import HiCacheConfig
+from ..engine.model import MLAModel, ModelConfig
+from ..engine.runner import DCPRunner, RequestState
+from ..errors import ConfigError, DeviceFullError, DivergenceError, TransferError
+from . import hybrid as hybrid
+from . import spec as spec_steps
+from ..service import HiCache
 
 
 def model_config(cfg: HiCacheConfig, seed: int = 0) -> ModelConfig:

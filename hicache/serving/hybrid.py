@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .engine.state_pool import StateSnapshot
-from .errors import ConfigError
+from ..engine.state_pool import StateSnapshot
+from ..errors import ConfigError
 
 
 def check(runner, cache) -> bool:

@@ -7,12 +7,12 @@ import json
 import math
 import sys
 
-from . import topology
-from .config import describe, load_config
-from .errors import ConfigError, L3PartialError, RankError, UsageError
+from .. import topology
+from ..config import describe, load_config
+from ..errors import ConfigError, L3PartialError, RankError, UsageError
 from .report import safe_cell, table
-from .companions.draft_format import DraftShape, plan_draft
-from .topology import KVShape
+from ..companions.draft_format import DraftShape, plan_draft
+from ..topology import KVShape
 
 GiB = 1 << 30
 # ``plan --shape ...:BYTES``: the KV element type of each size (its bytes: hicache.page_format)
@@ -33,8 +33,8 @@ def number(flag: str, value: float, lo: float, hi: float, *, lo_open: bool = Fal
 
 
 def _check_config(args) -> int:
-    from . import preflight
-    from .paths import default_policy
+    from .. import preflight
+    from ..paths import default_policy
     if args.file is None:
         args.file = str(default_policy())
     cfg = load_config(args.file)
@@ -83,7 +83,7 @@ def _check_config(args) -> int:
 
 def _snapshot_info(cfg) -> dict:
     """A hybrid checkpoint's KDA state snapshot format and pools per rank (else nothing)."""
-    from .companions.snapshot_format import snapshot_slots, state_bytes
+    from ..companions.snapshot_format import snapshot_slots, state_bytes
     fmt = cfg.state_format
     if fmt is None:
         return {}
@@ -153,8 +153,8 @@ def _shape_from_args(args) -> KVShape:
 
 def _plan(args) -> int:
     shape = _shape_from_args(args)
-    if args.fleet:  # the shared L3 store at fleet width (hicache.fleet_cli)
-        from . import fleet_cli
+    if args.fleet:  # the shared L3 store at fleet width (hicache.commands.fleet)
+        from . import fleet as fleet_cli
         return fleet_cli.run(args, shape)
     if args.memory is not None:
         number("--memory (GiB)", args.memory, 0, 1 << 30, lo_open=True)
@@ -236,7 +236,7 @@ def _l3_check(args) -> int:
     """Walk an L3 store in a child process (a crash there is a verdict); report one line;
     exit 0 healthy, 1 damaged (moved aside with --quarantine), 2 not a hicache store."""
     import os
-    from .l3 import lmdb_check
+    from ..l3 import lmdb_check
     path = args.path
     number("--timeout (seconds)", args.timeout, 0, 86400, lo_open=True)
     if not os.path.isdir(path):
@@ -245,7 +245,7 @@ def _l3_check(args) -> int:
         raise UsageError(f"l3 check: {path!r} holds no LMDB store (no data.mdb)")
     files = None
     if args.secret_file or args.previous_secret_file:  # checked here: one line, exit 2
-        from .l3 import auth
+        from ..l3 import auth
         auth.load(None, env={auth.ENV: args.secret_file or "",
                              auth.ENV_PREVIOUS: args.previous_secret_file or ""})
         files = (args.secret_file or "", args.previous_secret_file or "")
@@ -285,7 +285,7 @@ def _l3_where(args, what: str):
     """The store an ``l3 ls`` / ``l3 purge`` names: ``--url URL[,URL...]`` (a backend that
     claims URLs) or an LMDB directory that holds a store; UsageError (exit 2) otherwise."""
     import os
-    from .l3 import registry
+    from ..l3 import registry
     if (args.url is None) == (args.path is None):
         raise UsageError(f"l3 {what}: give a store: --url URL (Redis / Valkey) or an LMDB PATH")
     if args.url is not None:
@@ -303,7 +303,7 @@ def _l3_where(args, what: str):
 
 def _l3_ls(args) -> int:
     """List the namespaces of an L3 store: model, layout, ranks, keys, bytes."""
-    from .l3 import registry
+    from ..l3 import registry
     try:
         rows, partial = registry.namespaces(_l3_where(args, "ls")), None
     except L3PartialError as e:  # a cluster node is down: what the others hold, and exit 3
@@ -329,7 +329,7 @@ def _partial(e) -> int:
 
 def _l3_purge(args) -> int:
     """Delete one namespace (every rank's pages and its record); nothing interactive."""
-    from .l3 import registry
+    from ..l3 import registry
     try:
         gone, partial = registry.purge(_l3_where(args, "purge"), args.namespace), None
     except L3PartialError as e:  # a cluster node is down: what the others deleted, and exit 3
@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "layer; draft: --draft-shape)")
     p.add_argument("--draft-shape", help="--spec draft: mla:LAYERS:RANK:ROPE[:BYTES]")
     p.add_argument("--json", action="store_true")
-    from . import fleet_cli
+    from . import fleet as fleet_cli
     fleet_cli.add_args(p)
     p.set_defaults(func=_plan)
     l3 = sub.add_parser("l3", help="L3 store maintenance").add_subparsers(dest="l3_command",
@@ -396,9 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "8+ hex digits)")
         c.add_argument("--json", action="store_true")
         c.set_defaults(func=func)
-    from . import decode_cli as engine_cli
+    from . import decode as engine_cli
     engine_cli.add_parser(sub)
-    from .replay import command as replay_command
+    from ..replay import command as replay_command
     replay_command.add_parser(sub)
     return parser
 

@@ -1,7 +1,7 @@
 """``hicache-bench --spec none,mtp|draft``: the cache workloads served with speculative decoding.
 
 Each method in ``--spec`` serves the same workload (chat, agentic, or a trace) through the
-batched serving loop (``hicache.serving.Server`` with ``hicache.serving_spec``: every running
+batched serving loop (``hicache.serving.Server`` with ``hicache.serving.spec``: every running
 request drafts k tokens, the batch verifies in one target step per round) on the policy's DCP
 group, in the deepest cache mode the policy has (``l1+l2+l3`` with L3 on, else ``l1+l2``; or
 ``--modes``). Per mode and method a row gives TPOT (per request: time from its first to its
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import HiCacheConfig
-from .errors import UsageError
+from ..config import HiCacheConfig
+from ..errors import UsageError
 from .report import table
 
 METHODS = ("none", "mtp", "draft")
@@ -87,9 +87,9 @@ def rank_spec(cfg: HiCacheConfig, model, opts: dict) -> tuple:
     method = opts.get("spec") or "none"
     if method == "none":
         return None, None
-    from .checkpoints.drafter import draft_spec, load_draft
-    from .engine.spec import SpecSettings
-    from .serving_spec import SpecServing
+    from ..checkpoints.drafter import draft_spec, load_draft
+    from ..engine.spec import SpecSettings
+    from ..serving.spec import SpecServing
     settings = SpecSettings(method, opts.get("draft_model") or "", opts["num_draft_tokens"])
     draft = load_draft(settings, model, cfg.model.path)
     return draft_spec(draft, cfg.page_tokens), SpecServing(draft, settings.num_draft_tokens)
@@ -102,7 +102,7 @@ def _rate(accepted: int, proposed: int) -> float:
 
 def spec_summary(per_request: list[dict], margin: float = SOURCE_MARGIN) -> dict:
     """The ``"speculative"`` object of one row from its requests' ``Result.spec`` dicts."""
-    from .serving_spec import SOURCES
+    from ..serving.spec import SOURCES
     by: dict = {}
     for r in per_request:
         b = by.setdefault(r["source"], {"requests": 0, "proposed": 0, "accepted": 0})
@@ -140,17 +140,17 @@ def spec_row(method: str, k, row: dict, base: dict | None) -> dict:
 
 # ---- the command ---------------------------------------------------------------------------------
 def _modes(args, cfg: HiCacheConfig) -> list[str]:
-    from .service import CACHE_MODES
+    from ..service import CACHE_MODES
     if args.modes != ",".join(CACHE_MODES):  # given on the command line
-        from .bench_cli import _names
+        from .bench import _names
         return _names("--modes", args.modes, CACHE_MODES)
     return ["l1+l2+l3" if cfg.l3.enabled else "l1+l2"]
 
 
 def _runs(args, cfg: HiCacheConfig, names: list[str]) -> tuple[list, list, int]:
     """(workloads, modes, k) after every check, before any rank starts."""
-    from .bench_cli import WORKLOADS, _names
-    from .engine.spec import SpecSettings
+    from .bench import WORKLOADS, _names
+    from ..engine.spec import SpecSettings
     k = args.num_draft_tokens if args.num_draft_tokens is not None else cfg.spec.num_draft_tokens
     for n in names:  # k out of range: one line, before any rank starts
         SpecSettings(n, args.draft_model if n == "draft" else "", k)
@@ -162,8 +162,8 @@ def _runs(args, cfg: HiCacheConfig, names: list[str]) -> tuple[list, list, int]:
 def spec_main(args, cfg: HiCacheConfig) -> int:
     """Serve every workload with each ``--spec`` method; the table (or JSON); exit 1 when
     ``--verify`` finds a request whose tokens differ from plain decoding's."""
-    from .bench_cli import _cold_l3, _jobs, run_mode
-    from .service import CACHE_MODES
+    from .bench import _cold_l3, _jobs, run_mode
+    from ..service import CACHE_MODES
     names = _methods(args)
     workloads, modes, k = _runs(args, cfg, names)
     report = {"benchmark": "spec", "dcp": cfg.parallel.dcp, "k": k,

@@ -1,7 +1,9 @@
 """The policy-file reference (docs/policy.md), rendered from the schema in ``hicache.config``:
 every section and key with its default, its allowed values or range, and its help text.
 
-    python -m hicache.policy_doc > docs/policy.md     (tests/test_docs.py checks it is current)
+    python -m hicache.commands.policy_doc > docs/policy.md
+
+(tests/test_docs.py checks it is current)
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ HEADER = """# Policy file reference
 The offload policy file is TOML. Every key is optional; unknown keys and bad values are refused
 with one line naming the key. `examples/policy.toml` is a commented example, and
 `hicache check-config FILE` prints what a file resolves to. This page is generated from the
-schema (`python -m hicache.policy_doc > docs/policy.md`).
+schema (`python -m hicache.commands.policy_doc > docs/policy.md`).
 """
 
 
