@@ -22,6 +22,9 @@ capacities, page ids from the same PageAllocator and LRU eviction of unlocked le
   HICACHE_ENGINES_PYTHON variable or ``.venv-engines``; ample and budget rows). Its ratio is
   against ours replayed in SGLang's process, rep by rep before SGLang's (the same process state
   for both: two processes on a shared VM were seen to run 1.5x apart for minutes);
+- ``x sg py``: SGLang's pure-Python ``RadixCache`` (its ``radix_cache.py``), the same way
+  (lock/unlock by ``inc_lock_ref``/``dec_lock_ref``, duplicate slots freed after insert as its
+  scheduler frees them);
 
 Per request all do match + lock + allocate (evicting) + insert (freeing duplicate pages) +
 unlock; ours also runs the per-step agreement. Each gets the prompt in its own form, made before
@@ -498,6 +501,25 @@ def trace_case(args, workload: str) -> dict:
             "block_tokens": args.block_tokens, "trace_requests": args.trace_requests}
 
 
+def sglang_columns(r: dict, sg: list, total: int) -> None:
+    """Row ``r``'s SGLang columns from its replays ``sg`` (Rust tree core and Python
+    ``RadixCache``), each against ours replayed in SGLang's process, interleaved with it: the
+    same process state for both (two processes on a shared VM can differ by 1.5x for a while)."""
+    rust = [x for x in sg if x.get("tree", "rust") == "rust"]
+    py = [x for x in sg if x.get("tree") == "python"]
+    r["sglang_hit_tokens"] = rust[0]["hit_tokens"]
+    r["sglang_us_per_request"] = min(x["us_per_request"] for x in rust)
+    r["ours_in_sglang_process_us"] = min(x["ours_us_per_request"] for x in sg)
+    r["sglang_speedup"] = r["sglang_us_per_request"] / r["ours_in_sglang_process_us"]
+    if py:
+        r["sglang_python_hit_tokens"] = py[0]["hit_tokens"]
+        r["sglang_python_us_per_request"] = min(x["us_per_request"] for x in py)
+        r["sglang_python_speedup"] = (r["sglang_python_us_per_request"]
+                                      / r["ours_in_sglang_process_us"])
+    r["identical_hits"] = r["identical_hits"] and all(
+        x["hit_tokens"] == total and x["ours_hit_tokens"] == total for x in sg)
+
+
 def run(args) -> dict:
     every = {"chat": 0.1 if args.quick else 1.0, "agentic": 0.03 if args.quick else 0.3,
              "trace": 1.0}
@@ -536,11 +558,13 @@ def run(args) -> dict:
                 host = 4 * dev if cap == "budget+l2" else 0
             ours_t, ref_t, page_t, sg = [], [], [], []
             for _ in range(args.reps):
-                if sglang is not None and not host:  # its tree core, L1 only
-                    sg.append(sglang.replay({"workload": w, "scale": scales[w], "seed": args.seed,
-                                             "page": page, "l1_pages": dev,
-                                             "inflight": args.inflight, "reps": 1,
-                                             "ours": True, **trace_case(args, w)}))
+                if sglang is not None and not host:  # its tree cores, L1 only
+                    for tree in ("rust", "python"):
+                        sg.append(sglang.replay({"workload": w, "scale": scales[w],
+                                                 "seed": args.seed, "page": page,
+                                                 "l1_pages": dev, "inflight": args.inflight,
+                                                 "reps": 1, "ours": True, "tree": tree,
+                                                 **trace_case(args, w)}))
                 ref_hits, dt = replay_reference(reqs, lists[w], page, dev, args.inflight)
                 ref_t.append(dt)
                 if host:  # the same work as ours: the page-keyed tree with the host tier
@@ -572,15 +596,7 @@ def run(args) -> dict:
                 "identical_hits": total == page_hits and (bool(host) or total == ref_hits),
             })
             if sg:
-                r = rows[-1]
-                r["sglang_hit_tokens"] = sg[0]["hit_tokens"]
-                r["sglang_us_per_request"] = min(x["us_per_request"] for x in sg)
-                # against ours replayed in SGLang's process, interleaved with it: the same process
-                # state for both (two processes on a shared VM can differ by 1.5x for a while)
-                r["ours_in_sglang_process_us"] = min(x["ours_us_per_request"] for x in sg)
-                r["sglang_speedup"] = r["sglang_us_per_request"] / r["ours_in_sglang_process_us"]
-                r["identical_hits"] = r["identical_hits"] and all(
-                    x["hit_tokens"] == total and x["ours_hit_tokens"] == total for x in sg)
+                sglang_columns(rows[-1], sg, total)
     finally:
         if sglang is not None:
             sglang.close()
@@ -637,7 +653,7 @@ def main(argv=None) -> int:
     hdr = (f"{'workload':8} {'page':>4} {'capacity':9} {'reqs':>5} {'hit':>6} {'l2 part':>7} "
            f"{'tok hit':>7} {'pg hit':>6} {'same':>4} {'us/req':>8} {'token ref':>9} "
            f"{'page ref':>8} {'sglang':>7} {'ours sg':>7} {'x token':>7} {'x page':>6} "
-           f"{'x sglang':>8}")
+           f"{'x sglang':>8} {'sg py':>7} {'x sg py':>7}")
     print(hdr)
     print("-" * len(hdr))
     for r in res["rows"]:
@@ -649,7 +665,9 @@ def main(argv=None) -> int:
               + (f"{r['sglang_us_per_request']:>7.1f} {r['ours_in_sglang_process_us']:>7.1f} "
                  if "sglang_speedup" in r else f"{'-':>7} {'-':>7} ")
               + f"{r['speedup']:>6.1f}x {r['page_speedup']:>5.1f}x "
-              + (f"{r['sglang_speedup']:>7.1f}x" if "sglang_speedup" in r else f"{'-':>8}"))
+              + (f"{r['sglang_speedup']:>7.1f}x" if "sglang_speedup" in r else f"{'-':>8}")
+              + (f" {r['sglang_python_us_per_request']:>7.1f} {r['sglang_python_speedup']:>6.1f}x"
+                 if "sglang_python_speedup" in r else f" {'-':>7} {'-':>7}"))
     print(f"\nmin x page (every row, like for like) {res['min_page_speedup']:.1f}x; min x token "
           f"(ample, budget) {res['min_speedup']:.1f}x; hit tokens identical to the like-for-like "
           f"references on every row: {res['hits_identical']}\n(budget+l2: the page-keyed "
@@ -657,8 +675,8 @@ def main(argv=None) -> int:
           f"; the per-token tree stays L1-only there)")
     if res["sglang"]:
         print(f"x sglang: SGLang's UnifiedRadixCache on its Rust tree core ({res['sglang']}), "
-              f"L1 rows, against ours in its process ('ours sg'); its hit tokens and ours' "
-              f"there are part of 'same'")
+              f"L1 rows, against ours in its process ('ours sg'); x sg py: its Python "
+              f"RadixCache, the same way; their hit tokens and ours' there are part of 'same'")
     else:
         print(f"x sglang: not run ({res['sglang_missing']})")
     return 0

@@ -33,9 +33,10 @@ sys.path.insert(0, os.path.join(_ROOT, "tests", "engines"))
 import engine_helpers  # noqa: E402,F401  (the engine tests' torchvision import placeholder)
 
 
-def _build(page: int, l1_pages: int, max_len: int):
-    """SGLang's cache with its default (Rust) TreeCore over a real allocator and a one-layer,
-    one-head KV pool on CPU, as its scheduler assembles them."""
+def _build(page: int, l1_pages: int, max_len: int, tree: str = "rust"):
+    """SGLang's cache over a real allocator and a one-layer, one-head KV pool on CPU, as its
+    scheduler assembles them: ``tree`` "rust", its ``UnifiedRadixCache`` on the default (Rust)
+    TreeCore; "python", its pure-Python ``RadixCache``."""
     import torch
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -54,6 +55,9 @@ def _build(page: int, l1_pages: int, max_len: int):
     params = CacheInitParams(req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator,
                              page_size=page, disable=False, eviction_policy="lru",
                              tree_components=(ComponentType.FULL,))
+    if tree == "python":
+        from sglang.srt.mem_cache.radix_cache import RadixCache
+        return RadixCache(params), allocator
     return UnifiedRadixCache(params=params), allocator
 
 
@@ -81,27 +85,65 @@ def _keys(workload: str, scale: float, seed: int, page: int, trace: tuple = ()) 
     return [array("q", r.tokens[:len(r.tokens) // page * page].tolist()) for r in reqs]
 
 
-def _replay_sglang(keys: list, page: int, l1_pages: int, inflight: int) -> tuple:
-    """One replay through SGLang's cache; (hit tokens, process seconds, tree core backend)."""
+def _python_tree_ops(cache, allocator):
+    """lock, unlock, the locked path's slots and insert for the Python ``RadixCache``, as its
+    scheduler does them (insert returns the prefix already cached: those slots are freed)."""
     import torch
-    from sglang.srt.mem_cache.base_prefix_cache import (EvictParams, InsertParams,
-                                                        MatchPrefixParams)
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    cache, allocator = _build(page, l1_pages, max(len(k) for k in keys))
+    def path(node):
+        parts = []
+        while node is not cache.root_node:
+            parts.append(node.value)
+            node = node.parent
+        return torch.cat(parts[::-1]) if parts else torch.empty(0, dtype=torch.int64)
+
+    def insert(key, value, cached):
+        done = cache.insert(InsertParams(key=RadixKey(key), value=value)).prefix_len
+        if done > cached:
+            allocator.free(value[cached:done])
+
+    def lock(node):
+        cache.inc_lock_ref(node)
+        return node
+
+    return lock, cache.dec_lock_ref, path, insert
+
+
+def _rust_tree_ops(cache):
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    def insert(key, value, cached):  # the tree frees slots duplicating what others inserted
+        cache.insert(InsertParams(key=RadixKey(key), value=value, prev_prefix_len=cached))
+
+    return cache.lock, cache.unlock, cache.path_device_indices, insert
+
+
+def _replay_sglang(keys: list, page: int, l1_pages: int, inflight: int,
+                   tree: str = "rust") -> tuple:
+    """One replay through SGLang's cache; (hit tokens, process seconds, tree core backend)."""
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    cache, allocator = _build(page, l1_pages, max(len(k) for k in keys), tree)
+    lock_of, unlock, path_slots, insert = (_python_tree_ops(cache, allocator) if tree == "python"
+                                           else _rust_tree_ops(cache))
     q: deque = deque()
 
     def finish(item):
         key, lock, value, cached = item
-        if value is not None:  # the tree frees slots duplicating what others inserted
-            cache.insert(InsertParams(key=RadixKey(key), value=value, prev_prefix_len=cached))
-        cache.unlock(lock)
+        if value is not None:
+            insert(key, value, cached)
+        unlock(lock)
 
     hits = 0
     t0 = time.process_time()
     for key in keys:
         m = cache.match_prefix(MatchPrefixParams(key=RadixKey(key)))
-        lock = cache.lock(m.last_device_node)
+        lock = lock_of(m.last_device_node)
         cached = m.device_prefix_len
         hits += cached
         need = len(key) - cached
@@ -111,14 +153,14 @@ def _replay_sglang(keys: list, page: int, l1_pages: int, inflight: int) -> tuple
             new = allocator.alloc(need)
         value = None
         if new is not None or not need:  # the prefix's slots, read off the locked path
-            have = cache.path_device_indices(m.last_device_node)[:cached]
+            have = path_slots(m.last_device_node)[:cached]
             value = torch.cat([have, new]) if need else have
         q.append((key, lock, value, cached))
         if len(q) >= inflight:
             finish(q.popleft())
     while q:
         finish(q.popleft())
-    return hits, time.process_time() - t0, cache._tree_core_backend
+    return hits, time.process_time() - t0, getattr(cache, "_tree_core_backend", "python")
 
 
 @functools.lru_cache(maxsize=4)
@@ -145,7 +187,8 @@ def replay(case: dict) -> dict:
                 inflight)
             ours_hits = got["l1"] + got["l2"]
             ours_best = dt if ours_best is None else min(ours_best, dt)
-        hits, dt, backend = _replay_sglang(keys, page, l1_pages, inflight)
+        hits, dt, backend = _replay_sglang(keys, page, l1_pages, inflight,
+                                           case.get("tree", "rust"))
         best = dt if best is None else min(best, dt)
     out = {**case, "hit_tokens": hits, "us_per_request": 1e6 * best / len(keys),
            "backend": backend}

@@ -1,5 +1,6 @@
-"""``bench/sglang_tree.py`` (SGLang's compiled tree core on the controller bench's traces) answers
-the bench's protocol with real SGLang: the same hit tokens as ours, replayed in its process."""
+"""``bench/sglang_tree.py`` (SGLang's compiled tree core and its Python ``RadixCache`` on the
+controller bench's traces) answers the bench's protocol with real SGLang: the same hit tokens as
+ours, replayed in its process."""
 
 import os
 import sys
@@ -18,8 +19,10 @@ def replayer():
     r.close()
 
 
+@pytest.mark.parametrize("tree", ["rust", "python"])
 @pytest.mark.parametrize("page,budget", [(16, None), (16, 0.3), (64, None)])
-def test_sglang_replay_hits_equal_ours_in_its_process_and_in_the_bench(replayer, page, budget):
+def test_sglang_replay_hits_equal_ours_in_its_process_and_in_the_bench(replayer, page, budget,
+                                                                      tree):
     import numpy as np
 
     import controller as bench_controller
@@ -29,9 +32,9 @@ def test_sglang_replay_hits_equal_ours_in_its_process_and_in_the_bench(replayer,
     l1_pages = uniq + 64 if budget is None else max(
         int(uniq * budget), 4 * max(len(r.tokens) for r in reqs) // page)  # as the bench sizes
     case = {"workload": "chat", "scale": 0.05, "seed": 0, "page": page, "l1_pages": l1_pages,
-            "inflight": 4, "reps": 2, "ours": True}
+            "inflight": 4, "reps": 2, "ours": True, "tree": tree}
     got = replayer.replay(case)
-    assert got["backend"] and got["us_per_request"] > 0 and got["ours_us_per_request"] > 0
+    assert got["backend"] == tree and got["us_per_request"] > 0 and got["ours_us_per_request"] > 0
     arrays = [r.tokens.astype(np.int64) for r in reqs]
     hits, _, _ = bench_controller.replay_controller(arrays, page, l1_pages, 0, 4)
     ours = hits["l1"] + hits["l2"]
