@@ -31,24 +31,24 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from .companions import (Host, JobSet, agreed_of, build_all, controller_options,
+from .companions import (Host, agreed_of, build_all, controller_options,
                          step_fields)
 from .config import HiCacheConfig
 from .controller import CacheController
-from .errors import DeviceFullError, DivergenceError, TransferError, UsageError
-from .facade import lifecycle, report
+from .errors import DivergenceError, TransferError, UsageError
+from .facade import lifecycle, report, restore
 from .facade.lifecycle import CACHE_MODES
 from .facade.finish import check_finish
 from .facade.request import TIERS, Prefix, Request, TierStats
 from .ids import as_tokens
 from .facade.owners import PageOwners
+from .facade.restore import RESTORE_RETRIES
 from .kvport import CheckedPort
 from .l3 import agree_prefetch, prefetch_signals
-from .tier_io import PREFETCH_OUTCOMES, TierIO, Waits, join
+from .tier_io import PREFETCH_OUTCOMES, TierIO, Waits
 from . import tenancy
 
 log = logging.getLogger("hicache")
-RESTORE_RETRIES = 64  # steps an agreed L3 restore may wait for L1 room before recomputing
 __all__ = ["HiCache", "Prefix", "CACHE_MODES", "TIERS", "RESTORE_RETRIES", "PREFETCH_OUTCOMES"]
 
 
@@ -589,42 +589,5 @@ class HiCache:
         except KeyError:
             raise UsageError(f"unknown request {request_id!r}") from None
 
-    def _restore(self, req: Request, pages: int) -> bool:
-        """Every rank holds ``pages`` prefetched pages: copy them into fresh device pages (a
-        transfer job: ``wait_layer`` waits for it like for a load). False (retry at a later
-        step) while L1 has no room; after ``RESTORE_RETRIES`` steps the tokens are recomputed
-        instead. Both decisions follow the replicated controller state."""
-        prefix = req.prefix
-        try:
-            with self._timed():
-                dev = self.ctrl.alloc_device(pages)
-            self.io.unmap(dev)
-        except DeviceFullError:
-            req.restore_tries += 1
-            prefix.room_wait = req.restore_tries
-            self._stats.restore_wait_steps += 1
-            if req.restore_tries <= RESTORE_RETRIES:
-                self.io.launch(self.ctrl.take_ops())
-                return False
-            dev, pages = [], 0
-            self._stats.restore_fallbacks += 1
-        self.io.launch(self.ctrl.take_ops())
-        job = self.io.restore(req.prefetch, dev) if pages else None
-        if pages:
-            self.kv.fill(dev)
-            self._pages.take(dev)
-            req.own_pages += dev
-            prefix.page_table += dev
-            prefix.storage_len = pages * self.page_tokens
-        beside = [c.restore(self._host, req, dev, pages) for c in self.companions]
-        for j in beside:  # the companions' agreed pages, as jobs beside the target's
-            if j is not None:
-                self.io.track(j)
-        if job is not None:  # (the companions' jobs, if any, ride the target's)
-            req.load_job = join(req.load_job, JobSet(job, beside) if any(beside) else job)
-        self.io.end_prefetch(req.prefetch)
-        req.prefetch = None
-        prefix.ready = True
-        report.count_hits(self._stats, req)
-        return True
-
+    def _restore(self, req: Request, pages: int) -> bool:  # hicache.facade.restore
+        return restore.restore(self, req, pages)

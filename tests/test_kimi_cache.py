@@ -163,7 +163,8 @@ def test_bad_snapshot_pool_and_deepseek_untouched(kimi, tmp_path):
 
 def test_check_config_plan_and_memory_count_snapshot_bytes(kimi, tmp_path, capsys):
     import json
-    from hicache import cli, preflight
+    from hicache import preflight
+    from hicache.commands import cli
     cfg = cfg_of(kimi, state_bytes=1 << 20)
     fmt = cfg.state_format
     assert fmt.kind.value == "state" and fmt.layers == 3  # one fp32 row per KDA layer

@@ -39,3 +39,13 @@ def test_the_check_finds_a_long_function(tmp_path):
     found = long_functions(tmp_path)
     assert found == [f"{tmp_path.name}/m.py:6 long (61 lines)"]
     assert long_functions(tmp_path, limit=61) == []
+
+
+def test_the_service_stays_a_loop_over_its_parts():
+    """The facade keeps to the engine's API (issue 33): service.py under 600 lines, and the
+    package's top level holds its core modules only (commands, the serving loop, workloads,
+    companions, tiers in their own folders)."""
+    lines = len((ROOT / "service.py").read_text().splitlines())
+    assert lines < 600, f"hicache/service.py has {lines} lines; move a part into hicache/facade"
+    top = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(top) <= 24, f"{len(top)} top-level modules in hicache/: {top}"

@@ -20,6 +20,7 @@ warn about (it warns about an unbounded one, ``maxmemory 0``). The server binary
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import signal
@@ -254,6 +255,19 @@ def _wait(what: str, check, timeout: float) -> None:
         time.sleep(0.05)
 
 
+def _replicate(client, master_id: str) -> bool:
+    """``CLUSTER REPLICATE master_id`` on ``client``; False while it does not know that id."""
+    import redis
+
+    try:
+        client.execute_command("CLUSTER", "REPLICATE", master_id)
+    except redis.ResponseError as e:
+        if "Unknown node" in str(e):
+            return False
+        raise
+    return True
+
+
 def _form(clients: list, masters: int, replicas: int, timeout: float) -> None:
     """Slots to the masters (ADDSLOTSRANGE), every node met (MEET), each replica attached to its
     master (REPLICATE); returns when every node reports ``cluster_state:ok`` and every master
@@ -274,7 +288,10 @@ def _form(clients: list, masters: int, replicas: int, timeout: float) -> None:
     _wait("nodes did not meet", known, timeout)
     ids = [_text(c.execute_command("CLUSTER", "MYID")) for c in clients[:masters]]
     for j, c in enumerate(clients[masters:]):
-        c.execute_command("CLUSTER", "REPLICATE", ids[j // replicas])
+        # a node counts a peer still in handshake (under a temporary id) as known: REPLICATE
+        # answers "Unknown node" until gossip brought the master's real id to this replica
+        _wait(f"replica {j} never learnt its master's id",
+              functools.partial(_replicate, c, ids[j // replicas]), timeout)
 
     def ok() -> bool:
         infos = [_text(c.execute_command("CLUSTER", "INFO")) for c in clients]
