@@ -8,7 +8,7 @@ Those files test two tiers' implementations as much as the tier contract: a test
 fs tier's files, its O_DIRECT / C-extension paths, its thread pool's queues or the object tier's
 NIXL agent has no counterpart in hicache and fails on a missing attribute. CONTRACT lists the
 tests whose subject is the secondary-tier contract vLLM's tiering manager relies on (lookups,
-store and load jobs and their results, partial failures, events and their locality, shutdown,
+store and load jobs and their results, partial failures, events and their locality,
 bad arguments): every one must pass. The full tally is printed."""
 
 import collections
