@@ -168,3 +168,52 @@ def test_every_error_path_joins_every_thread_we_start(tmp_path):
             assert (out["step"], out["noflush"], out["with"]) == ("DivergenceError",) * 3
             assert out["peer"] == ("RuntimeError" if rank == 1 else "PeerError"), (i, rank, out)
             assert json.loads((base / f"raise-threads-{rank}.json").read_text()) == [], (i, rank)
+
+
+# ---- a rank's script that ends by an uncaught error, its caches open -----------------------
+# No launch, no close, no destroy_process_group: the interpreter finalizes with hicache's L3
+# writer / prefetch / copy threads and gloo's group alive, as an engine's script would. Each
+# rank must exit 1 with the DivergenceError, never by a signal (SIGABRT: "terminate called
+# without an active exception").
+
+OPEN_AT_EXIT = r"""
+import datetime, faulthandler, sys
+faulthandler.enable()
+sys.path[:0] = [sys.argv[4], sys.argv[5]]
+import torch.distributed as dist
+rank, base, port = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
+                        timeout=datetime.timedelta(seconds=30))
+from hicache.service import HiCache
+from helpers import make_cfg
+import test_two_rank_exit as t
+kept = []
+for name in ("a", "b"):
+    kept.append(HiCache(make_cfg(f"{base}/{name}", dcp=2, l1_pages=16), rank, mode="l1+l2+l3"))
+    t._l3_same(kept[-1], rank)
+    kept[-1].step()
+c = HiCache(make_cfg(f"{base}/x", dcp=2, l1_pages=16), rank, mode="l1+l2+l3")
+t._l3_alloc_len(c, rank)
+c.step()
+"""
+
+
+def test_a_script_ending_by_an_error_with_caches_open_exits_without_a_signal(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from hicache.distributed import free_port
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    for i in range(2):
+        port, base = str(free_port()), tmp_path / f"run{i}"
+        procs = [subprocess.Popen([sys.executable, "-c", OPEN_AT_EXIT, str(r), str(base), port,
+                                   os.path.dirname(here), here],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for r in range(2)]
+        outs = [p.communicate(timeout=180)[0] for p in procs]
+        for rank, (p, out) in enumerate(zip(procs, outs)):
+            assert "terminate called" not in out, (i, rank, out[-3000:])
+            assert p.returncode == 1 and "DivergenceError" in out, (i, rank, p.returncode,
+                                                                     out[-3000:])
