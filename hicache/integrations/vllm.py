@@ -220,12 +220,12 @@ class HiCacheTier(SecondaryTierManager):
         self._lock = threading.Lock()
         self._finished: list[JobResult] = []
         self._inflight: dict[int, Future] = {}
-        self._load_keys: dict[int, list[OffloadKey]] = {}
-        self._store_keys: dict[int, list[OffloadKey]] = {}
+        self._load_job_keys: dict[int, list[OffloadKey]] = {}
+        self._store_job_keys: dict[int, list[OffloadKey]] = {}
         self.events = _events_list(offloading_spec, enable_kv_events)
         self.health = Health()
         self._latency: list[tuple[str, float]] = []
-        self._lookup = _Lookup(self, tier_type)
+        self._lookup_manager = _Lookup(self, tier_type)
         self._closed = False
 
     def _warn_sizes(self, spec: Any, capacity: int | None) -> None:
@@ -357,32 +357,32 @@ class HiCacheTier(SecondaryTierManager):
 
     # ---- SecondaryTierManager ----------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        found = self._lookup.lookup(key, req_context)
+        found = self._lookup_manager.lookup(key, req_context)
         if found is None:
             return LookupResult.RETRY
         return LookupResult.HIT if found else LookupResult.MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         if self.events is not None:
-            self._store_keys[job_metadata.job_id] = list(job_metadata.keys)
+            self._store_job_keys[job_metadata.job_id] = list(job_metadata.keys)
         self._submit(job_metadata, promotion=False)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        self._load_keys[job_metadata.job_id] = list(job_metadata.keys)
+        self._load_job_keys[job_metadata.job_id] = list(job_metadata.keys)
         self._submit(job_metadata, promotion=True)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         with self._lock:
             done, self._finished = self._finished, []
         for r in done:
-            stored = self._store_keys.pop(r.job_id, None)
+            stored = self._store_job_keys.pop(r.job_id, None)
             if stored and r.success and self.events is not None:
                 self.events.append(OffloadingEvent(keys=stored, medium=self.medium,
                                                    removed=False, locality=self.locality))
-            keys = self._load_keys.pop(r.job_id, None)
+            keys = self._load_job_keys.pop(r.job_id, None)
             if keys is not None and not r.success:  # stop re-promoting what is not there
                 kept = set(r.successful_keys or ())
-                self._lookup.mark_miss([k for k in keys if k not in kept])
+                self._lookup_manager.mark_miss([k for k in keys if k not in kept])
         return done
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -429,10 +429,10 @@ class HiCacheTier(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._lookup.cleanup(req_context.req_id)
+        self._lookup_manager.cleanup(req_context.req_id)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        self._lookup.flush()
+        self._lookup_manager.flush()
 
     def drain_jobs(self) -> None:
         while True:
@@ -447,7 +447,7 @@ class HiCacheTier(SecondaryTierManager):
         if self._closed:
             return
         self._closed = True
-        self._lookup.shutdown()
+        self._lookup_manager.shutdown()
         self._pool.shutdown(wait=True)
         self._rows = None  # release vLLM's buffer (its region unmaps only when unexported)
         for s in self.stores.values():
