@@ -27,17 +27,22 @@ class ReplayKeys:
         self.prompt.append(prompt_len)
 
 
+def leading(match, held) -> int:
+    """How many of ``match``'s pages, from the first, ``held`` holds (a prefix hit)."""
+    n = 0
+    for k in match:
+        if k not in held:
+            break
+        n += 1
+    return n
+
+
 def ideal_hits(keys: ReplayKeys) -> int:
     """Hit tokens with unlimited memory."""
     seen: set[int] = set()
     hits = 0
     for match, insert in zip(keys.match, keys.insert):
-        n = 0
-        for k in match:
-            if k not in seen:
-                break
-            n += 1
-        hits += n * keys.page_tokens
+        hits += leading(match, seen) * keys.page_tokens
         seen.update(insert)
     return hits
 
@@ -62,12 +67,7 @@ def reference_hits(keys: ReplayKeys, capacity_pages: int,
     heap: list[tuple[int, int]] = []  # (-next use, key), stale entries skipped
     hits = 0
     for match, insert, nus in zip(keys.match, keys.insert, uses):
-        n = 0
-        for k in match:
-            if k not in cache:
-                break
-            n += 1
-        hits += n * keys.page_tokens
+        hits += leading(match, cache) * keys.page_tokens
         for k, nu in zip(insert, nus):
             if nu == NEVER:
                 cache.pop(k, None)
