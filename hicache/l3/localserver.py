@@ -383,20 +383,21 @@ def _serve(args) -> int:
         cl = start_cluster(args.dir, args.cluster, args.maxmemory, port=args.port,
                            replicas=1 if args.replicas is None else args.replicas,
                            node_timeout_ms=args.node_timeout_ms)
-        print(",".join(cl.urls), "pids", " ".join(str(n.pid) for n in cl.nodes), flush=True)
-        stop = cl.stop
+        line, stop = ",".join(cl.urls) + " pids " + " ".join(str(n.pid) for n in cl.nodes), \
+            cl.stop
     else:
         srv = start_server(args.dir, unix=args.unix, port=args.port, maxmemory=args.maxmemory)
-        print(srv.url, "pid", srv.pid, flush=True)
-        stop = srv.stop
+        line, stop = f"{srv.url} pid {srv.pid}", srv.stop
+    # blocked before the line goes out (whoever reads it may signal at once: the servers must
+    # still be stopped), after the servers started (they would inherit the mask)
     sigs = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
     try:
+        print(line, flush=True)
         signal.sigwait(sigs)
     finally:
         stop()
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
