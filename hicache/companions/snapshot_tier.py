@@ -14,6 +14,8 @@ controller, service or engine.
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,10 +72,10 @@ class StateTier:
         """Wait for the copy that reads or writes ``slot`` (its failure is agreed already)."""
         job = self._jobs.pop((tier, slot), None)
         if job is not None:
-            try:
+            # only the slot's quiet matters here: the service tracks the job, agrees its
+            # failure and stops every rank at the next step
+            with contextlib.suppress(TransferError):
                 job.wait()
-            except TransferError:
-                pass  # tracked by the service: every rank stops at the next step
 
     def put(self, state, l1: int | None, l2: int | None):
         """Keep ``state`` (``(conv, rec)``) in L1 slot ``l1`` and, with ``l2``, copy it to L2

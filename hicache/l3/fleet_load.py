@@ -96,12 +96,15 @@ def matches(key: bytes, page: torch.Tensor) -> bool:
 
 
 def _open(job: FleetJob):
+    """The process's store, opened like every way into a shared store (``open_store``): keys
+    derived and values MACed with the fleet secret; without one, the trust rule's refusal."""
     from . import auth
-    from .redis_store import RedisStore
-    secrets = auth.load(None, env={auth.ENV: job.secret_file}) if job.secret_file else None
+    from .backends import open_store
     url = list(job.url) if len(job.url) > 1 else job.url[0]
-    return RedisStore(url, job.namespace(), 0, timeout_s=job.timeout_s,
-                      retry_after_s=job.retry_after_s, secrets=secrets, check_policy=False)
+    keyed = {"secrets": auth.load(None, env={auth.ENV: job.secret_file})} if job.secret_file \
+        else {}
+    return open_store(url, job.namespace(), 0, timeout_s=job.timeout_s,
+                      retry_after_s=job.retry_after_s, check_policy=False, **keyed)
 
 
 def _put_phase(store, job: FleetJob, writes: list, rep: FleetReport) -> None:
