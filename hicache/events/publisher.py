@@ -13,6 +13,8 @@ Serving never waits on a subscriber: ``publish`` puts the batch in a bounded que
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import queue
 import threading
@@ -91,6 +93,12 @@ class Publisher:
             return False
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:  # the sockets are this thread's alone from its start to its end
+            self._close_sockets()
+
+    def _loop(self) -> None:
         while True:
             if self._replay is not None and self._replay.poll(0):
                 self._serve_replay()
@@ -130,12 +138,9 @@ class Publisher:
         if not self._running:
             return
         self._running = False
-        try:
+        with contextlib.suppress(queue.Full):  # a full queue: the thread ends once it drained
             self._queue.put(None, timeout=timeout)
-        except queue.Full:
-            pass
-        self._thread.join(timeout=timeout)
-        self._close_sockets()
+        self._thread.join(timeout=timeout)  # it closes the sockets as it ends (never two threads)
 
     def _close_sockets(self) -> None:
         for s in (self._pub, self._replay):
