@@ -152,8 +152,8 @@ def test_a_forged_record_is_not_believed(tmp_path):
 
 
 # ---- localserver --cluster 3 --port P --------------------------------------------------------
-def _three_free_ports() -> int:
-    rnd = random.Random(os.getpid())
+def _three_free_ports(attempt: int = 0) -> int:
+    rnd = random.Random(os.getpid() * 100 + attempt)
     for _ in range(200):
         p = rnd.randrange(20000, 45000)
         if all(port_free(p + i) and port_free(p + i + 10000) for i in range(3)):
@@ -162,9 +162,14 @@ def _three_free_ports() -> int:
 
 
 def test_localserver_cluster_uses_consecutive_ports_and_prints_the_l3_url(tmp_path):
-    p = _three_free_ports()
-    with socket.socket() as busy:  # a taken port among the three: refused, one line
-        busy.bind(("127.0.0.1", p + 1))
+    for attempt in range(20):  # another test may take p + 1 between the check and the bind
+        p, busy = _three_free_ports(attempt), socket.socket()
+        try:
+            busy.bind(("127.0.0.1", p + 1))
+            break
+        except OSError:
+            busy.close()
+    with busy:  # a taken port among the three: refused, one line
         busy.listen()
         r = subprocess.run([sys.executable, "-m", "hicache.l3.localserver", "--cluster", "3",
                             "--port", str(p), "--dir", str(tmp_path / "refused")],
