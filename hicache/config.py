@@ -266,8 +266,10 @@ class PolicySection:
                                    min=1, max=1 << 20)
     eviction: str = opt("lru", "eviction order: least recently used (lru), least frequently "
                                   "used (lfu), or least likely to be reused soon, by reuse "
-                                  "rates learnt per use count (reuse)",
-                         choices=("lru", "lfu", "reuse"))
+                                  "rates learnt per use count (reuse), or least "
+                                  "likely to be continued soon, by return rates learnt per "
+                                  "request class (learned)",
+                         choices=("lru", "lfu", "reuse", "learned"))
     prefetch: str = opt("timeout", "L3 prefetch policy: wait for the read until it finishes or "
                                    "the timeout passes (timeout), until it finishes "
                                    "(wait_complete), or use what arrived by the next step "

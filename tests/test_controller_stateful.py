@@ -150,3 +150,24 @@ TestWriteThroughLRU = _machine("write_through", "lru")
 TestSelectiveLFU = _machine("write_through_selective", "lfu")
 TestWriteBackLRU = _machine("write_back", "lru")
 TestWriteBackLFU = _machine("write_back", "lfu")
+
+
+class _LearnedMachine(ControllerMachine):
+    """The learned order with its model ready from the first return and refreshed at every
+    insert, so that its index (not its LRU warm-up) orders the evictions."""
+
+    def __init__(self):
+        super().__init__()
+        model = self.c._learner.model
+        model.min_returns, model.refresh_every = 1, 1
+
+
+def _learned_machine(write):
+    cls = type(f"M_{write}_learned", (_LearnedMachine,), {"WRITE": write,
+                                                          "EVICTION": "learned"})
+    cls.TestCase.settings = SETTINGS
+    return cls.TestCase
+
+
+TestWriteThroughLearned = _learned_machine("write_through")
+TestWriteBackLearned = _learned_machine("write_back")

@@ -24,6 +24,7 @@ import numpy as np
 from hicache.controller import invariants
 from hicache.controller.eviction import Eviction
 from hicache.controller.insert import Insert
+from hicache.controller.learned_order import Learner
 from hicache.controller.order import make_order
 from hicache.controller.policy import controller_policy
 from hicache.controller.request_pages import RequestPages
@@ -85,8 +86,11 @@ class CacheController(RequestPages, Insert, Eviction):
         self._request_page = np.zeros(self.device.num_pages, np.bool_)
         self._grants: set[bytes] = set()
         self._max_grants = _MAX_GRANTS  # (0: no grants, every request page in the map)
-        self._dev = make_order(self.policy.eviction)  # nodes with device pages, eviction order
-        self._hst = make_order(self.policy.eviction)  # nodes with host pages, eviction order
+        # the learned order's classes and returns (None: another order)
+        self._learner = (Learner(device_pages, page_tokens)
+                         if self.policy.eviction == "learned" else None)
+        self._dev = make_order(self.policy.eviction, self._learner)  # device nodes, eviction order
+        self._hst = make_order(self.policy.eviction, self._learner)  # host nodes, eviction order
         self._dev_pages = 0             # device pages held by tree nodes
         self._locked_dev_pages = 0      # ... of them in locked nodes
         self._host_valid_pages = 0      # valid host copies held by tree nodes

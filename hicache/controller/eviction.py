@@ -94,6 +94,8 @@ class Eviction:
                 self._detach_device(x)
             if x.host is not None:
                 self._drop_host(x)
+            if self._learner is not None:
+                self._learner.forget(x)
             self.tree.remove_leaf(x)
         self.stats.device_evicted_pages += k
         self.stats.dropped_pages += k
@@ -147,6 +149,8 @@ class Eviction:
                 progress = True
                 freed += self._drop_host(n)
                 if n.device is None:
+                    if self._learner is not None:
+                        self._learner.forget(n)
                     self.tree.remove_leaf(n)
             if not progress:
                 break

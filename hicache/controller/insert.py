@@ -144,8 +144,11 @@ class Insert:
         for node, a, b in plan.adopt:
             self._attach_device(node, pages[a:b].copy())
         new_pages = whole - plan.cached
+        old = len(path)
         if new_pages:
             self._grow(arr, pages, plan.cached, whole, path, scope)
+        if self._learner is not None:  # classes before the touches below file the nodes
+            self._learner.inserted(path, old, new_pages, self._clock)
         clock, dtouch, htouch = self._clock, self._dev.touch, self._hst.touch
         k = 0  # path[:k]: the nodes ``held`` locks
         if held is not None:

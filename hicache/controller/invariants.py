@@ -100,7 +100,9 @@ def _check_pools(ctl, seen: _Seen) -> None:
 
 
 def _check_counters(ctl, seen: _Seen) -> None:
-    if seen.dev_nodes != set(ctl._dev) or seen.host_nodes != set(ctl._hst) \
+    dev, hst = list(ctl._dev), list(ctl._hst)  # each node once, in eviction order
+    if seen.dev_nodes != set(dev) or seen.host_nodes != set(hst) \
+            or len(dev) != len(ctl._dev) or len(hst) != len(ctl._hst) \
             or len(ctl._dev) != len(seen.dev_nodes) or len(ctl._hst) != len(seen.host_nodes):
         raise InvariantError("tier eviction orders disagree with the tree")
     counted = (seen.dev_pages, seen.locked, seen.host_valid)

@@ -73,8 +73,12 @@ class EvictionOrder:
         return n in (self._where if self.lfu else self._lru)
 
 
-def make_order(eviction: str):
-    """The eviction order a ``[policy] eviction`` choice names (lru, lfu, reuse)."""
+def make_order(eviction: str, learner=None):
+    """The eviction order a ``[policy] eviction`` choice names (lru, lfu, reuse, learned:
+    ``learner``'s model, one per controller)."""
+    if eviction == "learned":
+        from hicache.controller.learned_order import LearnedOrder
+        return LearnedOrder(learner.model)
     if eviction == "reuse":
         from hicache.controller.reuse_order import ReuseOrder
         return ReuseOrder()

@@ -29,7 +29,7 @@ class Node:
 
     __slots__ = ("nid", "parent", "children", "tokens", "npages", "device", "host", "host_valid",
                  "lock_ref", "hits", "last_access", "pending", "evicting", "alive", "snaps",
-                 "scope", "chain")
+                 "scope", "chain", "rclass", "born", "span")
 
     def __init__(self, nid: int, parent: "Node | None", tokens: bytes, npages: int) -> None:
         self.nid = nid
@@ -49,6 +49,9 @@ class Node:
         self.snaps: dict | None = None  # hybrid models: page index -> snapshot (snapshots.py)
         self.scope = b""  # a scope's tag where its scoped part starts here (hicache.scope)
         self.chain: bytes | None = None  # its last page's chain hash, once asked (events)
+        self.rclass = 0  # the learned eviction order's class of the insert that last used it
+        self.born = -1   # ... and that insert's tick (-1: none)
+        self.span = 0    # ... and how many pages that insert's path held
 
     def has_device_child(self) -> bool:
         for c in self.children.values():
@@ -261,6 +264,7 @@ class RadixTree:
             top.host, node.host = node.host[:k], node.host[k:]
         top.host_valid = node.host_valid
         top.lock_ref, top.hits, top.last_access = node.lock_ref, node.hits, node.last_access
+        top.rclass, top.born, top.span = node.rclass, node.born, node.span
         top.pending = set(node.pending)
         top.evicting = node.evicting
         parent = node.parent

@@ -1,0 +1,189 @@
+"""The ``learned`` eviction order: its return model (rates, gaps, index), the classes and
+returns the controller feeds it, the order it yields, and a trace where it beats LRU."""
+
+import json
+
+import numpy as np
+import pytest
+
+from hicache.config import HiCacheConfig
+from hicache.controller import CacheController
+from hicache.controller.learned_order import LearnedOrder
+from hicache.controller.returns import (CLASSES, EDGES, ReturnModel, age_bin, class_turn,
+                                        hit_density, request_class)
+from hicache.controller.tree import Node
+from hicache.replay import ReplaySettings, replay
+from hicache.workloads import traces
+
+PT = 4
+
+
+def test_request_classes_and_age_bins():
+    assert request_class(0, 0) == 0 and request_class(0, 2) == 1 and request_class(0, 40) == 5
+    assert class_turn(request_class(2, 3)) == 2 and class_turn(request_class(9, 0)) == 3
+    assert request_class(9, 10 ** 6) == CLASSES - 1
+    for age in (0, 1, 7, 100, 12345, 10 ** 9):
+        b = age_bin(age)
+        assert EDGES[b] <= age < EDGES[b + 1]
+    assert age_bin(10 ** 15) == len(EDGES) - 2  # past the last edge: the last bin
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_hit_density_is_the_best_ratio_over_horizons(p):
+    """Against a direct computation: per start bin, the best returns per tick of residency
+    over every later edge."""
+    rng = np.random.default_rng(1)
+    k = 40
+    cdf = np.concatenate([[0.0], np.cumsum(rng.random(k - 1))])
+    cdf /= cdf[-1]                                 # F at the first k edges
+    got = hit_density(p, cdf)
+    for j in range(k - 1):
+        best = 0.0
+        for e in range(j + 1, k):
+            life = sum((EDGES[i + 1] - EDGES[i]) * (1 - p * (cdf[i] + cdf[i + 1]) / 2)
+                       for i in range(j, e))
+            best = max(best, p * (cdf[e] - cdf[j]) / life)
+        assert got[j] == pytest.approx(best, rel=1e-9)
+    assert not got[k - 1:].any()                    # no return comes later: worth nothing
+    assert (hit_density(min(p + 0.05, 1.0), cdf)[:k - 1] > got[:k - 1]).all()
+
+
+def test_return_rates_are_learnt_while_returns_are_still_to_come():
+    """Rates from returns over exposure (each insert weighted by the chance its return would be
+    seen by now) match the truth although the newest chains have not returned yet; returns
+    over inserts would read low."""
+    rng = np.random.default_rng(0)
+    m = ReturnModel(min_returns=1, refresh_every=10 ** 9)
+    truth = {0: 0.2, 7: 0.6}
+    pending = []
+    now = 0
+    for now in range(0, 40_000, 2):
+        cls = 0 if (now // 2) % 2 else 7
+        m.inserted(cls, now)
+        if rng.random() < truth[cls]:
+            pending.append((now + int(rng.integers(200, 4000)), cls, now))
+        for item in [x for x in pending if x[0] <= now]:
+            pending.remove(item)
+            m.returned(item[1], item[0] - item[2])
+    m.refresh(now)
+    assert m.ready and pending                      # some returns still to come
+    for cls, p in truth.items():
+        assert m.rates[cls] == pytest.approx(p, abs=0.03)
+    naive = m.returns[7] / (m.mature[7] + len(m._young[7]))
+    assert m.rates[7] - naive > 0.01
+
+
+def _node(nid, cls, t):
+    n = Node(nid, None, b"", 1)
+    n.rclass, n.last_access = cls, t
+    return n
+
+
+def test_order_is_lru_until_ready_then_lowest_index_first():
+    m = ReturnModel(min_returns=10 ** 9)
+    o = LearnedOrder(m)
+    nodes = [_node(i + 1, c, t + 1) for t, (i, c) in enumerate(
+        enumerate([2, 0, 1, 1, 0, 2, 2, 0, 1, 0]))]
+    for n in nodes:  # in the order of their last use, as the controller adds and touches them
+        o.add(n)
+    assert [n.last_access for n in o] == sorted(n.last_access for n in nodes)
+    # a class whose index rises then falls with age (young and old are both low), one that
+    # falls, one flat: the order must be exactly by value
+    bins = len(EDGES) - 1
+    age = np.arange(bins, dtype=np.float64)
+    rows = np.zeros((CLASSES, bins))
+    rows[0] = -(age - 3.0) ** 2
+    rows[1] = -age * 0.5
+    rows[2] = -4.0
+    m.rows, m.ready = rows.tolist(), True
+    got = list(o)
+    assert sorted(got, key=lambda n: (m.value(n.rclass, 10 - n.last_access), n.nid)) == got
+    assert len(got) == len(nodes) == len(o)
+    nodes[0].rclass = 2                              # reclassed: touched into its new list
+    nodes[0].last_access = 11
+    o.touch(nodes[0])
+    o.remove(nodes[1])
+    got = list(o)
+    assert nodes[1] not in o and len(got) == 9 and len(set(got)) == 9
+    assert sorted(got, key=lambda n: (m.value(n.rclass, 11 - n.last_access), n.nid)) == got
+
+
+def _serve(c, toks):
+    m = c.match(toks, lock=True)
+    pages = np.concatenate([m.device_pages, c.alloc_device(len(toks) // PT
+                                                           - len(m.device_pages))])
+    c.insert(toks, pages.astype(np.int64), after=m.lock)
+    return m.device_len
+
+
+def test_continuations_and_evicted_chains_count_as_returns():
+    c = CacheController(PT, 16, 0, eviction="learned")
+    model = c._learner.model
+    turn1 = np.arange(2 * PT)
+    _serve(c, turn1)
+    first = c.match(turn1).last_node.rclass
+    assert class_turn(first) == 0 and model.seen == 0
+    turn2 = np.concatenate([turn1, 100 + np.arange(PT)])
+    assert _serve(c, turn2) == 2 * PT
+    assert model.seen == 1 and model.returns[first] == 1
+    second = c.match(turn2).last_node.rclass
+    assert class_turn(second) == 1 and second == request_class(1, 1)
+    assert all(n.rclass == second for n in c.match(turn2).device_nodes)
+    _serve(c, 1000 + np.arange(16 * PT))           # a one-off prompt evicts the conversation
+    assert c.match(turn2).device_len == 0 and c._learner.ghosts
+    turn3 = np.concatenate([turn2, 200 + np.arange(PT)])
+    assert _serve(c, turn3) == 0                    # regrown: a return all the same (a ghost)
+    assert model.seen == 2 and model.returns[second] == 1
+    third = c.match(turn3).last_node.rclass
+    assert third == request_class(2, 1)             # its own page only, not the regrown ones
+    other = 5000 + np.arange(3 * PT)                # a first request: no return
+    _serve(c, other)
+    assert model.seen == 2 and class_turn(c.match(other).last_node.rclass) == 0
+    c.check()
+
+
+def _two_kinds_trace(path, steps=420):
+    """Mooncake lines: each step a long one-off prompt (never continued) and, every third
+    step, a new short chat; each chat comes back twice, 30 and 60 steps later, each time one
+    block longer. Under LRU the one-offs push every chat out before it returns."""
+    lines, fresh, chats = [], [1], {}
+
+    def ids(n):
+        out = list(range(fresh[0], fresh[0] + n))
+        fresh[0] += n
+        return out
+    for s in range(steps):
+        lines.append(ids(20))
+        if s % 3 == 0:
+            chats[s] = ids(2)
+            lines.append(chats[s])
+        for back in (30, 60):
+            if s - back in chats:
+                chats[s - back] = chats[s - back] + ids(1)
+                lines.append(chats[s - back])
+    out = []
+    t = 0
+    for h in lines:
+        t += 500
+        out.append({"timestamp": t, "input_length": 512 * len(h) - 100, "output_length": 64,
+                    "hash_ids": h})
+    path.write_text("\n".join(json.dumps(x) for x in out) + "\n")
+    return path
+
+
+def test_learned_beats_lru_when_some_requests_come_back_and_others_never(tmp_path):
+    t = traces.load(_two_kinds_trace(tmp_path / "two.jsonl"), "mooncake", 16)
+    got = {}
+    for policy in ("lru", "learned"):
+        got[policy] = replay(t, ReplaySettings(16, 300, eviction=policy), check=True)
+    lru, learned = got["lru"].hit_tokens["l1"], got["learned"].hit_tokens["l1"]
+    # 140 chats: a second turn hits 1 whole page, a third 2 (of 16 tokens); the order learns
+    # the two kinds from its first 64 returns, so the chats before that are lost like LRU's
+    most = 140 * 3 * 16
+    assert lru < 0.1 * most and learned > 0.5 * most, (lru, learned)
+    assert got["learned"].evictions["l1_pages"] > 0
+
+
+def test_the_policy_file_names_learned():
+    assert HiCacheConfig.from_dict({"policy": {"eviction": "learned"}}).policy.eviction \
+        == "learned"
