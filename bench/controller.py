@@ -387,7 +387,7 @@ def replay_host_reference(reqs, lists, page, num_pages, host_pages, inflight):
 def replay_controller(arrays, page, device_pages, host_pages, inflight, write="write_through"):
     """Our replay; ``arrays``: the prompts as int64 arrays (what ``HiCache`` hands the
     controller, as the references get Python lists: each its own form, made before timing)."""
-    ctrl = CacheController(page, device_pages, host_pages, write=write)
+    ctrl = CacheController(page, device_pages, host_pages, write=write, eviction="lru")
     agree = StepAgreement(local=True)
     l1 = l2 = 0
     q = deque()

@@ -264,11 +264,12 @@ class PolicySection:
                      choices=("write_through", "write_through_selective", "write_back"))
     selective_threshold: int = opt(2, "write_through_selective: hits before a page is backed up",
                                    min=1, max=1 << 20)
-    eviction: str = opt("lru", "eviction order: least recently used (lru), least frequently "
-                                  "used (lfu), or least likely to be reused soon, by reuse "
-                                  "rates learnt per use count (reuse), or least "
-                                  "likely to be continued soon, by return rates learnt per "
-                                  "request class (learned)",
+    eviction: str = opt("learned", "eviction order: least likely to be continued soon, by "
+                                      "return rates learnt per request class (learned; least "
+                                      "recently used until 64 returns are seen), least "
+                                      "recently used (lru), least frequently used (lfu), or "
+                                      "least likely to be reused soon, by reuse rates learnt "
+                                      "per use count (reuse)",
                          choices=("lru", "lfu", "reuse", "learned"))
     prefetch: str = opt("timeout", "L3 prefetch policy: wait for the read until it finishes or "
                                    "the timeout passes (timeout), until it finishes "

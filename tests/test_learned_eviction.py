@@ -5,10 +5,13 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hicache.config import HiCacheConfig
 from hicache.controller import CacheController
 from hicache.controller.learned_order import LearnedOrder
+from hicache.controller.order import EvictionOrder
 from hicache.controller.returns import (CLASSES, EDGES, ReturnModel, age_bin, class_turn,
                                         hit_density, request_class)
 from hicache.controller.tree import Node
@@ -96,8 +99,9 @@ def test_order_is_lru_until_ready_then_lowest_index_first():
     rows[1] = -age * 0.5
     rows[2] = -4.0
     m.rows, m.ready = rows.tolist(), True
-    got = list(o)
-    assert sorted(got, key=lambda n: (m.value(n.rclass, 10 - n.last_access), n.nid)) == got
+    got = list(o)  # by value; ties: least recently added or touched first
+    assert sorted(got, key=lambda n: (m.value(n.rclass, 10 - n.last_access),
+                                      n.last_access)) == got
     assert len(got) == len(nodes) == len(o)
     nodes[0].rclass = 2                              # reclassed: touched into its new list
     nodes[0].last_access = 11
@@ -105,7 +109,24 @@ def test_order_is_lru_until_ready_then_lowest_index_first():
     o.remove(nodes[1])
     got = list(o)
     assert nodes[1] not in o and len(got) == 9 and len(set(got)) == 9
-    assert sorted(got, key=lambda n: (m.value(n.rclass, 11 - n.last_access), n.nid)) == got
+    assert sorted(got, key=lambda n: (m.value(n.rclass, 11 - n.last_access),
+                                      n.last_access)) == got
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "touch", "remove"]), st.integers(0, 7),
+                          st.integers(0, CLASSES - 1)), max_size=60))
+def test_before_it_is_ready_the_order_is_exactly_lru(ops):
+    lru, learned = EvictionOrder(), LearnedOrder(ReturnModel())
+    nodes = [_node(i + 1, 0, 0) for i in range(8)]
+    for clock, (op, i, cls) in enumerate(ops):
+        n = nodes[i]
+        n.last_access, n.rclass = clock, cls
+        if op == "add":
+            lru.add(n), learned.add(n)
+        elif n in lru:
+            getattr(lru, op)(n), getattr(learned, op)(n)
+        assert list(learned) == list(lru) and len(learned) == len(lru)
 
 
 def _serve(c, toks):

@@ -75,22 +75,26 @@ class Learner:
 
 
 class LearnedOrder:
-    """Nodes of one tier, lowest ``model.value(class, age)`` first (LRU until it is ready)."""
+    """Nodes of one tier, lowest ``model.value(class, age)`` first; until the model is ready,
+    and among equal values, the least recently added or touched first (LRU)."""
 
-    __slots__ = ("model", "_lists", "_cls", "_now")
+    __slots__ = ("model", "_lists", "_cls", "_now", "_seq")
 
     def __init__(self, model: ReturnModel) -> None:
         self.model = model
-        self._lists = [OrderedDict() for _ in range(CLASSES)]  # node -> tick of its last use
+        # per class: node -> (tick of its last use, sequence number of its last add or touch)
+        self._lists = [OrderedDict() for _ in range(CLASSES)]
         self._cls: dict[Node, int] = {}
         self._now = 0
+        self._seq = 0
 
     def add(self, n: Node) -> None:
         if n in self._cls:
             return
         c = n.rclass
         self._cls[n] = c
-        self._lists[c][n] = n.last_access
+        self._seq += 1
+        self._lists[c][n] = (n.last_access, self._seq)
         if n.last_access > self._now:
             self._now = n.last_access
 
@@ -101,14 +105,15 @@ class LearnedOrder:
         c, t = self._cls[n], n.last_access
         if t > self._now:
             self._now = t
+        self._seq += 1
         if c == n.rclass:
             lst = self._lists[c]
-            lst[n] = t
+            lst[n] = (t, self._seq)
             lst.move_to_end(n)
             return
         del self._lists[c][n]
         c = self._cls[n] = n.rclass
-        self._lists[c][n] = t
+        self._lists[c][n] = (t, self._seq)
 
     def __iter__(self) -> Iterator[Node]:
         """Nodes, first to evict first. Do not add, touch or remove while iterating."""
@@ -121,15 +126,15 @@ class LearnedOrder:
                 return rows[c][(b if b < last else last) - 1]
         else:
             def key(c: int, t: int) -> float:
-                return float(t)
+                return 0.0
         heap: list = []
         left: list[int] = [0] * CLASSES
         for c, lst in enumerate(self._lists):
             if lst:
                 left[c] = len(lst)
                 for end, it in enumerate((iter(lst.items()), reversed(lst.items()))):
-                    n, t = next(it)
-                    heap.append((key(c, t), n.nid, end, c, n, it))
+                    n, (t, seq) = next(it)  # (both ends meet at the last node: end breaks
+                    heap.append((key(c, t), seq, end, c, n, it))  # the tie)
         heapq.heapify(heap)
         while heap:
             _, _, end, c, n, it = heap[0]
@@ -140,7 +145,8 @@ class LearnedOrder:
             if nxt is None:
                 heapq.heappop(heap)
             else:
-                heapq.heapreplace(heap, (key(c, nxt[1]), nxt[0].nid, end, c, nxt[0], it))
+                n, (t, seq) = nxt
+                heapq.heapreplace(heap, (key(c, t), seq, end, c, n, it))
 
     def __len__(self) -> int:
         return len(self._cls)
