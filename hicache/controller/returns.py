@@ -31,7 +31,7 @@ from collections import deque
 import numpy as np
 
 TURNS = 4                           # turn classes: first, second, third, fourth and later
-NEW_PAGE_EDGES = (2, 4, 8, 16, 32)  # new-page classes: [0, 2), [2, 4), ... [32, inf)
+NEW_PAGE_EDGES = (2, 4, 8, 16, 32, 64)  # new-page classes: [0, 2), [2, 4), ... [64, inf)
 CLASSES = TURNS * (len(NEW_PAGE_EDGES) + 1)
 MIN_RETURNS = 64     # returns seen before the index replaces LRU
 REFRESH = 256        # inserts between two recomputations of the index
