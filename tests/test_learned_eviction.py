@@ -76,6 +76,16 @@ def test_return_rates_are_learnt_while_returns_are_still_to_come():
     assert m.rates[7] - naive > 0.01
 
 
+def test_the_model_stays_bounded_when_nothing_returns(monkeypatch):
+    from hicache.controller import returns
+    monkeypatch.setattr(returns, "MAX_YOUNG", 100)
+    m = ReturnModel()
+    for now in range(5000):
+        m.inserted(now % 3, now)
+    assert not m.ready and max(len(q) for q in m._young) == 100
+    assert m.mature[:3].sum() + sum(len(q) for q in m._young) == 5000
+
+
 def _node(nid, cls, t):
     n = Node(nid, None, b"", 1)
     n.rclass, n.last_access = cls, t

@@ -36,6 +36,7 @@ CLASSES = TURNS * (len(NEW_PAGE_EDGES) + 1)
 MIN_RETURNS = 64     # returns seen before the index replaces LRU
 REFRESH = 256        # inserts between two recomputations of the index
 PRIOR = 8.0          # a class's rate is shrunk to the overall one as if by this many inserts
+MAX_YOUNG = 1 << 16  # insert ticks kept per class; older inserts count as mature (bounded memory)
 BINS_PER_OCTAVE = 8
 # age bin edges in ticks: 0, 1, 2, ... then geometric (BINS_PER_OCTAVE per doubling), to 2^36
 EDGES = np.unique(np.floor(2.0 ** (np.arange(0, 36 * BINS_PER_OCTAVE + 1) / BINS_PER_OCTAVE)))
@@ -99,7 +100,11 @@ class ReturnModel:
 
     def inserted(self, cls: int, now: int) -> None:
         """A chain of class ``cls`` was (re)started at tick ``now``."""
-        self._young[cls].append(now)
+        q = self._young[cls]
+        q.append(now)
+        if len(q) > MAX_YOUNG:
+            q.popleft()
+            self.mature[cls] += 1
         self._since += 1
         if self._since >= self.refresh_every:
             self.refresh(now)
