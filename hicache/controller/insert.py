@@ -61,7 +61,7 @@ class Insert:
         whole = len(arr) // pt
         if not whole <= len(pages) <= whole + 1 or (len(pages) > whole and len(arr) % pt == 0):
             self._whole_pages(len(arr), len(pages))  # raises
-        start, held = None, 0
+        start, held, key = None, 0, None
         if after is not None:
             if type(after) is not LockHandle or after.released or after.node.lock_ref <= 0:
                 if not isinstance(after, LockHandle):
@@ -69,8 +69,8 @@ class Insert:
                                      f"got {type(after).__name__}")
                 self._held(after, "insert(after=)")  # raises, but for the root's lock
             if after.prefix_len <= whole * pt:
-                start, held = after.node, after.prefix_len
-        path = self.tree.walk(arr, start, held, scope)
+                start, held, key = after.node, after.prefix_len, after.key
+        path = self.tree.walk(arr, start, held, scope, key)
         self._clock += 1
         self.stats.inserts += 1
         plan = self._check_insert(path, pages)
