@@ -48,7 +48,9 @@ def _weak_method(owner, fn):
     ref = weakref.ref(owner)
 
     def call(*args):
-        return fn(ref(), *args)
+        obj = ref()
+        if obj is not None:  # (a tree kept past its controller has no one to tell)
+            fn(obj, *args)
     return call
 
 
