@@ -401,4 +401,9 @@ def chain_pages(nodes: Sequence[Node], tier: "operator.attrgetter") -> np.ndarra
     """The nodes' page ids of one tier (``DEVICE_PAGES`` or ``HOST_PAGES``), end to end (a new
     writable int64 array: one C join of their bytes, every node's array being contiguous);
     TypeError if a node is not on that tier."""
+    if len(nodes) == 1:  # (the common path: one node; a copy costs a third of the join)
+        pages = tier(nodes[0])
+        if pages is None:
+            raise TypeError("the node is not on that tier")
+        return pages.copy()
     return np.frombuffer(bytearray().join(map(tier, nodes)), INT64)
