@@ -68,10 +68,16 @@ def test_a_wrong_key_hint_caches_what_no_hint_does():
     new = ctrl.alloc_device(1, as_array=True)
     res = ctrl.insert(toks(1, 2, 9), np.concatenate((m.device_pages, new)), after=m.lock)
     assert res.new_pages == 1 and not len(res.freed)
+    m = ctrl.match(toks(1, 5, 9), lock=True)  # misses page 5 under page 1
+    cache(ctrl, toks(1, 5, 9))  # meanwhile another request caches pages 5, 9
+    m.lock.key = toks(5, 9).tobytes()  # starts with the page looked up but is longer: ignored
+    new = ctrl.alloc_device(2, as_array=True)
+    res = ctrl.insert(toks(1, 5, 9), np.concatenate((m.device_pages, new)), after=m.lock)
+    assert res.new_pages == 0 and sorted(res.freed.tolist()) == sorted(new.tolist())
     m = ctrl.match(toks(1, 4), lock=True)  # misses page 4 under page 1: the hint is its key
     assert m.device_len == PT and m.lock.key == toks(4).tobytes()
     new = ctrl.alloc_device(1, as_array=True)
     res = ctrl.insert(toks(1, 4), np.concatenate((m.device_pages, new)), after=m.lock)
     assert res.new_pages == 1
-    assert [ctrl.match(toks(1, b)).device_len for b in (2, 3, 4, 5)] == [2 * PT] * 3 + [PT]
+    assert [ctrl.match(toks(1, b)).device_len for b in (2, 3, 4, 5, 6)] == [2 * PT] * 4 + [PT]
     ctrl.check()

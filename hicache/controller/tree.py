@@ -246,7 +246,7 @@ class RadixTree:
                 if child.scope or not ct.startswith(q[a:a + w]):  # its key differs
                     break
             else:
-                if hint is not None and hint.startswith(q[a:a + w]):
+                if hint is not None and len(hint) == w and hint.startswith(q[a:a + w]):
                     key = hint  # the same page: its hash is not computed again
                 else:
                     key = q[a:a + w].tobytes()
@@ -345,8 +345,8 @@ class RadixTree:
         node = Node(self._next_id, parent, kb, len(tokens) // pt)
         self._next_id += 1
         node.scope = tag
-        key, self._missed = self._missed, None
-        if tag or key is None or not kb.startswith(key):  # not the page a walk just missed
+        key, self._missed = self._missed, None  # the page a walk just missed, if it is this
+        if tag or key is None or len(key) != pt * 8 or not kb.startswith(key):  # leaf's: not
             key = tag + kb[:pt * 8]
         parent.children[key] = node
         self.num_nodes += 1
