@@ -16,6 +16,7 @@ tree state only when ``complete`` is called with ids that every rank agreed are 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Iterable, Union
 
@@ -41,6 +42,19 @@ Op = Union[BackupOp, LoadOp]
 _MAX_GRANTS = 4096
 
 
+def _weak_method(owner, fn):
+    """``fn`` bound to ``owner`` through a weak reference: a callback the tree holds without
+    a reference cycle back to its controller (a dropped controller is freed at once, see
+    ``RadixTree.__del__``)."""
+    ref = weakref.ref(owner)
+
+    def call(*args):
+        obj = ref()
+        if obj is not None:  # (a tree kept past its controller has no one to tell)
+            fn(obj, *args)
+    return call
+
+
 @dataclass
 class _OpRecord:
     op: Op
@@ -63,7 +77,7 @@ class CacheController(RequestPages, Insert, Eviction):
         ``snapshots``: a hybrid model's state snapshot pools (``self.snaps``; None: none)."""
         self.policy = controller_policy(policy, settings)
         self.tree = RadixTree(page_tokens)
-        self.tree.on_split = self._on_split
+        self.tree.on_split = _weak_method(self, CacheController._on_split)
         self.snaps = SnapshotIndex(self.tree, snapshots) if snapshots is not None else None
         if self.snaps is not None:
             self.tree.on_remove = self.snaps.on_remove
@@ -157,7 +171,7 @@ class CacheController(RequestPages, Insert, Eviction):
         m = Match(pt * len(dpages), pt * len(hpages), dpages, hpages, tuple(dev), tuple(hst),
                   last, waits)
         if lock:
-            m.lock = LockHandle(last, m.device_len + m.host_len)
+            m.lock = LockHandle(last, m.device_len + m.host_len, self.tree._missed)
         return m
 
     def peek(self, tokens, scope: Scope | None = None) -> tuple[int, int]:

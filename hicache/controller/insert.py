@@ -21,8 +21,10 @@ class _InsertPlan(NamedTuple):
     """What a checked insert will do (see ``Insert._check_insert``)."""
     cached: int                          # leading pages already in the tree (the walked path)
     dup: np.ndarray                      # int64: caller pages duplicating cached ones (freed)
-    adopt: list[tuple[Node, int, int]]   # host-only path nodes taking pages[a:b]
-    taken: np.ndarray                    # int64: every request page the insert takes
+    adopt: tuple[tuple[Node, int, int], ...]  # host-only path nodes taking pages[a:b]
+
+
+_new_plan = tuple.__new__  # _new_plan(_InsertPlan, (...)): the plan without a Python frame
 
 
 def _concat(parts: list[np.ndarray]) -> np.ndarray:
@@ -61,7 +63,7 @@ class Insert:
         whole = len(arr) // pt
         if not whole <= len(pages) <= whole + 1 or (len(pages) > whole and len(arr) % pt == 0):
             self._whole_pages(len(arr), len(pages))  # raises
-        start, held = None, 0
+        start, held, key = None, 0, None
         if after is not None:
             if type(after) is not LockHandle or after.released or after.node.lock_ref <= 0:
                 if not isinstance(after, LockHandle):
@@ -69,8 +71,8 @@ class Insert:
                                      f"got {type(after).__name__}")
                 self._held(after, "insert(after=)")  # raises, but for the root's lock
             if after.prefix_len <= whole * pt:
-                start, held = after.node, after.prefix_len
-        path = self.tree.walk(arr, start, held, scope)
+                start, held, key = after.node, after.prefix_len, after.key
+        path = self.tree.walk(arr, start, held, scope, key)
         self._clock += 1
         self.stats.inserts += 1
         plan = self._check_insert(path, pages)
@@ -103,14 +105,18 @@ class Insert:
             return self._check_insert_nodes(path, pages, raw)
         cached = len(held) // 8
         if raw.startswith(held):  # the cached pages are the caller's own: new pages only
-            dup, taken, key = _NO_IDS, pages[cached:], raw[len(held):]
+            key = raw[len(held):]
+            if key in self._grants:  # one alloc_device result, as handed out: taken unchecked
+                self._grants.remove(key)
+                return _new_plan(_InsertPlan, (cached, _NO_IDS, ()))
+            dup, taken = _NO_IDS, pages[cached:]
         else:  # the caller computed some cached pages itself (e.g. a concurrent request's)
             part = pages[:cached]
             dup = part[part != np.frombuffer(held, INT64)]
             taken = join_ids([dup, pages[cached:]])  # in position order
             key = taken.tobytes()
         self._take_request_pages(taken, "insert", key)
-        return _InsertPlan(cached, dup, [], taken)
+        return _new_plan(_InsertPlan, (cached, dup, ()))
 
     def _check_insert_nodes(self, path: list[Node], pages: np.ndarray,
                             raw: bytes) -> "_InsertPlan":
@@ -131,7 +137,7 @@ class Insert:
             taken.append(pages[cached:])
         idx = _concat(taken) if taken else _NO_IDS
         self._take_request_pages(idx, "insert")
-        return _InsertPlan(cached, _concat(dups) if dups else _NO_IDS, adopt, idx)
+        return _InsertPlan(cached, _concat(dups) if dups else _NO_IDS, tuple(adopt))
 
     def _adopt(self, arr: np.ndarray, pages: np.ndarray, whole: int, path: list[Node],
                plan: "_InsertPlan", held: LockHandle | None = None,

@@ -36,10 +36,13 @@ class RequestPages:
             check_int(n, "number of device pages", 0, error=UsageError)
         if not n:
             return np.zeros(0, np.int64) if as_array else []
-        pages = self._take(self.device, self.evict_device, n)
-        if pages is None:
-            raise DeviceFullError(n, self.device.num_free, self.device.num_pages,
-                                  pending=self._evicting_pages)
+        dev = self.device
+        if dev.num_free < n:  # (``_take``, inline: this runs once per request)
+            self.evict_device(n - dev.num_free)
+            if dev.num_free < n:
+                raise DeviceFullError(n, dev.num_free, dev.num_pages,
+                                      pending=self._evicting_pages)
+        pages = dev.alloc_array(n)
         if len(self._grants) >= self._max_grants:
             self._loosen_grants()
             if not self._max_grants:

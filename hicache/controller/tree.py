@@ -91,6 +91,17 @@ class RadixTree:
         self.num_nodes = 0
         self.on_split = None  # callback(top, lower) so owners can re-point op records
         self.on_remove = None  # callback(node) for a removed node holding snapshots
+        self._missed: bytes | None = None  # the page key a walk last looked up and missed
+
+    def __del__(self) -> None:
+        """Break the nodes' parent/child reference cycles, so a dropped tree's nodes (and
+        their token bytes: most of its memory) are freed now, not at the next full collection
+        of the cyclic GC."""
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            n.children = {}
 
     def _new_id(self) -> int:
         nid = self._next_id
@@ -98,10 +109,12 @@ class RadixTree:
         return nid
 
     def walk(self, arr: np.ndarray, start: "Node | None" = None, held: int = 0,
-             scope: Scope | None = None) -> list[Node]:
-        """``_walk`` in the shared scope (``scope`` None), else ``_walk_scoped``."""
+             scope: Scope | None = None, key: bytes | None = None) -> list[Node]:
+        """``_walk`` in the shared scope (``scope`` None), else ``_walk_scoped``. ``key``: a
+        hint, the page key an earlier walk of these tokens missed (``LockHandle.key``): used
+        as the lookup key if it equals the page looked up (its hash is kept), else ignored."""
         if scope is None:
-            return self._walk(arr, start, held)
+            return self._walk(arr, start, held, key)
         return self._walk_scoped(arr, start, held, scope)
 
     def _walk_scoped(self, arr: np.ndarray, start: "Node | None", held: int,
@@ -128,7 +141,8 @@ class RadixTree:
             return path
         return self._walk(arr, child, bound + child.npages * pt)
 
-    def _walk(self, arr: np.ndarray, start: "Node | None" = None, held: int = 0) -> list[Node]:
+    def _walk(self, arr: np.ndarray, start: "Node | None" = None, held: int = 0,
+              key: bytes | None = None) -> list[Node]:
         """Nodes covering the longest cached whole-page prefix of ``arr`` (ints), root excluded.
 
         With ``start`` (a node in the tree whose path from the root holds ``held`` tokens, at
@@ -170,7 +184,7 @@ class RadixTree:
             return path
         total = len(arr) // pt * pt * 8  # bytes of the whole pages
         if q is not None:
-            return self._walk_view(q, a, total, children, path)
+            return self._walk_view(q, a, total, children, path, key)
         return self._walk_bytes(arr, a, total, children, path)
 
     def _differs(self, arr: np.ndarray, start: Node, held: int) -> str:
@@ -218,21 +232,39 @@ class RadixTree:
         return path
 
     def _walk_view(self, q: memoryview, a: int, total: int, children: "dict[bytes, Node]",
-                   path: list[Node]) -> list[Node]:
+                   path: list[Node], hint: bytes | None = None) -> list[Node]:
         """``walk`` on a native int64 query in place (``q``: its bytes, not copied), from byte
-        ``a`` on."""
+        ``a`` on; ``hint``: see ``walk``."""
         w = self.page_tokens * 8
         while a < total and children:
-            child = children.get(q[a:a + w].tobytes())
-            if child is None:
-                break
-            ct = child.tokens
-            e = a + len(ct)
-            if e <= total and ct.startswith(q[a:e]):  # the whole node matches
-                path.append(child)
-                a = e
-                children = child.children
-                continue
+            if len(children) == 1:  # an only child is compared in place: no page key to hash
+                (child,) = children.values()
+                ct = child.tokens
+                e = a + len(ct)
+                if e <= total and not child.scope and ct.startswith(q[a:e]):
+                    path.append(child)
+                    a = e
+                    children = child.children
+                    continue
+                if child.scope or not ct.startswith(q[a:a + w]):  # its key differs
+                    break
+            else:
+                if hint is not None and len(hint) == w and hint.startswith(q[a:a + w]):
+                    key = hint  # the same page: its hash is not computed again
+                else:
+                    key = q[a:a + w].tobytes()
+                hint = None
+                child = children.get(key)
+                if child is None:
+                    self._missed = key  # (its hash is kept: add_child may key a leaf by it)
+                    break
+                ct = child.tokens
+                e = a + len(ct)
+                if e <= total and ct.startswith(q[a:e]):  # the whole node matches
+                    path.append(child)
+                    a = e
+                    children = child.children
+                    continue
             path.append(self._cut(child, q, a, min(e, total)))
             break
         return path
@@ -317,7 +349,10 @@ class RadixTree:
         node = Node(self._next_id, parent, kb, len(tokens) // pt)
         self._next_id += 1
         node.scope = tag
-        parent.children[tag + kb[:pt * 8]] = node
+        key, self._missed = self._missed, None  # the page a walk just missed, if it is this
+        if tag or key is None or len(key) != pt * 8 or not kb.startswith(key):  # leaf's: not
+            key = tag + kb[:pt * 8]
+        parent.children[key] = node
         self.num_nodes += 1
         return node
 
@@ -370,4 +405,9 @@ def chain_pages(nodes: Sequence[Node], tier: "operator.attrgetter") -> np.ndarra
     """The nodes' page ids of one tier (``DEVICE_PAGES`` or ``HOST_PAGES``), end to end (a new
     writable int64 array: one C join of their bytes, every node's array being contiguous);
     TypeError if a node is not on that tier."""
+    if len(nodes) == 1:  # (the common path: one node; a copy costs a third of the join)
+        pages = tier(nodes[0])
+        if pages is None:
+            raise TypeError("the node is not on that tier")
+        return pages.copy()
     return np.frombuffer(bytearray().join(map(tier, nodes)), INT64)

@@ -18,14 +18,16 @@ NO_IDS.flags.writeable = False
 
 class LockHandle:
     """What ``lock`` returns; release it exactly once (``unlock``, or ``insert(after=)``).
-    ``prefix_len``: tokens of the prefix it holds (the root's path to ``node``)."""
+    ``prefix_len``: tokens of the prefix it holds (the root's path to ``node``). ``key``: the
+    page key the match's walk missed, if any (a hint ``insert(after=)``'s walk reuses)."""
 
-    __slots__ = ("node", "prefix_len", "released")
+    __slots__ = ("node", "prefix_len", "released", "key")
 
-    def __init__(self, node: "Node", prefix_len: int) -> None:
+    def __init__(self, node: "Node", prefix_len: int, key: "bytes | None" = None) -> None:
         self.node = node
         self.prefix_len = prefix_len
         self.released = False
+        self.key = key
 
 
 @dataclass(frozen=True)
