@@ -534,24 +534,12 @@ class HiCache:
                                                     or self.io.writer is not None):
                 self.drain()  # replicated condition: every rank takes this branch
         finally:
-            self._close_local()
-
-    def _close_local(self) -> None:
-        """This rank's part of closing (no collective): events, copies, writer, prefetcher,
-        store, companions; their threads stop."""
-        self._closed = True
-        tenancy.close_events(self.events, self.ctrl)
-        self.io.close()  # copies stop before the pools go; failures were reported already
-        for c in self.companions:
-            c.close()
+            lifecycle.close_local(self)
 
     def _close_at_exit(self) -> None:
-        """A cache still open at interpreter exit (the script ended without ``close``, e.g. by
-        an uncaught error): closed locally before the interpreter finalizes (``hicache.at_exit``:
-        a thread of ours inside a torch call then would abort the process). The other ranks
-        are not told (no collective at exit: they may be gone); the queued L3 writes land."""
+        """Still open at interpreter exit: closed locally first (``hicache.at_exit``)."""
         if not self._closed:
-            self._close_local()
+            lifecycle.close_local(self)
 
     # ---- internals ----------------------------------------------------------------------------
     @contextlib.contextmanager
