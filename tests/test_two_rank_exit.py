@@ -184,6 +184,7 @@ def test_every_error_path_joins_every_thread_we_start(tmp_path):
 # threads stop) and waits for the backend to let go of the tensors hicache lent it, before the
 # interpreter finalizes. A hook registered before hicache is imported runs after hicache's:
 # it lists the threads of ours still alive as finalization begins (none).
+# tests/exit_abort_repro.py reproduces the abort on demand under gdb (and prints its stack).
 
 OPEN_AT_EXIT = r"""
 import atexit, datetime, faulthandler, json, sys, threading
