@@ -257,16 +257,16 @@ def test_that_script_run_three_times_at_once_exits_without_a_signal(tmp_path):
 # ---- a collective the backend still holds when the interpreter exits -----------------------
 # Made deterministic: rank 1 leaves by an error while its collective is still in the backend
 # (an async all-reduce that rank 0 joins only once rank 1 is exiting), and its last exit hook
-# holds the GIL in C for a while (as a loaded scheduler would keep the backend's thread off the
+# holds the GIL in C for 2 s (as a loaded scheduler would keep the backend's thread off the
 # GIL) until the interpreter finalizes. With the tensor lent (hicache.at_exit.lend) the exit
 # waits for the backend to let go first; lent or not, rank 1 must exit 1 by its error. The same
 # script with the tensor not lent is the control: on CPython < 3.14 it dies by SIGABRT.
 
 LATE_COLLECTIVE = r"""
-import atexit, datetime, os, sys, time
+import atexit, ctypes, datetime, os, sys, time
 rank, port, marker, lent = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "1"
-if rank == 1:  # registered first: the last hook to run
-    atexit.register(sum, range(150_000_000))
+if rank == 1:  # registered first, the last hook to run: 2 s in C holding the GIL (PyDLL)
+    atexit.register(ctypes.PyDLL(None).usleep, 2_000_000)
 sys.path.insert(0, sys.argv[5])
 import torch, torch.distributed as dist
 from hicache.at_exit import lend
