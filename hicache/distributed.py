@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hicache import minvec
+from hicache.at_exit import lend
 from hicache.errors import DivergenceError, RankError
 
 
@@ -298,22 +299,22 @@ _REDUCE_SCATTER = _first("reduce_scatter_single", "reduce_scatter_tensor", "_red
 
 def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
     CollectiveCounter.bump()
-    _ALL_GATHER(out, inp, group=group)
+    _ALL_GATHER(lend(out), lend(inp), group=group)
 
 
 def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
     CollectiveCounter.bump()
-    _REDUCE_SCATTER(out, inp, group=group)
+    _REDUCE_SCATTER(lend(out), lend(inp), group=group)
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
     CollectiveCounter.bump()
-    dist.all_to_all_single(out, inp, group=group)
+    dist.all_to_all_single(lend(out), lend(inp), group=group)
 
 
 def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
     CollectiveCounter.bump()
-    dist.all_reduce(t, op=op, group=group)
+    dist.all_reduce(lend(t), op=op, group=group)
 
 
 class AgreedMin(NamedTuple):
@@ -407,11 +408,22 @@ def min_across_ranks(values: Sequence[int], group=None, *, kind: int = minvec.PL
 
 def all_gather_object(obj: Any, world_size: int, group=None) -> list:
     """Every rank's ``obj``, gathered over :func:`control_group` (pickled control data: a CPU
-    collective with the group's timeout, never a device round trip through NCCL)."""
+    collective with the group's timeout, never a device round trip through NCCL). Pickled here
+    rather than by ``dist.all_gather_object`` so that every tensor the backend holds is
+    :func:`~hicache.at_exit.lend`-ed: the lengths, then the pickles padded to the longest."""
     CollectiveCounter.bump()
-    out: list = [None] * world_size
-    dist.all_gather_object(out, obj, group=control_group(group))
-    return out
+    ctl = control_group(group)
+    data = pickle.dumps(obj)
+    lengths = torch.zeros(world_size, dtype=torch.int64)
+    _ALL_GATHER(lend(lengths), lend(torch.tensor([len(data)], dtype=torch.int64)), group=ctl)
+    width = int(lengths.max())
+    mine = torch.zeros(width, dtype=torch.uint8)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    everyone = torch.empty(world_size * width, dtype=torch.uint8)
+    _ALL_GATHER(lend(everyone), lend(mine), group=ctl)
+    flat = everyone.numpy()
+    return [pickle.loads(flat[r * width:r * width + n].tobytes())
+            for r, n in enumerate(lengths.tolist())]
 
 
 # ---- the control plane's CPU group -----------------------------------------------------------

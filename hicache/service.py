@@ -46,7 +46,7 @@ from .facade.restore import RESTORE_RETRIES
 from .kvport import CheckedPort
 from .l3 import agree_prefetch, prefetch_signals
 from .tier_io import PREFETCH_OUTCOMES, TierIO, Waits
-from . import tenancy
+from . import at_exit, tenancy
 
 log = logging.getLogger("hicache")
 __all__ = ["HiCache", "Prefix", "CACHE_MODES", "TIERS", "RESTORE_RETRIES", "PREFETCH_OUTCOMES"]
@@ -83,6 +83,7 @@ class HiCache:
             error = e
         lifecycle.agree_construction(self, error, group, world, debug)
         self._closed = False
+        at_exit.close_at_exit(self)  # still open when the interpreter exits: closed first
 
     def _build(self, config: HiCacheConfig, rank: int, group, world: int, mode: str | None,
                device, replica: tuple[int, int], debug: bool,
@@ -533,11 +534,12 @@ class HiCache:
                                                     or self.io.writer is not None):
                 self.drain()  # replicated condition: every rank takes this branch
         finally:
-            self._closed = True
-            tenancy.close_events(self.events, self.ctrl)
-            self.io.close()  # copies stop before the pools go; failures were reported already
-            for c in self.companions:
-                c.close()
+            lifecycle.close_local(self)
+
+    def _close_at_exit(self) -> None:
+        """Still open at interpreter exit: closed locally first (``hicache.at_exit``)."""
+        if not self._closed:
+            lifecycle.close_local(self)
 
     # ---- internals ----------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -33,11 +33,13 @@ def fresh(tmp_path_factory):
     venv = d / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
+    # without PYTHONPATH: a source tree on it holds hicache.egg-info (the wheel build above
+    # writes it), and pip would take hicache as installed already and skip the wheel
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                    str(whl)], check=True, timeout=300)
+                    str(whl)], check=True, timeout=300, env=_no_pythonpath())
     purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path("
                               "'purelib'))"], capture_output=True, text=True,
-                             check=True).stdout.strip()
+                             check=True, env=_no_pythonpath()).stdout.strip()
     deps = [p for p in site.getsitepackages() + [sysconfig.get_path("purelib")]
             if os.path.isdir(p)]
     # plain path lines: the editable install's own .pth hook there is not run
@@ -45,10 +47,13 @@ def fresh(tmp_path_factory):
     return venv, whl, d
 
 
+def _no_pythonpath() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+
+
 def run(venv, *args, cwd):
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     return subprocess.run([str(venv / "bin" / args[0]), *args[1:]], capture_output=True,
-                          text=True, cwd=cwd, env=env, timeout=600)
+                          text=True, cwd=cwd, env=_no_pythonpath(), timeout=600)
 
 
 def test_wheel_ships_the_policy_and_runs_both_commands(fresh):

@@ -173,17 +173,27 @@ def test_every_error_path_joins_every_thread_we_start(tmp_path):
 
 
 # ---- a rank's script that ends by an uncaught error, its caches open -----------------------
-# No launch, no close, no destroy_process_group: the interpreter finalizes with hicache's L3
-# writer / prefetch / copy threads and gloo's group alive, as an engine's script would. Each
-# rank must exit 1 with the DivergenceError, never by a signal (SIGABRT: "terminate called
-# without an active exception").
+# No launch, no close, no destroy_process_group: the interpreter exits with hicache's caches
+# (L3 writer / prefetch / copy threads) and gloo's group alive, as an engine's script would.
+# Each rank must exit 1 with the DivergenceError, never by a signal (SIGABRT: "terminate called
+# without an active exception"). The cause, seen in a core dump: once Python finalizes, a
+# thread that takes the GIL is ended by pthread_exit, which inside a C++ destructor calls
+# std::terminate; gloo's worker thread takes it when it drops a finished collective's tensors
+# (moments after the caller's wait returned: under load, after the caller began exiting), and
+# our threads take it when a torch call returns. hicache.at_exit closes the open caches (our
+# threads stop) and waits for the backend to let go of the tensors hicache lent it, before the
+# interpreter finalizes. A hook registered before hicache is imported runs after hicache's:
+# it lists the threads of ours still alive as finalization begins (none).
+# tests/exit_abort_repro.py reproduces the abort on demand under gdb (and prints its stack).
 
 OPEN_AT_EXIT = r"""
-import datetime, faulthandler, sys
+import atexit, datetime, faulthandler, json, sys, threading
 faulthandler.enable()
+atexit.register(lambda: print("ours at finalize:", json.dumps(sorted(
+    t.name for t in threading.enumerate() if t.name.startswith("hicache")))))
 sys.path[:0] = [sys.argv[4], sys.argv[5]]
 import torch.distributed as dist
-rank, base, port = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+rank, port, base = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
                         timeout=datetime.timedelta(seconds=30))
 from hicache.service import HiCache
@@ -200,27 +210,100 @@ c.step()
 """
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 34 point 7, reproduced once in a clean-clone run and not fixed: rank 0 of a script "
-    "that ends by an uncaught DivergenceError with caches open and its process group not "
-    "destroyed can abort in interpreter finalization ('terminate called without an active "
-    "exception'); the root cause (a joinable C++ thread destroyed at exit) is not found"))
-def test_a_script_ending_by_an_error_with_caches_open_exits_without_a_signal(tmp_path):
-    import os
+def _pairs(script: str, n: int, args) -> list[list[tuple[int, str]]]:
+    """Run ``n`` two-rank pairs of ``script`` at once (``args(pair, rank)``: its argv after the
+    rank and port); every process's (exit status, output), pair by pair."""
     import subprocess
     import sys
 
     from hicache.distributed import free_port
 
+    procs = []
+    for i in range(n):
+        port = str(free_port())
+        procs.append([subprocess.Popen([sys.executable, "-c", script, str(r), port, *args(i, r)],
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True) for r in range(2)])
+    return [[_finished(p) for p in pair] for pair in procs]
+
+
+def _finished(p) -> tuple[int, str]:
+    out = p.communicate(timeout=180)[0]
+    return p.returncode, out
+
+
+def _open_at_exit_runs(tmp_path, n: int) -> None:
+    import os
+
     here = os.path.dirname(os.path.abspath(__file__))
-    for i in range(2):
-        port, base = str(free_port()), tmp_path / f"run{i}"
-        procs = [subprocess.Popen([sys.executable, "-c", OPEN_AT_EXIT, str(r), str(base), port,
-                                   os.path.dirname(here), here],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for r in range(2)]
-        outs = [p.communicate(timeout=180)[0] for p in procs]
-        for rank, (p, out) in enumerate(zip(procs, outs)):
+    runs = _pairs(OPEN_AT_EXIT, n,
+                  lambda i, r: (str(tmp_path / f"run{i}"), os.path.dirname(here), here))
+    for i, pair in enumerate(runs):
+        for rank, (code, out) in enumerate(pair):
             assert "terminate called" not in out, (i, rank, out[-3000:])
-            assert p.returncode == 1 and "DivergenceError" in out, (i, rank, p.returncode,
-                                                                     out[-3000:])
+            assert code == 1 and "DivergenceError" in out, (i, rank, code, out[-3000:])
+            assert "ours at finalize: []" in out, (i, rank, out[-3000:])
+
+
+def test_a_script_ending_by_an_error_with_caches_open_exits_without_a_signal(tmp_path):
+    _open_at_exit_runs(tmp_path / "one", 1)
+
+
+def test_that_script_run_three_times_at_once_exits_without_a_signal(tmp_path):
+    # six ranks on a small box: the load under which the abort was first seen
+    _open_at_exit_runs(tmp_path / "three", 3)
+
+
+# ---- a collective the backend still holds when the interpreter exits -----------------------
+# Made deterministic: rank 1 leaves by an error while its collective is still in the backend
+# (an async all-reduce that rank 0 joins only once rank 1 is exiting), and its last exit hook
+# holds the GIL in C for 2 s (as a loaded scheduler would keep the backend's thread off the
+# GIL) until the interpreter finalizes. With the tensor lent (hicache.at_exit.lend) the exit
+# waits for the backend to let go first; lent or not, rank 1 must exit 1 by its error. The same
+# script with the tensor not lent is the control: on CPython < 3.14 it dies by SIGABRT.
+
+LATE_COLLECTIVE = r"""
+import atexit, ctypes, datetime, os, sys, time
+rank, port, marker, lent = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+if rank == 1:  # registered first, the last hook to run: 2 s in C holding the GIL (PyDLL)
+    atexit.register(ctypes.PyDLL(None).usleep, 2_000_000)
+sys.path.insert(0, sys.argv[5])
+import torch, torch.distributed as dist
+from hicache.at_exit import lend
+if rank == 1:  # registered last: the first hook to run, then hicache's
+    atexit.register(lambda: open(marker, "w").close())
+dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
+                        timeout=datetime.timedelta(seconds=30))
+t = torch.tensor([rank, 1], dtype=torch.int64)
+if rank == 0:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.2)  # rank 1 is past its first hook
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    os._exit(0)
+dist.all_reduce(lend(t) if lent else t, op=dist.ReduceOp.MIN, async_op=True)
+class Late:  # Python code run while finalizing: a thread waiting for the GIL gets it then
+    def __del__(self):
+        time.sleep(0.1)
+late = Late()
+raise RuntimeError("rank 1 ends by an error")
+"""
+
+
+def test_a_collective_the_backend_still_holds_at_exit_is_waited_for(tmp_path):
+    import os
+    import signal
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runs = _pairs(LATE_COLLECTIVE, 2,
+                  lambda i, r: (str(tmp_path / f"marker{i}"), "1" if i == 0 else "0", root))
+    (c0, o0), (c1, o1) = runs[0]
+    assert c0 == 0, o0[-3000:]
+    assert c1 == 1 and "rank 1 ends by an error" in o1, (c1, o1[-3000:])
+    assert "terminate called" not in o1, o1[-3000:]
+    (c0, o0), (c1, o1) = runs[1]  # the control: the same exit with the tensor not lent
+    assert c0 == 0, o0[-3000:]
+    if sys.version_info < (3, 14):  # 3.14 parks such threads instead of ending them
+        assert c1 == -signal.SIGABRT and "terminate called" in o1, (c1, o1[-3000:])

@@ -148,9 +148,10 @@ def _agree_continue(local: bool, group) -> bool:
     import torch
     import torch.distributed as dist
 
+    from ..at_exit import lend
     from ..distributed import control_group
     flag = torch.tensor([int(local)])  # a CPU flag: over the group's gloo twin under NCCL
-    dist.broadcast(flag, src=0, group=control_group(group))
+    dist.broadcast(lend(flag), src=0, group=control_group(group))
     return bool(flag.item())
 
 

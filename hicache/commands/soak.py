@@ -208,8 +208,10 @@ def _agree(local: bool, group) -> bool:
     """Rank 0's clock decides, for every rank alike."""
     import torch
     import torch.distributed as dist
+
+    from ..at_exit import lend
     flag = torch.tensor([int(local)])
-    dist.broadcast(flag, src=0, group=group)
+    dist.broadcast(lend(flag), src=0, group=group)
     return bool(flag.item())
 
 

@@ -160,6 +160,18 @@ def settings_digest(cache) -> int:
     return int.from_bytes(raw, "little") >> 4
 
 
+def close_local(cache) -> None:
+    """This rank's part of closing, no collective: events, copies, writer (its queued L3 writes
+    land), prefetcher, store, companions; their threads stop. ``HiCache.close`` ends with it,
+    and ``hicache.at_exit`` runs it for a cache still open at interpreter exit (the other ranks
+    are not told: they may be gone)."""
+    cache._closed = True
+    close_events(cache.events, cache.ctrl)
+    cache.io.close()  # copies stop before the pools go; failures were reported already
+    for c in cache.companions:
+        c.close()
+
+
 def discard(cache) -> None:
     """Construction failed (on some rank): close what this rank built, drop its pools."""
     io, cache.io = cache.io, None

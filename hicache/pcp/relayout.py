@@ -30,6 +30,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from hicache.at_exit import lend
 from hicache.errors import TopologyError
 from hicache.layout import DCPLayout, plan_relayout, slot_of
 
@@ -141,12 +142,12 @@ def exchange(me: int, s: int, d: int, group, num_rows: int, dst_pool, sends: lis
         return unpack(pack())
     if me == s and num_rows:
         packed = pack().contiguous()
-        sends.append((dist.isend(packed, _global(group, d), group), packed))
+        sends.append((dist.isend(lend(packed), _global(group, d), group), packed))
     elif me == d:
         buf = torch.empty(dst_pool.num_layers, num_rows, dst_pool.kv_dim,
                           dtype=dst_pool.dtype, device=dst_pool.device)
         if num_rows:
-            dist.recv(buf, _global(group, s), group)
+            dist.recv(lend(buf), _global(group, s), group)
         return unpack(buf)
     return None
 

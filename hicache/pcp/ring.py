@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from hicache.at_exit import lend
 from hicache.errors import UsageError
 from hicache import distributed as hdist
 from hicache.engine.attention import attend_latent
@@ -219,9 +220,10 @@ class ContextParallelAttention:
                 n_out, n_in = pl.lengths[src], pl.lengths[incoming]
                 ops = []
                 if n_out:
-                    ops.append(dist.P2POp(dist.isend, cur[:n_out], nxt, self.group))
+                    ops.append(dist.P2POp(dist.isend, lend(cur[:n_out]), nxt, self.group))
                 if n_in:
-                    ops.append(dist.P2POp(dist.irecv, bufs[(step + 1) % 2][:n_in], prv, self.group))
+                    ops.append(dist.P2POp(dist.irecv, lend(bufs[(step + 1) % 2][:n_in]), prv,
+                                          self.group))
                 if ops:
                     hdist.CollectiveCounter.bump()
                     reqs = dist.batch_isend_irecv(ops)
