@@ -218,3 +218,24 @@ def test_learned_beats_lru_when_some_requests_come_back_and_others_never(tmp_pat
 def test_the_policy_file_names_learned():
     assert HiCacheConfig.from_dict({"policy": {"eviction": "learned"}}).policy.eviction \
         == "learned"
+
+
+def test_decisions_do_not_depend_on_the_process_hash_seed(tmp_path):
+    """Every DCP rank runs its own controller and must evict alike: two processes with
+    different hash seeds replay the same trace to the same hits and evictions."""
+    import os
+    import subprocess
+    import sys
+    f = _two_kinds_trace(tmp_path / "two.jsonl", steps=200)
+    outs = []
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        r = subprocess.run([sys.executable, "-m", "hicache.commands.cli", "replay", str(f),
+                            "--trace-format", "mooncake", "--block-tokens", "16",
+                            "--page-tokens", "16", "--l1", str(300 * 16), "--eviction",
+                            "learned", "--json", "--no-progress"],
+                           env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        outs.append((out["tiers"], out["evictions"]))
+    assert outs[0] == outs[1] and outs[0][1]["l1_pages"] > 0
