@@ -173,6 +173,34 @@ def test_continuations_and_evicted_chains_count_as_returns():
     c.check()
 
 
+def test_tenants_equal_pages_are_two_ghosts():
+    """Two scopes' chains with equal tokens under one public page (which other tenants keep
+    branching): the first tenant's evicted chain is not the second tenant's return."""
+    from hicache.scope import Scope, scope_tag
+    c = CacheController(PT, 32, 0, eviction="learned")
+    model = c._learner.model
+    sc = {n: Scope(scope_tag(n), 1) for n in (b"a", b"b", b"c", b"d")}
+    toks = np.arange(4 * PT)                        # a public page, then 3 scoped ones
+
+    def serve(t, name):
+        s = sc.get(name)
+        m = c.match(t, lock=True, scope=s)
+        pages = np.concatenate([m.device_pages,
+                                c.alloc_device(len(t) // PT - len(m.device_pages))])
+        c.insert(t, pages.astype(np.int64), after=m.lock, scope=s)
+    serve(toks, b"a")
+    serve(np.concatenate([toks[:PT], 500 + np.arange(3 * PT)]), b"c")
+    serve(np.concatenate([toks[:PT], 600 + np.arange(3 * PT)]), b"d")
+    c.free_device(c.alloc_device(25))              # evicts tenant a's scoped pages only
+    assert c.match(toks, scope=sc[b"a"]).device_len == PT and c._learner.ghosts
+    seen = model.seen
+    serve(toks, b"b")                               # the same tokens, another tenant
+    assert model.seen == seen
+    serve(np.concatenate([toks, 99 + np.arange(PT)]), b"a")  # tenant a comes back: counted
+    assert model.seen == seen + 1
+    c.check()
+
+
 def _two_kinds_trace(path, steps=420):
     """Mooncake lines: each step a long one-off prompt (never continued) and, every third
     step, a new short chat; each chat comes back twice, 30 and 60 steps later, each time one

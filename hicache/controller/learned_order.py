@@ -32,7 +32,7 @@ class Learner:
 
     def __init__(self, device_pages: int, page_tokens: int) -> None:
         self.model = ReturnModel()
-        # (parent nid, the removed node's first page) -> (class, born, span) (see Node)
+        # (parent nid, the removed node's scope tag and first page) -> (class, born, span)
         self.ghosts: OrderedDict[tuple[int, int], tuple[int, int, int]] = OrderedDict()
         self._cap = max(MIN_GHOSTS, GHOSTS_PER_PAGE * device_pages)
         self._page_bytes = page_tokens * 8
@@ -71,7 +71,9 @@ class Learner:
             g.popitem(last=False)
 
     def _key(self, n: Node) -> tuple[int, int]:
-        return n.parent.nid, hash(n.tokens[:self._page_bytes])
+        """The node's place: its parent and its first page (with a scope's tag, so that two
+        tenants' equal pages under one public prefix are two ghosts), as its children key."""
+        return n.parent.nid, hash(n.scope + n.tokens[:self._page_bytes])
 
 
 class LearnedOrder:
