@@ -94,12 +94,16 @@ class Eviction:
                 self._detach_device(x)
             if x.host is not None:
                 self._drop_host(x)
-            if self._learner is not None:
-                self._learner.forget(x)
-            self.tree.remove_leaf(x)
+            self._remove_leaf(x)
         self.stats.device_evicted_pages += k
         self.stats.dropped_pages += k
         return k
+
+    def _remove_leaf(self, n: Node) -> None:
+        """Take a leaf out of the tree (the learned order keeps a ghost of it)."""
+        if self._learner is not None:
+            self._learner.forget(n)
+        self.tree.remove_leaf(n)
 
     def _drop_host(self, n: Node) -> int:
         self.host.free_array(n.host, trusted=True)
@@ -149,9 +153,7 @@ class Eviction:
                 progress = True
                 freed += self._drop_host(n)
                 if n.device is None:
-                    if self._learner is not None:
-                        self._learner.forget(n)
-                    self.tree.remove_leaf(n)
+                    self._remove_leaf(n)
             if not progress:
                 break
         return freed

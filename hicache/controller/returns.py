@@ -80,7 +80,7 @@ def hit_density(p: float, cdf: np.ndarray) -> np.ndarray:
 class ReturnModel:
     """Return counts per class, the gap distribution and the index they give."""
 
-    __slots__ = ("returns", "mature", "_young", "gaps", "seen", "_since", "index", "ready",
+    __slots__ = ("returns", "mature", "_young", "gaps", "seen", "_since", "ready",
                  "rates", "_horizon", "min_returns", "refresh_every", "rows")
 
     def __init__(self, min_returns: int = MIN_RETURNS, refresh_every: int = REFRESH) -> None:
@@ -92,8 +92,8 @@ class ReturnModel:
         self.gaps = np.zeros(len(EDGES) - 1)  # returns per gap bin
         self.seen = 0                          # returns in all
         self._since = 0                        # inserts since the index was computed
-        self.index = np.zeros((CLASSES, len(EDGES) - 1))
-        self.rows: list[list[float]] = self.index.tolist()  # the index, for lookups
+        # the index: per class, per age bin (lists: one lookup per node an eviction meets)
+        self.rows: list[list[float]] = [[0.0] * (len(EDGES) - 1) for _ in range(CLASSES)]
         self.ready = False
         self.rates = np.zeros(CLASSES)
         self._horizon = 0                      # the last gap bin with a return
@@ -140,9 +140,7 @@ class ReturnModel:
         exposure += self.mature
         overall = self.returns.sum() / max(exposure.sum(), 1.0)
         self.rates = np.minimum((self.returns + PRIOR * overall) / (exposure + PRIOR), 1.0)
-        for c in range(CLASSES):
-            self.index[c] = hit_density(float(self.rates[c]), cdf)
-        self.rows = self.index.tolist()
+        self.rows = [hit_density(float(p), cdf).tolist() for p in self.rates]
         self.ready = True
 
     def value(self, cls: int, age: int) -> float:
