@@ -84,12 +84,18 @@ def _interleave(rng: np.random.Generator, sessions: list[list[tuple[np.ndarray, 
     return out
 
 
+def _stream(seed: int, kind: int, scale: float, vocab_size: int):
+    """A generator's checked arguments: its random stream (one per kind of trace) and a
+    function drawing ``n`` token ids from it."""
+    _check(seed, scale, vocab_size)
+    rng = np.random.default_rng([seed, kind])
+    return rng, lambda n: rng.integers(0, vocab_size, n, dtype=np.int32)
+
+
 def chat_trace(seed: int = 0, scale: float = 1.0, vocab_size: int = 32000) -> list[Request]:
     """Multi-turn chat: users share one system prompt; each turn's prompt is the previous
     prompt + the previous output + a new user message, so histories grow turn by turn."""
-    _check(seed, scale, vocab_size)
-    rng = np.random.default_rng([seed, 1])
-    tok = lambda n: rng.integers(0, vocab_size, n, dtype=np.int32)  # noqa: E731
+    rng, tok = _stream(seed, 1, scale, vocab_size)
     system = tok(_n(2048, scale, 8))
     users = _count(64, scale)
     sessions = []
@@ -113,9 +119,7 @@ def agentic_trace(seed: int = 0, scale: float = 1.0, vocab_size: int = 32000) ->
     """Agentic long context: bimodal first prompts (about half >= 64K tokens at scale 1, up to
     1M), outputs median ~400, each agent step re-sends the whole context + output + a tool
     result (heavy prefix reuse within a session); sessions share a tool/system preamble."""
-    _check(seed, scale, vocab_size)
-    rng = np.random.default_rng([seed, 2])
-    tok = lambda n: rng.integers(0, vocab_size, n, dtype=np.int32)  # noqa: E731
+    rng, tok = _stream(seed, 2, scale, vocab_size)
     preamble = tok(_n(4096, scale, 8))
     n_sessions = _count(32, scale)
     sessions = []
