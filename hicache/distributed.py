@@ -430,6 +430,16 @@ def all_gather_object(obj: Any, world_size: int, group=None) -> list:
 _CONTROL: dict[int, tuple] = {}  # id(group) -> (group, its gloo twin)
 
 
+def rank0_decides(local: bool, group=None) -> bool:
+    """Rank 0's ``local`` on every rank of ``group`` (a CPU flag over its control group, so
+    over a gloo twin under NCCL); without a group, ``local``."""
+    if group is None:
+        return local
+    flag = torch.tensor([int(local)])
+    dist.broadcast(lend(flag), src=0, group=control_group(group))
+    return bool(flag.item())
+
+
 def device_types(group=None) -> set[str]:
     """Device types whose tensors ``group``'s backend accepts ({"cuda"} for NCCL)."""
     pg = group if group is not None else dist.group.WORLD

@@ -143,16 +143,8 @@ def _serving_figures(server) -> dict:
 
 def _agree_continue(local: bool, group) -> bool:
     """Rank 0's clock decides whether the soak replays again, for every rank alike."""
-    if group is None:
-        return local
-    import torch
-    import torch.distributed as dist
-
-    from ..at_exit import lend
-    from ..distributed import control_group
-    flag = torch.tensor([int(local)])  # a CPU flag: over the group's gloo twin under NCCL
-    dist.broadcast(lend(flag), src=0, group=control_group(group))
-    return bool(flag.item())
+    from ..distributed import rank0_decides
+    return rank0_decides(local, group)
 
 
 def _renamed(job, n: int):

@@ -206,13 +206,8 @@ def _first_line(e: BaseException) -> str:
 
 def _agree(local: bool, group) -> bool:
     """Rank 0's clock decides, for every rank alike."""
-    import torch
-    import torch.distributed as dist
-
-    from ..at_exit import lend
-    flag = torch.tensor([int(local)])
-    dist.broadcast(lend(flag), src=0, group=group)
-    return bool(flag.item())
+    from ..distributed import rank0_decides
+    return rank0_decides(local, group)
 
 
 def _quiet_point(cache, rss: int) -> dict:
