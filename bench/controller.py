@@ -412,7 +412,9 @@ def replay_controller(arrays, page, device_pages, host_pages, inflight, write="w
         _finish(ctrl, agree, q.popleft())
     dt = time.process_time() - t0
     ctrl.check()
-    return {"l1": l1, "l2": l2}, dt, ctrl
+    del ctrl  # its tree freed now (no cycle), and its memory reused by the next replay:
+    gc.collect()  # every replay starts so, ours and the references' (cycles freed here)
+    return {"l1": l1, "l2": l2}, dt
 
 
 def _finish(ctrl, agree, item):
@@ -531,7 +533,8 @@ def run(args) -> dict:
     traces = {w: production_trace(args) if w == "trace" else
               (chat_trace if w == "chat" else agentic_trace)(args.seed, scales[w])
               for w in scales}
-    lists = {w: [r.tokens.tolist() for r in traces[w]] for w in traces}
+    in_process = args.refs == "all"  # the Python references (their lists: ~8x the arrays)
+    lists = {w: [r.tokens.tolist() for r in traces[w]] if in_process else [] for w in traces}
     arrays = {w: [r.tokens.astype(np.int64) for r in traces[w]] for w in traces}
     # what exists now (imports, traces) lives for the whole run: keep it out of the cyclic GC's
     # full collections, as serving engines do after start-up, so a full collection landing in
@@ -545,6 +548,9 @@ def run(args) -> dict:
             sglang = SGLangReplayer(python)
         except (OSError, RuntimeError) as e:
             why = str(e)
+    if sglang is None and not in_process:
+        print(f"controller bench: --refs sglang, but SGLang cannot run: {why}", file=sys.stderr)
+        raise SystemExit(2)
     gc.collect()
     gc.freeze()
     try:
@@ -565,36 +571,35 @@ def run(args) -> dict:
                                                  "l1_pages": dev, "inflight": args.inflight,
                                                  "reps": 1, "ours": True, "tree": tree,
                                                  **trace_case(args, w)}))
-                ref_hits, dt = replay_reference(reqs, lists[w], page, dev, args.inflight)
-                ref_t.append(dt)
-                if host:  # the same work as ours: the page-keyed tree with the host tier
-                    page_hits, dt = replay_host_reference(reqs, lists[w], page, dev, host,
-                                                          args.inflight)
-                else:
-                    page_hits, dt = replay_reference(reqs, lists[w], page, dev, args.inflight,
-                                                     PageRadixCache)
-                page_t.append(dt)
-                hits, dt, ctrl = replay_controller(arrays[w], page, dev, host, args.inflight)
+                if in_process:
+                    ref_hits, dt = replay_reference(reqs, lists[w], page, dev, args.inflight)
+                    ref_t.append(dt)
+                    page_hits, dt = (  # with a host tier: the same work as ours
+                        replay_host_reference(reqs, lists[w], page, dev, host, args.inflight)
+                        if host else replay_reference(reqs, lists[w], page, dev,
+                                                      args.inflight, PageRadixCache))
+                    page_t.append(dt)
+                    gc.collect()  # (their trees are cycles: freed before ours runs)
+                hits, dt = replay_controller(arrays[w], page, dev, host, args.inflight)
                 ours_t.append(dt)
             prompt = sum(len(r.tokens) for r in reqs)
             ours_us = 1e6 * min(ours_t) / len(reqs)
-            ref_us = 1e6 * min(ref_t) / len(reqs)
-            page_us = 1e6 * min(page_t) / len(reqs)
             total = hits["l1"] + hits["l2"]
             rows.append({
                 "workload": w, "page": page, "capacity": cap, "requests": len(reqs),
-
                 "prompt_tokens": prompt, "l1_pages": dev, "l2_pages": host,
                 "hit_tokens": total, "hit_l1": hits["l1"], "hit_l2": hits["l2"],
-                "ref_hit_tokens": ref_hits, "page_ref_hit_tokens": page_hits,
-                "hit_ratio": total / prompt, "ref_hit_ratio": ref_hits / prompt,
-                "page_ref_hit_ratio": page_hits / prompt,
-                "us_per_request": ours_us, "ref_us_per_request": ref_us,
-                "page_ref_us_per_request": page_us,
-                "speedup": ref_us / ours_us, "page_speedup": page_us / ours_us,
-                # like for like: both references without L2, the page-keyed one with it
-                "identical_hits": total == page_hits and (bool(host) or total == ref_hits),
-            })
+                "hit_ratio": total / prompt, "us_per_request": ours_us, "identical_hits": True})
+            if in_process:
+                ref_us = 1e6 * min(ref_t) / len(reqs)
+                page_us = 1e6 * min(page_t) / len(reqs)
+                rows[-1].update({
+                    "ref_hit_tokens": ref_hits, "page_ref_hit_tokens": page_hits,
+                    "ref_hit_ratio": ref_hits / prompt, "page_ref_hit_ratio": page_hits / prompt,
+                    "ref_us_per_request": ref_us, "page_ref_us_per_request": page_us,
+                    "speedup": ref_us / ours_us, "page_speedup": page_us / ours_us,
+                    # like for like: both references without L2, the page-keyed one with it
+                    "identical_hits": total == page_hits and (bool(host) or total == ref_hits)})
             if sg:
                 sglang_columns(rows[-1], sg, total)
     finally:
@@ -604,13 +609,22 @@ def run(args) -> dict:
             "sglang": python if sglang is not None else None, "sglang_missing": why,
             "scales": scales, "traces": {w: trace_summary(traces[w]) for w in traces},
             "rows": rows,
-            "min_speedup": min(r["speedup"] for r in rows if r["capacity"] != "budget+l2"),
-            "min_page_speedup": min(r["page_speedup"] for r in rows),
+            "min_speedup": min((r["speedup"] for r in rows
+                                if "speedup" in r and r["capacity"] != "budget+l2"), default=None),
+            "min_page_speedup": min((r["page_speedup"] for r in rows if "page_speedup" in r),
+                                    default=None),
             "hits_identical": all(r["identical_hits"] for r in rows),
             "ample_hits_identical": all(r["identical_hits"] for r in rows
                                         if r["capacity"] == "ample"),
             "machine": {"python": platform.python_version(), "cpu": platform.processor() or
                         platform.machine(), "cores": os.cpu_count()}}
+
+
+def _cell(row: dict, key: str, width: int, spec: str = ".1f", unit: str = "") -> str:
+    """``row[key]`` formatted to ``width`` then ``unit``, or '-' where that reference did not
+    run."""
+    return (f"{row[key]:>{width}{spec}}{unit}" if key in row
+            else f"{'-':>{width + len(unit)}}")
 
 
 def main(argv=None) -> int:
@@ -641,7 +655,14 @@ def main(argv=None) -> int:
                          "147M prompt tokens become 4.6M, one page per block)")
     ap.add_argument("--trace-requests", type=int, default=None,
                     help="the first N requests of --trace (default: all)")
+    ap.add_argument("--refs", choices=("all", "sglang"), default="all",
+                    help="references: all (the in-process Python trees, and SGLang's where "
+                         "found) or sglang (SGLang's trees only, L1 rows: what a production "
+                         "trace's full scale fits, whose Python token lists do not)")
     args = ap.parse_args(argv)
+    if args.refs == "sglang" and ("budget+l2" in args.capacities or args.sglang == "off"):
+        ap.error("--refs sglang replays SGLang's L1 trees only: pass --capacities ample "
+                 "and/or budget, and no --sglang off")
     if args.trace and args.workloads == ["chat", "agentic"]:
         args.workloads = ["trace"]
     elif "trace" in args.workloads and not args.trace:
@@ -659,20 +680,24 @@ def main(argv=None) -> int:
     for r in res["rows"]:
         print(f"{r['workload']:8} {r['page']:>4} {r['capacity']:9} {r['requests']:>5} "
               f"{r['hit_ratio']:>6.1%} {r['hit_l2'] / max(r['prompt_tokens'], 1):>7.1%} "
-              f"{r['ref_hit_ratio']:>7.1%} {r['page_ref_hit_ratio']:>6.1%} "
+              f"{_cell(r, 'ref_hit_ratio', 7, '.1%')} {_cell(r, 'page_ref_hit_ratio', 6, '.1%')} "
               f"{'yes' if r['identical_hits'] else 'no':>4} {r['us_per_request']:>8.1f} "
-              f"{r['ref_us_per_request']:>9.1f} {r['page_ref_us_per_request']:>8.1f} "
-              + (f"{r['sglang_us_per_request']:>7.1f} {r['ours_in_sglang_process_us']:>7.1f} "
-                 if "sglang_speedup" in r else f"{'-':>7} {'-':>7} ")
-              + f"{r['speedup']:>6.1f}x {r['page_speedup']:>5.1f}x "
-              + (f"{r['sglang_speedup']:>7.1f}x" if "sglang_speedup" in r else f"{'-':>8}")
-              + (f" {r['sglang_python_us_per_request']:>7.1f} {r['sglang_python_speedup']:>6.1f}x"
-                 if "sglang_python_speedup" in r else f" {'-':>7} {'-':>7}"))
-    print(f"\nmin x page (every row, like for like) {res['min_page_speedup']:.1f}x; min x token "
-          f"(ample, budget) {res['min_speedup']:.1f}x; hit tokens identical to the like-for-like "
-          f"references on every row: {res['hits_identical']}\n(budget+l2: the page-keyed "
-          f"reference runs the same host tier as ours (write-through backups, demotion, load-back)"
-          f"; the per-token tree stays L1-only there)")
+              f"{_cell(r, 'ref_us_per_request', 9)} {_cell(r, 'page_ref_us_per_request', 8)} "
+              f"{_cell(r, 'sglang_us_per_request', 7)} "
+              f"{_cell(r, 'ours_in_sglang_process_us', 7)} "
+              f"{_cell(r, 'speedup', 6, unit='x')} {_cell(r, 'page_speedup', 5, unit='x')} "
+              f"{_cell(r, 'sglang_speedup', 7, unit='x')} "
+              f"{_cell(r, 'sglang_python_us_per_request', 7)} "
+              f"{_cell(r, 'sglang_python_speedup', 6, unit='x')}")
+    if res["min_speedup"] is not None:
+        print(f"\nmin x page (every row, like for like) {res['min_page_speedup']:.1f}x; min x "
+              f"token (ample, budget) {res['min_speedup']:.1f}x; hit tokens identical to the "
+              f"like-for-like references on every row: {res['hits_identical']}\n(budget+l2: the "
+              f"page-keyed reference runs the same host tier as ours (write-through backups, "
+              f"demotion, load-back); the per-token tree stays L1-only there)")
+    else:
+        print(f"\n--refs sglang: no in-process Python reference ran; hit tokens identical to "
+              f"SGLang's on every row: {res['hits_identical']}")
     if res["sglang"]:
         print(f"x sglang: SGLang's UnifiedRadixCache on its Rust tree core ({res['sglang']}), "
               f"L1 rows, against ours in its process ('ours sg'); x sg py: its Python "

@@ -79,6 +79,19 @@ def test_controller_benchmark_replays_a_production_trace(tmp_path):
     assert out["hits_identical"] is True and ample["requests"] == 60
 
 
+def test_controller_benchmark_refs_sglang_needs_sglang():
+    """``--refs sglang`` runs no in-process reference, so without SGLang there is nothing to
+    compare: one line naming why, exit 2 (and for a host tier SGLang's trees do not run)."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "controller.py"), "--quick",
+                        "--refs", "sglang", "--capacities", "ample", "--sglang",
+                        str(ROOT / "no-such-python")],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and "--refs sglang, but SGLang cannot run" in r.stderr
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "controller.py"), "--quick",
+                        "--refs", "sglang"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and "--capacities ample and/or budget" in r.stderr
+
+
 def test_l3_benchmark_json_with_redis(redis_server):
     out = run("l3.py", "--pages", "6", "--repeats", "1", "--url", redis_server.url)
     assert out["backend"] == "both" and len(out["per_rank"]) == 2

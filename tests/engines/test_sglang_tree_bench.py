@@ -36,7 +36,26 @@ def test_sglang_replay_hits_equal_ours_in_its_process_and_in_the_bench(replayer,
     got = replayer.replay(case)
     assert got["backend"] == tree and got["us_per_request"] > 0 and got["ours_us_per_request"] > 0
     arrays = [r.tokens.astype(np.int64) for r in reqs]
-    hits, _, _ = bench_controller.replay_controller(arrays, page, l1_pages, 0, 4)
+    hits, _ = bench_controller.replay_controller(arrays, page, l1_pages, 0, 4)
     ours = hits["l1"] + hits["l2"]
     assert ours > 0
     assert got["hit_tokens"] == got["ours_hit_tokens"] == ours
+
+
+def test_bench_refs_sglang_compares_with_sglang_alone(tmp_path):
+    """``bench/controller.py --refs sglang`` (what a production trace's full scale fits): no
+    in-process Python reference, SGLang's two trees against ours, hits compared with theirs."""
+    import json
+    import subprocess
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "controller.py"), "--quick",
+                        "--json", "--refs", "sglang", "--sglang", sys.executable,
+                        "--workloads", "chat", "--pages", "16", "--capacities", "ample"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    (row,) = out["rows"]
+    assert "ref_us_per_request" not in row and "speedup" not in row
+    assert out["min_speedup"] is None and out["min_page_speedup"] is None
+    assert row["sglang_us_per_request"] > 0 and row["sglang_python_us_per_request"] > 0
+    assert row["sglang_hit_tokens"] == row["hit_tokens"] == row["sglang_python_hit_tokens"] > 0
+    assert row["identical_hits"] and out["hits_identical"]
