@@ -341,8 +341,11 @@ class TierIO:
             return None
         keys = self.keys(chains[first:])
         n = self.l3.exists_prefix(keys)
-        if self.events is not None and n:  # pages this group knows are in L3 (a purge names)
-            self.events.l3_found(chains[first:first + n])
+        if self.events is not None:  # pages this group knows are in L3 (a purge names), and
+            if n:                    # the first one it finds gone (all a prefix read misses)
+                self.events.l3_found(chains[first:first + n])
+            if first + n < len(chains):
+                self.events.l3_missing(chains[first + n:first + n + 1])
         if n and n * P < min_tokens:
             self.stats.prefetch["below_threshold"] += 1
             n = 0

@@ -87,3 +87,53 @@ def test_an_index_built_from_the_events_predicts_every_hit(tmp_path):
     for payload in sub.index.payloads:
         for secret in [b"tenant-a", b"tenant-b"] + tags + [t.hex().encode() for t in tags]:
             assert secret not in payload
+
+
+
+def test_l3_pages_gone_behind_the_cache_are_announced_when_a_lookup_misses_them(tmp_path):
+    """Pages this cache announced in L3 and another process then deleted (``hicache l3 purge``
+    in its own process; the store evicting them is the same to the cache) leave the routers'
+    view at the first lookup that finds them missing: a ``BlockRemoved`` for ``STORAGE`` names
+    the first missing page, so the index stops predicting the L3 hit the cache no longer has
+    (until the page is written again)."""
+    import json
+    import subprocess
+    import sys
+
+    from kv_index import ROOT, read_batch, router_key
+
+    sub = Subscriber("tcp://127.0.0.1:0", f"ipc://{tmp_path}/replay")
+    cfg = make_cfg(tmp_path / "l3", l1_pages=16, l2_ratio=1.5, prefetch="wait_complete")
+    cfg = cfg.replace(events={"endpoint": sub.endpoint, "replay_endpoint": sub.replay,
+                              "topic": "kv@pod-0@tiny"})
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 128, 23) for _ in range(3)]
+    fillers = [rng.integers(128, 256, 23) for _ in range(12)]  # push them out of L1 and L2
+    first = [router_key(ROOT, p[:PT].tolist(), None) for p in prompts]
+    try:
+        with l3_writes_land_at_once(), HiCache(cfg, 0, None, mode="l1+l2+l3") as cache:
+            for i, p in enumerate(prompts + fillers):
+                serve_one(cache, sub, i, p, None, 0)
+            sub.wait(cache.events.publisher.queued)
+            assert all(k in sub.index.media["STORAGE"] for k in first)
+            r = subprocess.run([sys.executable, "-m", "hicache.commands.cli", "l3", "purge",
+                                str(tmp_path / "l3"), "--namespace",
+                                cache.namespace.digest.hex(), "--json"],
+                               capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, r.stderr
+            assert json.loads(r.stdout)["keys"] > 0
+            for k, p in enumerate(prompts[:2]):
+                seen = len(sub.index.payloads)
+                want, got = serve_one(cache, sub, ("again", k), p, None, 0)
+                assert want["l3"] > 0 and got["l3"] == 0  # the router's view was stale
+                sub.wait(cache.events.publisher.queued)
+                removed = [sub.index.key_of.get(h) for payload in sub.index.payloads[seen:]
+                           for kind, e in read_batch(payload)[1]
+                           if kind == "BlockRemoved" and e["medium"] == "STORAGE"
+                           for h in e["block_hashes"]]
+                assert removed == [first[k]]  # its first page only: all a prefix read misses
+            # a page no lookup has asked for since is still in the view (nothing is guessed)
+            assert first[2] in sub.index.media["STORAGE"]
+            assert cache.stats()["kv_events"]["dropped"] == 0
+    finally:
+        sub.close()

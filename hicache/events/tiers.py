@@ -7,7 +7,8 @@ collected per step and published as one batch at the step's end.
   scope enters the chain (its first scoped page), ``extra_keys`` holds the scope's public digest
   (``hicache.scope.public_digest``) for that page and None for the others; the scope itself
   never leaves.
-- ``BlockRemoved``: pages leaving a tier (L1 eviction or demotion, L2 eviction, an L3 purge).
+- ``BlockRemoved``: pages leaving a tier (L1 eviction or demotion, L2 eviction, an L3 purge;
+  an L3 page the store evicted or another process purged, once a lookup finds it missing).
 - ``AllBlocksCleared``: a cache that starts, or closes, holding nothing in L1 and L2.
 """
 
@@ -116,6 +117,16 @@ class TierEvents:
         """This group found ``chains`` in L3 (announced by whichever group wrote them)."""
         with self._lock:
             self.l3_chains.update(chains)
+
+    def l3_missing(self, chains: Sequence[bytes]) -> None:
+        """A lookup found ``chains`` missing from L3: those this group announced or found there
+        are gone (the store evicted them, or another process purged them) and are announced so;
+        the others were never in a router's view."""
+        with self._lock:
+            gone = [c for c in chains if c in self.l3_chains]
+            self.l3_chains.difference_update(gone)
+        if gone:
+            self._add(wire.BlockRemoved(gone, wire.MEDIUM["l3"]))
 
     def l3_purged(self, named: Sequence[bytes] = ()) -> None:
         """L3 lost this group's namespace: ``named`` (the pages the purge's keys name) and every
