@@ -97,15 +97,15 @@ def as_tokens(tokens, int64: bool = True) -> np.ndarray:
 TOKEN = np.dtype(np.int32)  # how the radix tree keeps token ids: every vocabulary fits, and
 TOKEN_BYTES = TOKEN.itemsize  # half of int64's bytes to copy, compare and hold
 _TOKEN_RANGE = (-(1 << 31), (1 << 31) - 1)
+_ONE_TOKEN = (TOKEN_BYTES,)  # the strides of a 1-D contiguous token array
 
 
 def tree_tokens(tokens) -> np.ndarray:
     """Token ids as the radix tree keeps them: a C-contiguous 1-D int32 array, the caller's own
     where it already is one (then nothing is copied), else a converted copy; UsageError naming
     the first id outside int32 (and what ``as_tokens`` refuses)."""
-    if (type(tokens) is np.ndarray and tokens.dtype is TOKEN and tokens.ndim == 1
-            and tokens.flags.c_contiguous):
-        return tokens  # the hot path: what HiCache hands the controller
+    if type(tokens) is np.ndarray and tokens.dtype is TOKEN and tokens.strides == _ONE_TOKEN:
+        return tokens  # the hot path (1-D, contiguous): what HiCache hands the controller
     arr = as_tokens(tokens, int64=False)
     if arr.dtype is not TOKEN:
         dt = arr.dtype

@@ -105,8 +105,8 @@ class RadixTree:
         """``_walk`` in the shared scope (``scope`` None), else ``_walk_scoped``. ``key``: a
         hint, the page key an earlier walk of these tokens missed (``LockHandle.key``): used
         as the lookup key if it equals the page looked up (its hash is kept), else ignored.
-        ``arr``: token ids in any form ``ids.tree_tokens`` takes (an int32 array is walked in
-        place; any other is converted once)."""
+        ``arr``: token ids in any form ``ids.tree_tokens`` takes (the controller's, an int32
+        array, is walked in place; any other is converted once)."""
         arr = tree_tokens(arr)
         if scope is None:
             return self._walk(arr, start, held, key)
