@@ -28,7 +28,7 @@ capacities, page ids from the same PageAllocator and LRU eviction of unlocked le
 
 Per request all do match + lock + allocate (evicting) + insert (freeing duplicate pages) +
 unlock; ours also runs the per-step agreement. Each gets the prompt in its own form, made before
-timing: ours int64 arrays (what ``HiCache`` hands it), the Python references lists, SGLang
+timing: ours int32 arrays (what ``HiCache`` hands it), the Python references lists, SGLang
 ``array('q')``. Hit tokens must be identical to every like-for-like reference (``same``). Times
 are CPU time of the process (time.process_time, robust on a shared, busy machine), best of
 --reps; a ratio is reference us/request over ours. Objects alive at start-up are frozen out of
@@ -385,7 +385,7 @@ def replay_host_reference(reqs, lists, page, num_pages, host_pages, inflight):
 
 
 def replay_controller(arrays, page, device_pages, host_pages, inflight, write="write_through"):
-    """Our replay; ``arrays``: the prompts as int64 arrays (what ``HiCache`` hands the
+    """Our replay; ``arrays``: the prompts as int32 arrays (what ``HiCache`` hands the
     controller, as the references get Python lists: each its own form, made before timing)."""
     ctrl = CacheController(page, device_pages, host_pages, write=write, eviction="lru")
     agree = StepAgreement(local=True)
@@ -535,7 +535,7 @@ def run(args) -> dict:
               for w in scales}
     in_process = args.refs == "all"  # the Python references (their lists: ~8x the arrays)
     lists = {w: [r.tokens.tolist() for r in traces[w]] if in_process else [] for w in traces}
-    arrays = {w: [r.tokens.astype(np.int64) for r in traces[w]] for w in traces}
+    arrays = {w: [r.tokens.astype(np.int32) for r in traces[w]] for w in traces}
     # what exists now (imports, traces) lives for the whole run: keep it out of the cyclic GC's
     # full collections, as serving engines do after start-up, so a full collection landing in
     # one replay does not decide its time (the same for ours and both references)

@@ -165,9 +165,9 @@ def _replay_sglang(keys: list, page: int, l1_pages: int, inflight: int,
 
 @functools.lru_cache(maxsize=4)
 def _arrays(workload: str, scale: float, seed: int, trace: tuple = ()) -> list:
-    """The trace's prompts as int64 arrays (ours' form, as ``bench/controller.py`` makes it)."""
+    """The trace's prompts as int32 arrays (ours' form, as ``bench/controller.py`` makes it)."""
     import numpy as np
-    return [r.tokens.astype(np.int64) for r in _requests(workload, scale, seed, trace)]
+    return [r.tokens.astype(np.int32) for r in _requests(workload, scale, seed, trace)]
 
 
 def replay(case: dict) -> dict:

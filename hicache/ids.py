@@ -1,4 +1,5 @@
-"""Token ids and page ids as int64 numpy arrays: the one coercion of each.
+"""Token ids and page ids as numpy arrays (int64; the radix tree's tokens int32): the one
+coercion of each.
 
 Every layer that takes ids from a caller (controller, service, L3 keys, page allocator,
 transfer engine) converts them here, so all accept the same types and refuse the same inputs:
@@ -81,16 +82,42 @@ def _int_array(ids, error: type[Exception], what: str) -> np.ndarray:
 def as_tokens(tokens, int64: bool = True) -> np.ndarray:
     """Token ids as a 1-D numpy integer array; UsageError for anything else.
 
-    ``int64=False`` keeps another integer dtype (the radix tree converts only the pages it
-    reads); ``int64=True`` converts to int64 where needed."""
+    ``int64=False`` keeps another integer dtype; ``int64=True`` converts to int64 where
+    needed (the radix tree's form is ``tree_tokens``)."""
     if type(tokens) is np.ndarray and tokens.dtype is INT64 and tokens.ndim == 1:
-        return tokens  # the hot path: what HiCache hands the controller
+        return tokens  # the hot path
     arr = _int_array(tokens, UsageError, "tokens")
     if arr.ndim != 1:
         raise UsageError(f"tokens must be 1-D, got shape {tuple(arr.shape)}")
     if int64 and arr.dtype != np.int64:
         arr = arr.astype(np.int64)
     return arr
+
+
+TOKEN = np.dtype(np.int32)  # how the radix tree keeps token ids: every vocabulary fits, and
+TOKEN_BYTES = TOKEN.itemsize  # half of int64's bytes to copy, compare and hold
+_TOKEN_RANGE = (-(1 << 31), (1 << 31) - 1)
+_ONE_TOKEN = (TOKEN_BYTES,)  # the strides of a 1-D contiguous token array
+
+
+def tree_tokens(tokens) -> np.ndarray:
+    """Token ids as the radix tree keeps them: a C-contiguous 1-D int32 array, the caller's own
+    where it already is one (then nothing is copied), else a converted copy; UsageError naming
+    the first id outside int32 (and what ``as_tokens`` refuses)."""
+    if type(tokens) is np.ndarray and tokens.dtype is TOKEN and tokens.strides == _ONE_TOKEN:
+        return tokens  # the hot path (1-D, contiguous): what HiCache hands the controller
+    arr = as_tokens(tokens, int64=False)
+    if arr.dtype is not TOKEN:
+        dt = arr.dtype
+        if arr.size and not (dt.itemsize < 4 or (dt.itemsize == 4 and dt.kind == "i")):
+            lo, hi = _TOKEN_RANGE
+            bad = np.flatnonzero((arr < lo) | (arr > hi))
+            if bad.size:
+                i = int(bad[0])
+                raise UsageError(f"token {i} is {int(arr[i])}: token ids must fit int32 "
+                                 f"([{lo}, {hi}]; the cache keeps them so)")
+        arr = arr.astype(TOKEN)
+    return np.ascontiguousarray(arr)
 
 
 def join_ids(parts: "list[np.ndarray]") -> np.ndarray:

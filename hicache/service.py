@@ -40,7 +40,7 @@ from .facade import lifecycle, report, restore
 from .facade.lifecycle import CACHE_MODES
 from .facade.finish import check_finish
 from .facade.request import TIERS, Prefix, Request, TierStats
-from .ids import as_tokens
+from .ids import tree_tokens
 from .facade.owners import PageOwners
 from .facade.restore import RESTORE_RETRIES
 from .kvport import CheckedPort
@@ -176,7 +176,7 @@ class HiCache:
         self._check_usable("admit")
         if request_id in self._reqs:
             raise UsageError(f"request {request_id!r} is already admitted")
-        arr = as_tokens(tokens)
+        arr = tree_tokens(tokens)
         if arr.size == 0:
             raise UsageError(f"request {request_id!r} has no tokens")
         sc = tenancy.request_scope(self.config, scope, public_tokens, self.page_tokens)
@@ -251,7 +251,7 @@ class HiCache:
                                                         self.page_tokens))
 
     def _peek(self, tokens, sc) -> tuple[int, int]:
-        arr = as_tokens(tokens)
+        arr = tree_tokens(tokens)
         if not self.tiers or arr.size == 0:
             return 0, 0
         with self._timed():
@@ -369,7 +369,7 @@ class HiCache:
         req = self._reqs.get(request_id)
         if req is None:
             raise UsageError(f"finish of unknown request {request_id!r}")
-        arr = as_tokens(tokens)
+        arr = tree_tokens(tokens)
         if snapshots is not None:
             handed["snapshots"] = snapshots
         # everything that can refuse, before any change

@@ -8,6 +8,7 @@ import tracemalloc
 import numpy as np
 
 from hicache.controller import CacheController
+from hicache.ids import tree_tokens
 from hicache.scope import Scope, scope_tag
 
 PT = 64
@@ -64,18 +65,18 @@ def test_a_wrong_key_hint_caches_what_no_hint_does():
     cache(ctrl, toks(1, 3))  # page 1 now has two children: lookups hash a page key
     m = ctrl.match(toks(1, 2, 9), lock=True)
     assert m.device_len == 2 * PT
-    m.lock.key = toks(4).tobytes()  # not the page looked up: ignored
+    m.lock.key = tree_tokens(toks(4)).tobytes()  # not the page looked up: ignored
     new = ctrl.alloc_device(1, as_array=True)
     res = ctrl.insert(toks(1, 2, 9), np.concatenate((m.device_pages, new)), after=m.lock)
     assert res.new_pages == 1 and not len(res.freed)
     m = ctrl.match(toks(1, 5, 9), lock=True)  # misses page 5 under page 1
     cache(ctrl, toks(1, 5, 9))  # meanwhile another request caches pages 5, 9
-    m.lock.key = toks(5, 9).tobytes()  # starts with the page looked up but is longer: ignored
+    m.lock.key = tree_tokens(toks(5, 9)).tobytes()  # starts with the page looked up but is longer: ignored
     new = ctrl.alloc_device(2, as_array=True)
     res = ctrl.insert(toks(1, 5, 9), np.concatenate((m.device_pages, new)), after=m.lock)
     assert res.new_pages == 0 and sorted(res.freed.tolist()) == sorted(new.tolist())
     m = ctrl.match(toks(1, 4), lock=True)  # misses page 4 under page 1: the hint is its key
-    assert m.device_len == PT and m.lock.key == toks(4).tobytes()
+    assert m.device_len == PT and m.lock.key == tree_tokens(toks(4)).tobytes()
     new = ctrl.alloc_device(1, as_array=True)
     res = ctrl.insert(toks(1, 4), np.concatenate((m.device_pages, new)), after=m.lock)
     assert res.new_pages == 1

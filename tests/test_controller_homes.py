@@ -49,7 +49,8 @@ def test_one_coercion_of_each_kind_everywhere():
     from hicache import pages as allocator
     from hicache.l2 import transfer
     from hicache.l3 import keys
-    assert tree.as_tokens is service.as_tokens is keys.as_tokens is ids.as_tokens
+    assert tree.as_tokens is keys.as_tokens is ids.as_tokens
+    assert tree.tree_tokens is service.tree_tokens is ids.tree_tokens  # the cache's int32 form
     assert transfer.page_ids is allocator.page_ids is request_pages.page_ids is ids.page_ids
     assert allocator.UsageError is transfer.UsageError is ids.UsageError
     # tiers may import it: it imports no other part of hicache but the errors (a leaf)
@@ -71,6 +72,8 @@ def test_bools_are_never_ids(n):
             ids.page_ids(bad)
         with pytest.raises(ids.UsageError, match="not an int"):
             ids.as_tokens(bad)
+        with pytest.raises(ids.UsageError, match="not an int"):
+            ids.tree_tokens(bad)
     assert ids.page_ids(good[:-1] + [np.int32(7)])[-1] == 7
     with pytest.raises(UsageError, match="int64 range"):
         ids.page_ids(good + [1 << 64])

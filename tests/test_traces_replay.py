@@ -196,3 +196,32 @@ def test_replay_of_a_hicache_trace_and_bench_trace_errors(tmp_path, capsys):
                            "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "m.jsonl:2" in err[0] and "missing" in err[0]
+
+
+def test_a_trace_whose_ids_overflow_int32_tokens_replays_as_with_small_ids(tmp_path):
+    """The cache keeps token ids as int32: a trace whose ``id * block + position`` would not
+    fit maps its blocks through the int32 vocabulary instead (the whole trace, so equal ids stay
+    equal tokens), and replays to the same hits as the same trace with small ids; the decoded
+    fillers are negative (never a prompt id), the same for the same prompt."""
+    small = [json.loads(line) for line in mooncake(tmp_path, 12, ascending=True).read_text()
+             .splitlines()]
+    big = [dict(x, hash_ids=[traces.MAX_HASH_ID - h for h in x["hash_ids"]]) for x in small]
+    f = write(tmp_path / "big.jsonl", big)
+    t, s = traces.load(f, "mooncake"), traces.load(tmp_path / "mooncake.jsonl", "mooncake")
+    assert all(r.vocab == traces.INT32_TOKENS for r in t.requests)
+    assert all(r.vocab is None for r in s.requests)
+    toks = [r.tokens() for r in t.requests]
+    assert all(0 <= x.min() and x.max() <= traces.INT32_TOKENS for x in toks)
+    assert np.array_equal(toks[1][:2 * 512], toks[0][:2 * 512])  # 1 continues 0
+    assert (toks[2][512:1024] != toks[0][512:1024]).any()
+    for cap in (10_000, 5):
+        a = replay(t, ReplaySettings(512, cap), check=True)
+        b = replay(s, ReplaySettings(512, cap), check=True)
+        assert a.hit_tokens == b.hit_tokens and a.hit_tokens["l1"] > 0
+    from hicache.replay.keys import Fillers
+    fill = Fillers()
+    p, q = toks[0], toks[2]
+    one, again, other = (fill.tokens(p, [1, 2], 512, 40), fill.tokens(p, [1, 2], 512, 40),
+                         fill.tokens(q, [3, 4], 512, 40))
+    assert np.array_equal(one, again) and (one != other).all()
+    assert one.max() < 0 and one.min() >= -(1 << 31)

@@ -34,7 +34,7 @@ from hicache.controller.tree import DEVICE_PAGES, HOST_PAGES, Node, RadixTree, c
 from hicache.controller.types import NO_IDS as _NO_IDS
 from hicache.controller.types import (BackupOp, ControllerStats, LoadOp, LockHandle, Match)
 from hicache.errors import UsageError
-from hicache.ids import as_tokens
+from hicache.ids import tree_tokens
 from hicache.pages import PageAllocator
 from hicache.scope import Scope
 
@@ -122,7 +122,7 @@ class CacheController(RequestPages, Insert, Eviction):
         ``lock``: also lock it, as ``lock(match)`` right after would (``Match.lock`` is the
         handle), in the same pass over the path. ``scope`` (``hicache.scope.Scope``; None:
         the shared scope): pages past its public ones match only pages cached in it."""
-        arr = as_tokens(tokens, int64=False)
+        arr = tree_tokens(tokens)
         self._clock += 1
         self.stats.matches += 1
         path = self.tree.walk(arr, scope=scope)
@@ -179,7 +179,7 @@ class CacheController(RequestPages, Insert, Eviction):
         for nothing: no LRU touch, no split, no stats (a scheduler asking whether a request
         would fit)."""
         dev = host = 0
-        for n, pages in self.tree.covered(as_tokens(tokens, int64=False), scope):
+        for n, pages in self.tree.covered(tree_tokens(tokens), scope):
             if n.device is not None and not host:
                 dev += pages
             elif n.device is None and n.host_valid:

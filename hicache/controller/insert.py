@@ -13,7 +13,7 @@ import numpy as np
 from hicache.controller.tree import DEVICE_PAGES, Node
 from hicache.controller.types import NO_IDS as _NO_IDS, InsertResult, LockHandle
 from hicache.errors import UsageError
-from hicache.ids import INT64, as_tokens, join_ids, page_ids
+from hicache.ids import INT64, join_ids, page_ids, tree_tokens
 from hicache.scope import Scope
 
 
@@ -57,7 +57,7 @@ class Insert:
 
         ``scope``: the request's (``match``'s); its pages past the public ones are cached in
         it, under a leaf keyed by its tag."""
-        arr = as_tokens(tokens, int64=False)
+        arr = tree_tokens(tokens)
         pages = page_ids(device_pages)
         pt = self.page_tokens
         whole = len(arr) // pt

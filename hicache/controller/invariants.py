@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hicache.errors import InvariantError
+from hicache.ids import TOKEN_BYTES
 
 
 @dataclass
@@ -56,7 +57,7 @@ def _check_node(ctl, n, seen: _Seen) -> None:
         raise InvariantError(f"dead node {n.nid} still in the tree")
     if n.device is None and n.host is None:
         raise InvariantError(f"node {n.nid} holds no data")
-    if len(n.tokens) != n.npages * ctl.page_tokens * 8:
+    if len(n.tokens) != n.npages * ctl.page_tokens * TOKEN_BYTES:
         raise InvariantError(f"node {n.nid} token count != pages")
     if n.device is not None:
         seen.dev_nodes.add(n)

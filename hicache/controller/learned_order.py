@@ -20,6 +20,7 @@ from typing import Iterator
 from hicache.controller.returns import (CLASSES, EDGE_LIST, ReturnModel, class_turn,
                                         request_class)
 from hicache.controller.tree import Node
+from hicache.ids import TOKEN_BYTES
 
 GHOSTS_PER_PAGE = 2     # ghosts kept per device page (at least MIN_GHOSTS)
 MIN_GHOSTS = 4096
@@ -35,7 +36,7 @@ class Learner:
         # (parent nid, the removed node's scope tag and first page) -> (class, born, span)
         self.ghosts: OrderedDict[tuple[int, int], tuple[int, int, int]] = OrderedDict()
         self._cap = max(MIN_GHOSTS, GHOSTS_PER_PAGE * device_pages)
-        self._page_bytes = page_tokens * 8
+        self._page_bytes = page_tokens * TOKEN_BYTES
 
     def inserted(self, path: list[Node], old: int, new_pages: int, now: int) -> None:
         """An insert whose ``path`` holds ``old`` nodes cached before it, then its new ones

@@ -1,11 +1,12 @@
 """Radix tree over widened pages (``page_tokens = P * c`` token slots per page).
 
-A node holds a run of whole pages (token ids as the bytes of an int64 array) plus, per tier,
-one page id per page (an int64 array). Children are keyed by the bytes of their first page, so a
-walk costs one dict lookup and one memcmp per node (``bytes.startswith`` against a memoryview of
-the query: no copy of the query for int64 input, a lazily grown int64 prefix otherwise); numpy
-locates the first differing page only where a walk diverges inside a node. Only structure lives
-here (walk, split, add, remove, digest); policies live in ``controller.py``.
+A node holds a run of whole pages (token ids as the bytes of an int32 array, ``ids.TOKEN``:
+every vocabulary fits, and it halves what is copied, compared and held) plus, per tier, one page
+id per page (an int64 array). Children are keyed by the bytes of their first page, so a walk
+costs one dict lookup and one memcmp per node (``bytes.startswith`` against a memoryview of the
+query: no copy of an int32 query, one conversion of any other); numpy locates the first
+differing page only where a walk diverges inside a node. Only structure lives here (walk, split,
+add, remove, digest); policies live in ``controller.py``.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import numpy as np
 
 from hicache.checks import check_int
 from hicache.errors import UsageError
-from hicache.ids import INT64, as_tokens  # noqa: F401  (as_tokens: the one token coercion;
-                                          # re-exported)
+from hicache.ids import INT64, TOKEN, TOKEN_BYTES, as_tokens, tree_tokens  # noqa: F401
+                                          # (as_tokens: re-exported)
 from hicache.scope import Scope
 
 
@@ -35,7 +36,7 @@ class Node:
         self.nid = nid
         self.parent = parent
         self.children: dict[bytes, Node] = {}
-        self.tokens = tokens          # bytes of int64 [npages * page_tokens]
+        self.tokens = tokens          # bytes of int32 [npages * page_tokens] (ids.TOKEN)
         self.npages = npages
         self.device: np.ndarray | None = None  # int64 [npages]
         self.host: np.ndarray | None = None    # int64 [npages]
@@ -68,15 +69,6 @@ class Node:
     def __repr__(self) -> str:
         return (f"Node(nid={self.nid}, pages={self.npages}, device={self.device}, "
                 f"host={self.host}, valid={self.host_valid}, lock={self.lock_ref})")
-
-
-_FIRST_BYTES = 64 * 1024  # a walk first converts this much of the query (a miss costs no more)
-
-
-def _query_bytes(arr: np.ndarray, want: int, total: int) -> tuple[int, bytes]:
-    """(n, the first n bytes of ``arr`` as native int64), n = min(want, total)."""
-    n = min(want, total)
-    return n, arr[:n // 8].astype(np.int64, copy=False).tobytes()
 
 
 class RadixTree:
@@ -112,7 +104,10 @@ class RadixTree:
              scope: Scope | None = None, key: bytes | None = None) -> list[Node]:
         """``_walk`` in the shared scope (``scope`` None), else ``_walk_scoped``. ``key``: a
         hint, the page key an earlier walk of these tokens missed (``LockHandle.key``): used
-        as the lookup key if it equals the page looked up (its hash is kept), else ignored."""
+        as the lookup key if it equals the page looked up (its hash is kept), else ignored.
+        ``arr``: token ids in any form ``ids.tree_tokens`` takes (the controller's, an int32
+        array, is walked in place; any other is converted once)."""
+        arr = tree_tokens(arr)
         if scope is None:
             return self._walk(arr, start, held, key)
         return self._walk_scoped(arr, start, held, scope)
@@ -130,9 +125,9 @@ class RadixTree:
         if bound >= whole or sum(n.npages for n in path) * pt != bound:
             return path
         at = path[-1] if path else self.root
-        q = np.ascontiguousarray(arr[:whole], INT64).tobytes()
-        a = bound * 8
-        child = at.children.get(scope.tag + q[a:a + pt * 8])
+        q = arr[:whole].tobytes()
+        a = bound * TOKEN_BYTES
+        child = at.children.get(scope.tag + q[a:a + pt * TOKEN_BYTES])
         if child is None:
             return path
         e = a + len(child.tokens)
@@ -143,7 +138,8 @@ class RadixTree:
 
     def _walk(self, arr: np.ndarray, start: "Node | None" = None, held: int = 0,
               key: bytes | None = None) -> list[Node]:
-        """Nodes covering the longest cached whole-page prefix of ``arr`` (ints), root excluded.
+        """Nodes covering the longest cached whole-page prefix of ``arr`` (int32, contiguous:
+        ``tree_tokens``), root excluded.
 
         With ``start`` (a node in the tree whose path from the root holds ``held`` tokens, at
         most ``arr``'s whole pages), the walk skips that prefix: the path is ``start``'s
@@ -155,24 +151,15 @@ class RadixTree:
         prefix from memory again (that costs a tenth of a chat request).
 
         A node only partly covered is split, so the path ends exactly on the matched prefix.
-        Per node: one dict lookup on the page's bytes and one memcmp of the node's tokens. A
-        native int64 query (one contiguous buffer: what HiCache hands the controller) is
-        compared in place (a memoryview: no copy of the prompt); any other is compared as
-        int64 bytes, made lazily (a prefix at least twice what was compared, at least
-        ``_FIRST_BYTES``: a miss does not convert a long prompt)."""
+        Per node: one dict lookup on the page's bytes and one memcmp of the node's tokens,
+        against the query in place (a memoryview: no copy of the prompt)."""
         pt = self.page_tokens
-        q = None  # a native int64 query's bytes, in place
-        if arr.dtype is INT64:
-            try:
-                q = memoryview(arr).cast("B")
-            except TypeError:  # not C-contiguous
-                pass
+        q = memoryview(arr).cast("B")
         if start is None or start is self.root:
             start, path, a = self.root, [], 0
         else:
-            a, w = held * 8, pt * 8
-            head = q if q is not None else _query_bytes(arr, a, len(arr) * 8)[1]
-            if not (w <= a <= len(arr) // pt * w and start.tokens.endswith(head[a - w:a])):
+            a, w = held * TOKEN_BYTES, pt * TOKEN_BYTES
+            if not (w <= a <= len(arr) // pt * w and start.tokens.endswith(q[a - w:a])):
                 raise UsageError(self._differs(arr, start, held))
             path, n = [], start
             while n.parent is not None:
@@ -182,10 +169,8 @@ class RadixTree:
         children = start.children
         if not children:  # (e.g. an insert below the leaf its request matched)
             return path
-        total = len(arr) // pt * pt * 8  # bytes of the whole pages
-        if q is not None:
-            return self._walk_view(q, a, total, children, path, key)
-        return self._walk_bytes(arr, a, total, children, path)
+        total = len(arr) // pt * pt * TOKEN_BYTES  # bytes of the whole pages
+        return self._walk_view(q, a, total, children, path, key)
 
     def _differs(self, arr: np.ndarray, start: Node, held: int) -> str:
         """Why the first ``held`` tokens of ``arr`` are not ``start``'s path's."""
@@ -201,41 +186,11 @@ class RadixTree:
                 f"{start.nid}) has {int(want[i])} there: pass the tokens the prefix was matched "
                 f"with, from the first")
 
-    def _walk_bytes(self, arr: np.ndarray, a: int, total: int, children: "dict[bytes, Node]",
-                    path: list[Node]) -> list[Node]:
-        """``walk`` on the query's bytes from byte ``a`` on, below the node whose ``children``
-        are given, appending to ``path``: the first ``hi`` of ``total`` bytes, more when a
-        compare reaches past them (the hot loop is a dict lookup and a memcmp per node)."""
-        w = self.page_tokens * 8
-        if a >= total or not children:
-            return path
-        hi, q = _query_bytes(arr, a + _FIRST_BYTES, total)
-        while a < total and children:
-            child = children.get(q[a:a + w])
-            if child is None:
-                if a + w <= hi:
-                    break
-                hi, q = _query_bytes(arr, max(a + w, 2 * hi), total)  # the key was cut short
-                continue
-            ct = child.tokens
-            if q.startswith(ct, a):  # the whole node matches
-                path.append(child)
-                a += len(ct)
-                children = child.children
-                continue
-            e = min(a + len(ct), total)  # the query ends inside the node or differs in it
-            if e > hi:
-                hi, q = _query_bytes(arr, max(e, 2 * hi), total)
-                continue
-            path.append(self._cut(child, q, a, e))
-            break
-        return path
-
     def _walk_view(self, q: memoryview, a: int, total: int, children: "dict[bytes, Node]",
                    path: list[Node], hint: bytes | None = None) -> list[Node]:
-        """``walk`` on a native int64 query in place (``q``: its bytes, not copied), from byte
-        ``a`` on; ``hint``: see ``walk``."""
-        w = self.page_tokens * 8
+        """``walk`` on the query in place (``q``: its int32 bytes, not copied), from byte ``a``
+        on; ``hint``: see ``walk``."""
+        w = self.page_tokens * TOKEN_BYTES
         while a < total and children:
             if len(children) == 1:  # an only child is compared in place: no page key to hash
                 (child,) = children.values()
@@ -274,18 +229,18 @@ class RadixTree:
         (bytes-like ``q``) ends at byte ``e`` inside it or differs before. Returns the child
         split after the pages that match."""
         pt = self.page_tokens
-        m = (e - a) // (pt * 8)  # pages of the node the query covers
+        m = (e - a) // (pt * TOKEN_BYTES)  # pages of the node the query covers
         k = 1  # the lookup matched the first page
         if m > 1:
-            ne = (np.frombuffer(q, np.int64, m * pt, a)
-                  != np.frombuffer(child.tokens, np.int64, m * pt))
+            ne = (np.frombuffer(q, TOKEN, m * pt, a)
+                  != np.frombuffer(child.tokens, TOKEN, m * pt))
             k = int(ne.argmax()) // pt if ne.any() else m
         return self.split(child, k) if k < child.npages else child
 
     def split(self, node: Node, k: int) -> Node:
         """Split ``node`` after ``k`` pages; returns the new upper node (the original object
         keeps the lower part, so locks and op records that point to it stay valid)."""
-        w = self.page_tokens * 8
+        w = self.page_tokens * TOKEN_BYTES
         top = Node(self._new_id(), node.parent, node.tokens[:k * w], k)
         top.scope, node.scope = node.scope, b""  # the scope enters at the upper part
         node.tokens = node.tokens[k * w:]
@@ -312,10 +267,11 @@ class RadixTree:
         """The nodes ``walk(arr, scope=scope)`` would return, each with how many of its pages
         ``arr`` covers (all but maybe the last's), splitting none: a read-only walk (no fast
         path: for questions asked once per request, like ``CacheController.peek``)."""
-        w = self.page_tokens * 8
+        w = self.page_tokens * TOKEN_BYTES
         total = len(arr) // self.page_tokens * w
-        q = arr[:total // 8].astype(INT64, copy=False).tobytes()
-        tag, enter = (scope.tag, scope.bound(self.page_tokens) * 8) if scope else (b"", -1)
+        q = tree_tokens(arr)[:total // TOKEN_BYTES].tobytes()
+        tag, enter = ((scope.tag, scope.bound(self.page_tokens) * TOKEN_BYTES) if scope
+                      else (b"", -1))
         a, out, children = 0, [], self.root.children
         while a < total:
             child = children.get((tag if a == enter else b"") + q[a:a + w])
@@ -345,20 +301,21 @@ class RadixTree:
         """New leaf under ``parent`` for ``tokens`` (ints, whole pages); ``tag``: a scope's,
         where the scoped part of a chain starts at this leaf."""
         pt = self.page_tokens
-        kb = (tokens if tokens.dtype is INT64 else tokens.astype(INT64)).tobytes()
+        kb = (tokens if tokens.dtype is TOKEN else tree_tokens(tokens)).tobytes()
         node = Node(self._next_id, parent, kb, len(tokens) // pt)
         self._next_id += 1
         node.scope = tag
         key, self._missed = self._missed, None  # the page a walk just missed, if it is this
-        if tag or key is None or len(key) != pt * 8 or not kb.startswith(key):  # leaf's: not
-            key = tag + kb[:pt * 8]
+        w = pt * TOKEN_BYTES
+        if tag or key is None or len(key) != w or not kb.startswith(key):  # the leaf's: not
+            key = tag + kb[:w]
         parent.children[key] = node
         self.num_nodes += 1
         return node
 
     def remove_leaf(self, node: Node) -> None:
         assert not node.children and node is not self.root
-        del node.parent.children[node.scope + node.tokens[:self.page_tokens * 8]]
+        del node.parent.children[node.scope + node.tokens[:self.page_tokens * TOKEN_BYTES]]
         if node.snaps and self.on_remove is not None:
             self.on_remove(node)
         node.alive = False
@@ -378,7 +335,7 @@ class RadixTree:
         while node is not self.root:
             parts.append(node.tokens)
             node = node.parent
-        return np.frombuffer(b"".join(parts[::-1]), np.int64)
+        return np.frombuffer(b"".join(parts[::-1]), TOKEN)
 
     def digest(self) -> list[tuple]:
         """One comparable entry per node (depth-first, key order): what must agree across ranks."""

@@ -21,6 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from hicache.events import wire
+from hicache.ids import TOKEN
 from hicache.l3.keys import CHAIN_SEED, chain_on
 from hicache.scope import mix, public_digest
 
@@ -46,7 +47,7 @@ class TierEvents:
         if not stored:
             self._add(wire.BlockRemoved(chains, wire.MEDIUM[tier]))
             return
-        tokens = np.frombuffer(node.tokens, np.int64)
+        tokens = np.frombuffer(node.tokens, TOKEN)
         extra = None
         if node.scope:
             extra = [(public_digest(node.scope),)] + [None] * (len(chains) - 1)
@@ -77,7 +78,7 @@ class TierEvents:
             start = prev if prev is not None else CHAIN_SEED
             if x.scope:
                 start = mix(start, x.scope)
-            out = chain_on(start, np.frombuffer(x.tokens, np.int64), self.page_tokens, 0)
+            out = chain_on(start, np.frombuffer(x.tokens, TOKEN), self.page_tokens, 0)
             x.chain = out[-1]
             if x is not node:
                 prev = x.chain

@@ -49,7 +49,7 @@ class Request:
     """The service's record of an admitted request."""
 
     prefix: Prefix
-    tokens: np.ndarray              # the prompt, int64
+    tokens: np.ndarray              # the prompt, int32 (ids.TOKEN: what the controller keeps)
     lock: Optional[LockHandle] = None
     # what wait_layer waits on: the H2D load of the L2 hit, loads an L1 hit depends on, the
     # L3 restore (None: nothing in flight for this request)

@@ -192,8 +192,9 @@ def chain_hashes(tokens: Any, page_tokens: int, scope: Scope | None = None) -> l
 
 def chain_on(prev: bytes, arr: np.ndarray, page_tokens: int, first: int,
              scope: Scope | None = None) -> list[bytes]:
-    """The chain hashes of the whole pages of ``arr`` (int64 token ids), continuing a chain
-    whose last hash is ``prev`` (``CHAIN_SEED`` at its start) at page index ``first``."""
+    """The chain hashes of the whole pages of ``arr`` (token ids of any int dtype, hashed as
+    int64), continuing a chain whose last hash is ``prev`` (``CHAIN_SEED`` at its start) at
+    page index ``first``."""
     n_pages = arr.size // page_tokens
     pages = arr[: n_pages * page_tokens].reshape(n_pages, page_tokens)  # [n, page_tokens] int64
     out: list[bytes] = []

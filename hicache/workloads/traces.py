@@ -15,7 +15,7 @@ makes one prompt's tokens when it is needed.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +27,7 @@ from . import MAX_REQUEST_TOKENS, MAX_TRACE_BYTES, load_trace
 FORMATS = ("mooncake", "bailian", "hicache")
 NATIVE_BLOCK = {"mooncake": 512, "bailian": 16}  # tokens per hash id, as each trace was made
 MAX_HASH_ID = (1 << 40) - 1
+INT32_TOKENS = (1 << 31) - 1  # token ids the cache keeps (int32, non-negative)
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -44,12 +45,15 @@ class TraceRequest:
     session: int
     block_tokens: int
     prompt: np.ndarray | None = None
+    vocab: int | None = None  # the trace's: where ``id * block + position`` would not fit int32
 
     def tokens(self, vocab: int | None = None) -> np.ndarray:
-        """The prompt's token ids (int64; below ``vocab`` when given)."""
+        """The prompt's token ids (int64; below ``vocab`` when given, else below the trace's
+        own, else ``id * block + position``: always within int32, the cache's token ids)."""
         if self.prompt is not None:
             return self.prompt.astype(np.int64, copy=False)
-        return block_tokens(self.hash_ids, self.block_tokens, vocab)[:self.prompt_len]
+        return block_tokens(self.hash_ids, self.block_tokens,
+                            self.vocab if vocab is None else vocab)[:self.prompt_len]
 
 
 def block_tokens(ids: np.ndarray, block: int, vocab: int | None = None) -> np.ndarray:
@@ -128,6 +132,10 @@ def load(path: str | Path, fmt: str, block: int | None = None, *,
     order = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival_s, i))  # stable by time
     if order != list(range(len(reqs))):
         reqs = [reqs[i] for i in order]
+    ids = [r.hash_ids for r in reqs if len(r.hash_ids)]
+    top = max(int(i.max()) for i in ids) if ids else 0
+    if (top + 1) * block > INT32_TOKENS:  # the whole trace maps its blocks the other way
+        reqs = [replace(r, vocab=INT32_TOKENS) for r in reqs]
     return Trace(str(p), fmt, block, native, reqs)
 
 

@@ -35,7 +35,7 @@ def test_sglang_replay_hits_equal_ours_in_its_process_and_in_the_bench(replayer,
             "inflight": 4, "reps": 2, "ours": True, "tree": tree}
     got = replayer.replay(case)
     assert got["backend"] == tree and got["us_per_request"] > 0 and got["ours_us_per_request"] > 0
-    arrays = [r.tokens.astype(np.int64) for r in reqs]
+    arrays = [r.tokens.astype(np.int32) for r in reqs]
     hits, _ = bench_controller.replay_controller(arrays, page, l1_pages, 0, 4)
     ours = hits["l1"] + hits["l2"]
     assert ours > 0
