@@ -142,3 +142,12 @@ def test_spec_serving_benchmark_json():
     assert spec["acceptance_rate"] == 1.0 and spec["tokens_per_target_step"] > 1.5  # = target
     assert sum(spec["source_requests"].values()) == spec["requests"] == plain["requests"] > 1
     assert all(r["tokens_ok"] for r in rows) and spec["flagged"] == []
+
+
+def test_mtp_batch_benchmark_json():
+    out = run("mtp_batch.py", "--requests", "1,3")
+    assert [r["requests"] for r in out["rows"]] == [1, 3]
+    for r in out["rows"]:
+        assert r["same_tokens"] is True and r["batched_ms"] > 0
+        assert abs(r["ratio"] - r["one_at_a_time_ms"] / r["batched_ms"]) < 1e-6
+        assert (r["one_at_a_time_steps"], r["batched_steps"]) == (3 * r["requests"], 3)

@@ -254,3 +254,55 @@ def test_mtp_is_fed_the_final_normed_hidden_state(tmp_path):
     fresh = MTPDrafter(replicated_runner(mtp, page, 8, "torch"), st.page_table)
     fresh.observe(runner.last_hidden, 0, st.length)
     assert fresh.propose(seq, 1) == [int(ref[-1].argmax())]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("caught_up", [False, True])
+def test_mtp_modules_draft_in_one_batch(ckpts, caught_up):
+    """``propose_batch`` for MTP drafters on one runner (the serving loop's): each proposes what
+    it would alone, in k batched module steps (its pending positions first, then one chained
+    token per step) instead of one per request and token, and each module ends at the position
+    it would alone."""
+    from hicache.engine.runner import DCPRunner
+    from hicache.engine.spec import MTPDrafter, propose_batch
+    from hicache.l1 import DeviceKVPool
+    from hicache.layout import DCPLayout
+    path = ckpts["dense"][0]
+    target = load_model(path)
+    mtp = load_mtp(path, target)
+    cfg, page = target.cfg, 4
+    gen = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (9, 14, 6, 11)]
+    ks = [3, 1, 2, 0]
+
+    def drafters():
+        pool = DeviceKVPool(DCPLayout(1, 0, page), cfg.num_layers, cfg.kv_dim, cfg.torch_dtype,
+                            32)
+        runner = DCPRunner(target, pool, attn_backend="torch")
+        alloc = PageAllocator(32)
+        module = replicated_runner(mtp, page, 32, "torch")
+        out, seqs = [], []
+        for p in prompts:
+            st = RequestState()
+            reserve(st, alloc, len(p) + 8, page)
+            last = runner.extend(st, p)[-1]
+            d = MTPDrafter(module, st.page_table)
+            d.observe(runner.last_hidden, 0, len(p))
+            seq = p + [int(last.argmax())]
+            if caught_up:  # the module already ran all but the last position
+                d.catch_up(seq)
+            out.append(d)
+            seqs.append(seq)
+        return module, out, seqs
+
+    _, ds, seqs = drafters()
+    alone = [d.propose(s, k) if k else [] for d, s, k in zip(ds, seqs, ks)]
+    lengths = [d.state.length for d in ds]
+    assert all(len(a) == k for a, k in zip(alone, ks))
+    module, ds, seqs = drafters()
+    calls = []
+    extend = module.extend_batch
+    module.extend_batch = lambda *a, **kw: calls.append(len(a[0])) or extend(*a, **kw)
+    assert propose_batch(ds, seqs, ks) == alone
+    assert calls == [3, 2, 1]  # k steps, each over the requests still drafting
+    assert [d.state.length for d in ds] == lengths

@@ -38,6 +38,7 @@ from __future__ import annotations
 import abc
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Optional, Sequence
 
 import torch
@@ -195,16 +196,26 @@ class DraftModelDrafter(Drafter):
 @torch.no_grad()
 def propose_batch(drafters: Sequence[Drafter], seqs: Sequence[Sequence[int]],
                   ks: Sequence[int]) -> list[list[int]]:
-    """``drafter.propose(seq, k)`` of several requests. Draft-model drafters sharing one runner
-    (a serving loop's) draft together: each step is one batched extend of every request
-    still drafting (its catch-up tokens first, then one chained token per step), so a batch
-    of n requests costs k draft steps, not n * k; other drafters propose one by one."""
+    """``drafter.propose(seq, k)`` of several requests. Drafters of the first one's kind (a
+    draft model, or an MTP module) sharing its runner (a serving loop's) draft together: each
+    step is one batched extend of every request still drafting (its pending positions first,
+    then one chained token per step), so a batch of n requests costs k draft steps, not n * k;
+    other drafters propose one by one."""
     out: list[list[int]] = [[] for _ in drafters]
-    batch = [i for i, d in enumerate(drafters) if ks[i] > 0 and type(d) is DraftModelDrafter
-             and d.runner is drafters[0].runner]
+    kind = type(drafters[0]) if drafters else None
+    batch = [i for i, d in enumerate(drafters) if ks[i] > 0 and type(d) is kind
+             and kind in (DraftModelDrafter, MTPDrafter) and d.runner is drafters[0].runner]
     for i, d in enumerate(drafters):
         if ks[i] > 0 and i not in batch:
             out[i] = d.propose(seqs[i], ks[i])
+    if batch:
+        (_draft_model_batch if kind is DraftModelDrafter else _mtp_batch)(
+            drafters, seqs, ks, batch, out)
+    return out
+
+
+def _draft_model_batch(drafters, seqs, ks, batch: list[int], out: list[list[int]]) -> None:
+    """``propose_batch`` for draft models: ``verify_batch`` steps (each can be rewound)."""
     keep, toks = False, [list(seqs[i][drafters[i].state.length:]) for i in batch]
     while batch:
         logits = drafters[0].runner.verify_batch([drafters[i].state for i in batch], toks,
@@ -213,7 +224,32 @@ def propose_batch(drafters: Sequence[Drafter], seqs: Sequence[Sequence[int]],
             out[i].append(int(lg[-1].argmax()))
         batch = [i for i in batch if len(out[i]) < ks[i]]
         keep, toks = True, [[out[i][-1]] for i in batch]
-    return out
+
+
+def _mtp_batch(drafters, seqs, ks, batch: list[int], out: list[list[int]]) -> None:
+    """``propose_batch`` for MTP modules: the first step runs each request's pending positions
+    (on the target's hidden states), every later one a chained token on the module's own last
+    hidden state, as ``MTPDrafter.propose`` does alone."""
+    run = drafters[0].runner
+    mtp = run.model
+    pending = {i: drafters[i]._pending(seqs[i], keep=0) for i in batch}
+    batch = [i for i in batch if pending[i] is not None]  # nothing to draft from yet: none
+    toks = [pending[i][0] for i in batch]
+    if not batch:
+        return
+    inputs = torch.cat([mtp.inputs(pending[i][0], pending[i][1]) for i in batch])
+    while batch:
+        logits = run.extend_batch([drafters[i].state for i in batch], toks, inputs=inputs)
+        ends = list(accumulate(len(t) for t in toks))  # each request's rows end there
+        for i, lg in zip(batch, logits):
+            if pending.pop(i, None) is not None:
+                drafters[i]._consumed()
+            out[i].append(int(lg[-1].argmax()))
+        more = [r for r, i in enumerate(batch) if len(out[i]) < ks[i]]
+        batch = [batch[r] for r in more]
+        toks = [[out[i][-1]] for i in batch]
+        if batch:
+            inputs = mtp.inputs([t[0] for t in toks], run.last_hidden[[ends[r] - 1 for r in more]])
 
 
 class MTPDrafter(Drafter):
@@ -226,6 +262,7 @@ class MTPDrafter(Drafter):
         self.hidden_start = 0  # their first global position
         self.table: Optional[list] = None  # started past a cache hit: the target's table ...
         self.page_off = 0                  # ... and the module's first page in it
+        self._end = 0  # the end of what ``_pending`` last returned
 
     def restored(self, draft_len: int, hit_len: int) -> int:
         """All of the hit's MTP rows came back (each page's last row computed with the token
@@ -278,24 +315,40 @@ class MTPDrafter(Drafter):
             start = self.hidden_start
         self.hidden, self.hidden_start = hidden, start
 
-    def _run(self, seq: Sequence[int], keep: int) -> Optional[torch.Tensor]:
-        """Extend the module over the pending positions but the last ``keep``: logits, or
-        None when there is nothing to run."""
+    def _pending(self, seq: Sequence[int], keep: int
+                 ) -> Optional[tuple[list[int], torch.Tensor]]:
+        """What the module runs next: the tokens of the pending positions but the last
+        ``keep`` and the target's hidden rows before them (h_prev [T, hidden]); None when
+        there is nothing to run. ``_consumed`` then drops those rows."""
         if self.offset is None or self.hidden is None:
             return None  # nothing to draft from yet (a plain target step gives it)
         self._follow_table()
-        st, mtp = self.state, self.runner.model
-        first = self.offset + st.length  # the first global position to run
+        first = self.offset + self.state.length  # the first global position to run
         if first < self.hidden_start:
             raise UsageError(f"MTP drafter: no target hidden state for positions "
                              f"{first}..{self.hidden_start - 1}")
         end = self.hidden_start + self.hidden.shape[0] - keep
         if end <= first:
             return None
-        h_prev = self.hidden[first - self.hidden_start:end - self.hidden_start]
-        toks = [int(t) for t in seq[first + 1:end + 1]]
-        logits = self.runner.extend_batch([st], [toks], inputs=mtp.inputs(toks, h_prev))[0]
+        self._end = end
+        return ([int(t) for t in seq[first + 1:end + 1]],
+                self.hidden[first - self.hidden_start:end - self.hidden_start])
+
+    def _consumed(self) -> None:
+        """The module ran what ``_pending`` last returned: those hidden rows are used."""
+        end = self._end
         self.hidden, self.hidden_start = self.hidden[end - self.hidden_start:], end
+
+    def _run(self, seq: Sequence[int], keep: int) -> Optional[torch.Tensor]:
+        """Extend the module over the pending positions but the last ``keep``: logits, or
+        None when there is nothing to run."""
+        pending = self._pending(seq, keep)
+        if pending is None:
+            return None
+        toks, h_prev = pending
+        logits = self.runner.extend_batch([self.state], [toks],
+                                          inputs=self.runner.model.inputs(toks, h_prev))[0]
+        self._consumed()
         return logits
 
     @torch.no_grad()
