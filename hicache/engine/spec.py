@@ -234,9 +234,9 @@ def _mtp_batch(drafters, seqs, ks, batch: list[int], out: list[list[int]]) -> No
     mtp = run.model
     pending = {i: drafters[i]._pending(seqs[i], keep=0) for i in batch}
     batch = [i for i in batch if pending[i] is not None]  # nothing to draft from yet: none
-    toks = [pending[i][0] for i in batch]
     if not batch:
         return
+    toks = [pending[i][0] for i in batch]
     inputs = torch.cat([mtp.inputs(pending[i][0], pending[i][1]) for i in batch])
     while batch:
         logits = run.extend_batch([drafters[i].state for i in batch], toks, inputs=inputs)
