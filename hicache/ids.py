@@ -96,7 +96,7 @@ def as_tokens(tokens, int64: bool = True) -> np.ndarray:
 
 TOKEN = np.dtype(np.int32)  # how the radix tree keeps token ids: every vocabulary fits, and
 TOKEN_BYTES = TOKEN.itemsize  # half of int64's bytes to copy, compare and hold
-_TOKEN_RANGE = (-(1 << 31), (1 << 31) - 1)
+TOKEN_MIN, TOKEN_MAX = int(np.iinfo(TOKEN).min), int(np.iinfo(TOKEN).max)
 _ONE_TOKEN = (TOKEN_BYTES,)  # the strides of a 1-D contiguous token array
 
 
@@ -110,7 +110,7 @@ def tree_tokens(tokens) -> np.ndarray:
     if arr.dtype is not TOKEN:
         dt = arr.dtype
         if arr.size and not (dt.itemsize < 4 or (dt.itemsize == 4 and dt.kind == "i")):
-            lo, hi = _TOKEN_RANGE
+            lo, hi = TOKEN_MIN, TOKEN_MAX
             bad = np.flatnonzero((arr < lo) | (arr > hi))
             if bad.size:
                 i = int(bad[0])

@@ -208,10 +208,10 @@ def test_a_trace_whose_ids_overflow_int32_tokens_replays_as_with_small_ids(tmp_p
     big = [dict(x, hash_ids=[traces.MAX_HASH_ID - h for h in x["hash_ids"]]) for x in small]
     f = write(tmp_path / "big.jsonl", big)
     t, s = traces.load(f, "mooncake"), traces.load(tmp_path / "mooncake.jsonl", "mooncake")
-    assert all(r.vocab == traces.INT32_TOKENS for r in t.requests)
+    assert all(r.vocab == traces.TOKEN_MAX for r in t.requests)
     assert all(r.vocab is None for r in s.requests)
     toks = [r.tokens() for r in t.requests]
-    assert all(0 <= x.min() and x.max() <= traces.INT32_TOKENS for x in toks)
+    assert all(0 <= x.min() and x.max() <= traces.TOKEN_MAX for x in toks)
     assert np.array_equal(toks[1][:2 * 512], toks[0][:2 * 512])  # 1 continues 0
     assert (toks[2][512:1024] != toks[0][512:1024]).any()
     for cap in (10_000, 5):

@@ -164,6 +164,7 @@ class _RankSoak:
                 self.fresh()
 
     def run(self, jobs: list) -> dict:
+        from ..distributed import rank0_decides  # (rank 0's clock decides for every rank)
         self.reference(jobs)
         self.arm()
         out = self.out
@@ -172,7 +173,7 @@ class _RankSoak:
         t0 = time.monotonic()
         n = 0
         try:
-            while _agree(time.monotonic() - t0 < self.opts["duration"], self.group):
+            while rank0_decides(time.monotonic() - t0 < self.opts["duration"], self.group):
                 pending = {j.request_id: j for j in (replace(j, request_id=(n, j.request_id))
                                                      for j in batches[n % len(batches)])}
                 n += 1
@@ -202,12 +203,6 @@ class _RankSoak:
 
 def _first_line(e: BaseException) -> str:
     return ((str(e) or repr(e)).splitlines() or [repr(e)])[0][:300]
-
-
-def _agree(local: bool, group) -> bool:
-    """Rank 0's clock decides, for every rank alike."""
-    from ..distributed import rank0_decides
-    return rank0_decides(local, group)
 
 
 def _quiet_point(cache, rss: int) -> dict:

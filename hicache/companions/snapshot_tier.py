@@ -15,7 +15,6 @@ controller, service or engine.
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass, field
 
 import numpy as np

@@ -242,8 +242,8 @@ def _mtp_batch(drafters, seqs, ks, batch: list[int], out: list[list[int]]) -> No
         logits = run.extend_batch([drafters[i].state for i in batch], toks, inputs=inputs)
         ends = list(accumulate(len(t) for t in toks))  # each request's rows end there
         for i, lg in zip(batch, logits):
-            if pending.pop(i, None) is not None:
-                drafters[i]._consumed()
+            if i in pending:
+                drafters[i]._consumed(pending.pop(i)[2])
             out[i].append(int(lg[-1].argmax()))
         more = [r for r, i in enumerate(batch) if len(out[i]) < ks[i]]
         batch = [batch[r] for r in more]
@@ -262,7 +262,6 @@ class MTPDrafter(Drafter):
         self.hidden_start = 0  # their first global position
         self.table: Optional[list] = None  # started past a cache hit: the target's table ...
         self.page_off = 0                  # ... and the module's first page in it
-        self._end = 0  # the end of what ``_pending`` last returned
 
     def restored(self, draft_len: int, hit_len: int) -> int:
         """All of the hit's MTP rows came back (each page's last row computed with the token
@@ -316,10 +315,11 @@ class MTPDrafter(Drafter):
         self.hidden, self.hidden_start = hidden, start
 
     def _pending(self, seq: Sequence[int], keep: int
-                 ) -> Optional[tuple[list[int], torch.Tensor]]:
+                 ) -> Optional[tuple[list[int], torch.Tensor, int]]:
         """What the module runs next: the tokens of the pending positions but the last
-        ``keep`` and the target's hidden rows before them (h_prev [T, hidden]); None when
-        there is nothing to run. ``_consumed`` then drops those rows."""
+        ``keep``, the target's hidden rows before them (h_prev [T, hidden]) and the global
+        position they end at; None when there is nothing to run. ``_consumed(end)`` then
+        drops those rows."""
         if self.offset is None or self.hidden is None:
             return None  # nothing to draft from yet (a plain target step gives it)
         self._follow_table()
@@ -330,13 +330,12 @@ class MTPDrafter(Drafter):
         end = self.hidden_start + self.hidden.shape[0] - keep
         if end <= first:
             return None
-        self._end = end
         return ([int(t) for t in seq[first + 1:end + 1]],
-                self.hidden[first - self.hidden_start:end - self.hidden_start])
+                self.hidden[first - self.hidden_start:end - self.hidden_start], end)
 
-    def _consumed(self) -> None:
-        """The module ran what ``_pending`` last returned: those hidden rows are used."""
-        end = self._end
+    def _consumed(self, end: int) -> None:
+        """The module ran up to ``end`` (what ``_pending`` returned): those hidden rows are
+        used."""
         self.hidden, self.hidden_start = self.hidden[end - self.hidden_start:], end
 
     def _run(self, seq: Sequence[int], keep: int) -> Optional[torch.Tensor]:
@@ -345,10 +344,10 @@ class MTPDrafter(Drafter):
         pending = self._pending(seq, keep)
         if pending is None:
             return None
-        toks, h_prev = pending
+        toks, h_prev, end = pending
         logits = self.runner.extend_batch([self.state], [toks],
                                           inputs=self.runner.model.inputs(toks, h_prev))[0]
-        self._consumed()
+        self._consumed(end)
         return logits
 
     @torch.no_grad()

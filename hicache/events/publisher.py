@@ -14,7 +14,6 @@ Serving never waits on a subscriber: ``publish`` puts the batch in a bounded que
 from __future__ import annotations
 
 import contextlib
-
 import logging
 import queue
 import threading

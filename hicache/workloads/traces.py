@@ -22,12 +22,12 @@ import numpy as np
 
 from ..checks import check_int
 from ..errors import ConfigError
+from ..ids import TOKEN_MAX
 from . import MAX_REQUEST_TOKENS, MAX_TRACE_BYTES, load_trace
 
 FORMATS = ("mooncake", "bailian", "hicache")
 NATIVE_BLOCK = {"mooncake": 512, "bailian": 16}  # tokens per hash id, as each trace was made
 MAX_HASH_ID = (1 << 40) - 1
-INT32_TOKENS = (1 << 31) - 1  # token ids the cache keeps (int32, non-negative)
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -134,8 +134,8 @@ def load(path: str | Path, fmt: str, block: int | None = None, *,
         reqs = [reqs[i] for i in order]
     ids = [r.hash_ids for r in reqs if len(r.hash_ids)]
     top = max(int(i.max()) for i in ids) if ids else 0
-    if (top + 1) * block > INT32_TOKENS:  # the whole trace maps its blocks the other way
-        reqs = [replace(r, vocab=INT32_TOKENS) for r in reqs]
+    if (top + 1) * block > TOKEN_MAX:  # the whole trace maps its blocks the other way
+        reqs = [replace(r, vocab=TOKEN_MAX) for r in reqs]
     return Trace(str(p), fmt, block, native, reqs)
 
 
@@ -208,13 +208,10 @@ def _token_trace(path, block, max_requests, vocab: int, seed: int) -> Trace:
 
 def as_requests(trace: Trace, vocab: int | None) -> list:
     """The trace as the benches' jobs (``workloads.Request``, tokens below ``vocab``; None:
-    ``id * block + position``, which must fit int32), in arrival order."""
+    the trace's own, within int32), in arrival order."""
     from . import Request
     out = []
     for i, r in enumerate(trace.requests):
         toks = r.tokens(vocab)
-        if vocab is None and len(toks) and toks.max() > np.iinfo(np.int32).max:
-            raise ConfigError(f"{trace.path}: hash ids too large for int32 tokens at "
-                              f"{trace.block_tokens} tokens per block")
         out.append(Request(i, r.session, toks.astype(np.int32), max(r.output_len, 1), i))
     return out
