@@ -406,7 +406,8 @@ class HiCache:
             end = whole * self.page_tokens  # the insert releases the lock (walks on from it)
             with self._timed():
                 res = self.ctrl.insert(arr[:end], table[:whole], after=req.lock,
-                                       scope=req.scope)
+                                       scope=req.scope,
+                                       decoded=max(arr.size - req.tokens.size, 0))
             self.io.map_chains(res.device_pages.tolist(), req.chains(arr[:end]))
             for c in self.companions:
                 c.finish(self._host, req, arr, end, values[c.name])

@@ -12,8 +12,9 @@ from hicache.config import HiCacheConfig
 from hicache.controller import CacheController
 from hicache.controller.learned_order import LearnedOrder
 from hicache.controller.order import EvictionOrder
-from hicache.controller.returns import (CLASSES, EDGES, ReturnModel, age_bin, class_turn,
-                                        hit_density, request_class)
+from hicache.controller.returns import (CLASSES, DECODED_EDGES, EDGES, ReturnModel, age_bin,
+                                        class_turn, hit_density, request_class)
+from hicache.errors import UsageError
 from hicache.controller.tree import Node
 from hicache.replay import ReplaySettings, replay
 from hicache.workloads import traces
@@ -22,9 +23,13 @@ PT = 4
 
 
 def test_request_classes_and_age_bins():
-    assert request_class(0, 0) == 0 and request_class(0, 2) == 1 and request_class(0, 40) == 5
-    assert class_turn(request_class(2, 3)) == 2 and class_turn(request_class(9, 0)) == 3
-    assert request_class(9, 10 ** 6) == CLASSES - 1
+    d = len(DECODED_EDGES) + 1  # decoded-token classes within each new-page class
+    assert request_class(0, 0) == 0 and request_class(0, 2) == d and request_class(0, 40) == 5 * d
+    assert [request_class(0, 0, n) for n in (0, 63, 64, 10 ** 6)] == [0, 0, 1, 1]
+    assert class_turn(request_class(2, 3, 300)) == 2 and class_turn(request_class(9, 0)) == 3
+    assert request_class(9, 10 ** 6, 10 ** 6) == CLASSES - 1
+    assert len({request_class(t, p, n) for t in range(4) for p in (0, 2, 4, 8, 16, 32, 64)
+                for n in (0, 64)}) == CLASSES
     for age in (0, 1, 7, 100, 12345, 10 ** 9):
         b = age_bin(age)
         assert EDGES[b] <= age < EDGES[b + 1]
@@ -173,6 +178,41 @@ def test_continuations_and_evicted_chains_count_as_returns():
     c.check()
 
 
+def test_an_insert_is_classed_by_the_tokens_it_decoded():
+    c = CacheController(PT, 64, 0, eviction="learned")
+    classes = []
+    for i, decoded in enumerate((0, 40, 300, np.int64(300))):
+        toks = 100 * i + np.arange(3 * PT)
+        c.insert(toks, c.alloc_device(3), decoded=decoded)
+        classes.append(c.match(toks).last_node.rclass)
+    assert classes == [request_class(0, 3, n) for n in (0, 40, 300, 300)]
+    assert len(set(classes)) == 2
+    toks = 900 + np.arange(2 * PT)
+    pages = c.alloc_device(2)
+    for bad, what in ((-1, ">= 0"), (1.5, "float"), (True, "bool"), ("7", "str")):
+        with pytest.raises(UsageError, match=f"decoded=.*{what}"):
+            c.insert(toks, pages, decoded=bad)
+    assert c.match(toks).device_len == 0            # refused: nothing cached, pages still held
+    c.insert(toks, pages, decoded=5)
+    assert c.match(toks).device_len == 2 * PT
+    c.check()
+
+
+def test_the_service_tells_the_controller_what_a_request_decoded(tmp_path):
+    from hicache.service import HiCache
+    from helpers import make_cfg, write_kv_rows
+    cfg = make_cfg(tmp_path / "l3", eviction="learned")
+    prompt = np.arange(2 * PT, dtype=np.int64)
+    out = 1000 + np.arange(16 * PT + 1, dtype=np.int64)  # 65 decoded: 16 more whole pages
+    with HiCache(cfg, mode="l1") as cache:
+        cache.admit("a", prompt)
+        cache.alloc("a", len(prompt) + len(out))
+        write_kv_rows(cache, "a", len(prompt) + len(out))
+        cache.finish("a", np.concatenate([prompt, out]))
+        node = cache.ctrl.match(np.concatenate([prompt, out])).last_node
+        assert node.rclass == request_class(0, 18, len(out)) != request_class(0, 18, 0)
+
+
 def test_tenants_equal_pages_are_two_ghosts():
     """Two scopes' chains with equal tokens under one public page (which other tenants keep
     branching): the first tenant's evicted chain is not the second tenant's return."""
@@ -241,6 +281,39 @@ def test_learned_beats_lru_when_some_requests_come_back_and_others_never(tmp_pat
     most = 140 * 3 * 16
     assert lru < 0.1 * most and learned > 0.5 * most, (lru, learned)
     assert got["learned"].evictions["l1_pages"] > 0
+
+
+def _answer_length_trace(path, steps=900):
+    """Mooncake lines: each step a one-off prompt that is answered at length (never continued)
+    and, every third step, a document answered in a few tokens, asked again 15 steps later
+    (one block longer). Both first requests cache as many pages on their first turn (the
+    one-off's answer fills its pages): only the length of the answer tells them apart."""
+    lines, fresh, docs = [], [1], {}
+
+    def ids(n):
+        out = list(range(fresh[0], fresh[0] + n))
+        fresh[0] += n
+        return out
+    for s in range(steps):
+        lines.append((ids(6), 400))                 # (hash ids, output tokens at 16 a block)
+        if s % 3 == 0:
+            docs[s] = ids(31)
+            lines.append((docs[s], 8))
+        if s - 15 in docs:
+            lines.append((docs.pop(s - 15) + ids(1), 8))
+    path.write_text("".join(json.dumps({"timestamp": 10000 * i,
+                                        "input_length": 512 * len(h) - 100,
+                                        "output_length": 32 * n, "hash_ids": h}) + "\n"
+                            for i, (h, n) in enumerate(lines)))
+    return path
+
+
+def test_learned_tells_requests_apart_by_the_length_of_their_answers(tmp_path):
+    t = traces.load(_answer_length_trace(tmp_path / "answers.jsonl"), "mooncake", 16)
+    got = {p: replay(t, ReplaySettings(16, 300, eviction=p), check=True).hit_tokens["l1"]
+           for p in ("lru", "learned")}
+    most = 300 * 30 * 16  # 300 documents asked again, 30 whole pages of 16 tokens each
+    assert got["lru"] < 0.05 * most and got["learned"] > 0.5 * most, got
 
 
 def test_the_policy_file_names_learned():

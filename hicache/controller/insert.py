@@ -36,7 +36,7 @@ class Insert:
     """The insert section of ``CacheController``."""
 
     def insert(self, tokens, device_pages, *, after: LockHandle | None = None,
-               scope: Scope | None = None) -> InsertResult:
+               scope: Scope | None = None, decoded: int = 0) -> InsertResult:
         """Cache the whole pages of ``tokens``, whose KV is in ``device_pages``: one page per
         whole page, optionally followed by the partial tail's page, which is freed (a request
         that continues decoding keeps its tail page by not passing it). Pages duplicating
@@ -56,7 +56,19 @@ class Insert:
         before its pages) are walked from the root, as a plain insert does.
 
         ``scope``: the request's (``match``'s); its pages past the public ones are cached in
-        it, under a leaf keyed by its tag."""
+        it, under a leaf keyed by its tag.
+
+        ``decoded``: how many tokens the request generated (its output, the ids after its
+        prompt; 0: unknown, or none). The ``learned`` eviction order classes the request by it
+        (a request that answered in a few tokens comes back more often on production traces);
+        other orders ignore it. A negative or non-integer count is a UsageError."""
+        if type(decoded) is not int:
+            if not isinstance(decoded, (int, np.integer)) or isinstance(decoded, bool):
+                raise UsageError(f"insert(decoded=) takes a token count, got "
+                                 f"{type(decoded).__name__}")
+            decoded = int(decoded)
+        if decoded < 0:
+            raise UsageError(f"insert(decoded=) takes a token count >= 0, got {decoded}")
         arr = tree_tokens(tokens)
         pages = page_ids(device_pages)
         pt = self.page_tokens
@@ -77,11 +89,11 @@ class Insert:
         self.stats.inserts += 1
         plan = self._check_insert(path, pages)
         if start is None or self._hosted:  # (backups may evict: the lock holds till then)
-            res = self._adopt(arr, pages, whole, path, plan, scope=scope)
+            res = self._adopt(arr, pages, whole, path, plan, scope=scope, decoded=decoded)
             if after is not None:
                 self._release(after)
             return res
-        return self._adopt(arr, pages, whole, path, plan, after, scope)
+        return self._adopt(arr, pages, whole, path, plan, after, scope, decoded)
 
     def _whole_pages(self, n_tokens: int, n_pages: int) -> int:
         pt = self.page_tokens
@@ -141,7 +153,7 @@ class Insert:
 
     def _adopt(self, arr: np.ndarray, pages: np.ndarray, whole: int, path: list[Node],
                plan: "_InsertPlan", held: LockHandle | None = None,
-               scope: Scope | None = None) -> InsertResult:
+               scope: Scope | None = None, decoded: int = 0) -> InsertResult:
         """Apply a checked insert (of the tokens ``arr``): host-only nodes on the
         path take the caller's pages, a new leaf takes the pages past the cached ones,
         duplicates and the tail's page are freed. ``held``: a lock on a node of ``path``,
@@ -154,7 +166,7 @@ class Insert:
         if new_pages:
             self._grow(arr, pages, plan.cached, whole, path, scope)
         if self._learner is not None:  # classes before the touches below file the nodes
-            self._learner.inserted(path, old, new_pages, self._clock)
+            self._learner.inserted(path, old, new_pages, self._clock, decoded)
         clock, dtouch, htouch = self._clock, self._dev.touch, self._hst.touch
         k = 0  # path[:k]: the nodes ``held`` locks
         if held is not None:

@@ -38,10 +38,12 @@ class Learner:
         self._cap = max(MIN_GHOSTS, GHOSTS_PER_PAGE * device_pages)
         self._page_bytes = page_tokens * TOKEN_BYTES
 
-    def inserted(self, path: list[Node], old: int, new_pages: int, now: int) -> None:
+    def inserted(self, path: list[Node], old: int, new_pages: int, now: int,
+                 decoded: int = 0) -> None:
         """An insert whose ``path`` holds ``old`` nodes cached before it, then its new ones
-        (``new_pages`` pages). Its class counts the pages it added to the chain it continued
-        (pages regrown where the chain was evicted are not its own)."""
+        (``new_pages`` pages), of a request that decoded ``decoded`` tokens. Its class counts
+        the pages it added to the chain it continued (pages regrown where the chain was
+        evicted are not its own)."""
         end = path[old - 1] if old else None
         total = sum(n.npages for n in path)
         turn, own = 0, new_pages
@@ -56,7 +58,7 @@ class Learner:
                 cls, born, span = ghost
                 model.returned(cls, now - born)
                 turn, own = class_turn(cls) + 1, total - span
-        cls = request_class(turn, max(own, 0))
+        cls = request_class(turn, max(own, 0), decoded)
         for n in path:
             n.rclass, n.born, n.span = cls, now, total
         model.inserted(cls, now)

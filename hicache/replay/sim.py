@@ -72,6 +72,7 @@ class _Flight:
     own: list | None
     fed: np.ndarray
     keys: list[int]
+    decoded: int        # output tokens (the learned order classes the request by them)
 
 
 class _Replay:
@@ -119,7 +120,7 @@ class _Replay:
         self.count(r, toks, m.device_len, l2, l3)
         uncached = len(toks) - (m.device_len + l2 + l3)
         end = (r.arrival_s + uncached / s.prefill_tokens_per_s + n_out * s.decode_s_per_token)
-        heapq.heappush(self.running, (end, r.index, _Flight(m.lock, table, own, fed, fkeys)))
+        heapq.heappush(self.running, (end, r.index, _Flight(m.lock, table, own, fed, fkeys, n_out)))
 
     def l3_hit(self, mkeys: list[int], start: int) -> int:
         """Tokens read from L3 after the first ``start`` pages, where loading beats
@@ -154,7 +155,7 @@ class _Replay:
         else:
             whole = len(f.fed) // pt
             table = f.table + f.own
-            ctrl.insert(f.fed[:whole * pt], table[:whole], after=f.lock)
+            ctrl.insert(f.fed[:whole * pt], table[:whole], after=f.lock, decoded=f.decoded)
             if len(table) > whole:
                 ctrl.free_device(table[whole:])
             if self.l3 is not None:
