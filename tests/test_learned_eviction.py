@@ -1,6 +1,7 @@
 """The ``learned`` eviction order: its return model (rates, gaps, index), the classes and
 returns the controller feeds it, the order it yields, and a trace where it beats LRU."""
 
+import itertools
 import json
 
 import numpy as np
@@ -241,16 +242,17 @@ def test_tenants_equal_pages_are_two_ghosts():
     c.check()
 
 
+def _fresh_ids():
+    """``ids(n)``: the next ``n`` hash ids never used before (from 1)."""
+    nxt = itertools.count(1)
+    return lambda n: [next(nxt) for _ in range(n)]
+
+
 def _two_kinds_trace(path, steps=420):
     """Mooncake lines: each step a long one-off prompt (never continued) and, every third
     step, a new short chat; each chat comes back twice, 30 and 60 steps later, each time one
     block longer. Under LRU the one-offs push every chat out before it returns."""
-    lines, fresh, chats = [], [1], {}
-
-    def ids(n):
-        out = list(range(fresh[0], fresh[0] + n))
-        fresh[0] += n
-        return out
+    lines, ids, chats = [], _fresh_ids(), {}
     for s in range(steps):
         lines.append(ids(20))
         if s % 3 == 0:
@@ -288,12 +290,7 @@ def _answer_length_trace(path, steps=900):
     and, every third step, a document answered in a few tokens, asked again 15 steps later
     (one block longer). Both first requests cache as many pages on their first turn (the
     one-off's answer fills its pages): only the length of the answer tells them apart."""
-    lines, fresh, docs = [], [1], {}
-
-    def ids(n):
-        out = list(range(fresh[0], fresh[0] + n))
-        fresh[0] += n
-        return out
+    lines, ids, docs = [], _fresh_ids(), {}
     for s in range(steps):
         lines.append((ids(6), 400))                 # (hash ids, output tokens at 16 a block)
         if s % 3 == 0:
