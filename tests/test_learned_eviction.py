@@ -313,6 +313,23 @@ def test_learned_tells_requests_apart_by_the_length_of_their_answers(tmp_path):
     assert got["lru"] < 0.05 * most and got["learned"] > 0.5 * most, got
 
 
+def test_the_replay_counts_decoded_tokens_as_finish_does(tmp_path):
+    """A request answered in 64 tokens hands finish its prompt and the 63 it fed back (the
+    last one never has KV): the replay classes it by 63, as HiCache.finish would."""
+    from hicache.replay.sim import _Replay
+    f = tmp_path / "one.jsonl"
+    f.write_text(json.dumps({"timestamp": 0, "input_length": 512 * 3 - 100,
+                             "output_length": 32 * 64, "hash_ids": [1, 2, 3]}) + "\n")
+    t = traces.load(f, "mooncake", 16)
+    rp = _Replay(t, ReplaySettings(16, 64, eviction="learned"))
+    rp.admit(t.requests[0])
+    rp.finish_until(float("inf"))
+    prompt = t.requests[0].tokens()
+    assert len(prompt) == 45 and t.requests[0].output_len == 64
+    node = rp.ctrl.match(prompt).last_node
+    assert node.rclass == request_class(0, (45 + 63) // 16, 63) != request_class(0, 6, 64)
+
+
 def test_the_policy_file_names_learned():
     assert HiCacheConfig.from_dict({"policy": {"eviction": "learned"}}).policy.eviction \
         == "learned"

@@ -72,7 +72,8 @@ class _Flight:
     own: list | None
     fed: np.ndarray
     keys: list[int]
-    decoded: int        # output tokens (the learned order classes the request by them)
+    decoded: int        # tokens past the prompt, as HiCache.finish counts them (the learned
+    #                     order classes the request by them)
 
 
 class _Replay:
@@ -120,7 +121,8 @@ class _Replay:
         self.count(r, toks, m.device_len, l2, l3)
         uncached = len(toks) - (m.device_len + l2 + l3)
         end = (r.arrival_s + uncached / s.prefill_tokens_per_s + n_out * s.decode_s_per_token)
-        heapq.heappush(self.running, (end, r.index, _Flight(m.lock, table, own, fed, fkeys, n_out)))
+        heapq.heappush(self.running, (end, r.index, _Flight(m.lock, table, own, fed, fkeys,
+                                                                 len(fed) - len(toks))))
 
     def l3_hit(self, mkeys: list[int], start: int) -> int:
         """Tokens read from L3 after the first ``start`` pages, where loading beats
