@@ -120,6 +120,9 @@ def test_in_flight_requests_hold_their_pages(tmp_path):
     (["--block-tokens", "0"], "--block-tokens must be"),
     (["--model", "deepseek-v3", "--tp", "8", "--dcp", "3"], "dcp"),
     (["--plot", "x.png"], "--plot draws the --capacities sweep"),
+    (["--compare", "lru,mru"], "--compare: unknown eviction order(s) ['mru']"),
+    (["--compare", "lru"], "--compare takes two or more different eviction orders"),
+    (["--compare", "lru,lru"], "--compare takes two or more different eviction orders"),
 ])
 def test_bad_replay_flags_are_one_line_exit_2(tmp_path, capsys, args, words):
     f = mooncake(tmp_path)
@@ -135,7 +138,7 @@ def test_replay_help_names_every_flag(capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--trace-format", "--block-tokens", "--page-tokens", "--l1", "--l2", "--l3",
-                 "--eviction", "--capacities", "--json", "(default 100%)"):
+                 "--eviction", "--capacities", "--compare", "--json", "(default 100%)"):
         assert flag in text, flag
 
 
@@ -225,3 +228,36 @@ def test_a_trace_whose_ids_overflow_int32_tokens_replays_as_with_small_ids(tmp_p
                          fill.tokens(q, [3, 4], 512, 40))
     assert np.array_equal(one, again) and (one != other).all()
     assert one.max() < 0 and one.min() >= -(1 << 31)
+
+
+def test_compare_replays_each_order_once_beside_the_others(tmp_path, capsys, monkeypatch):
+    """``--compare lru,learned`` at each capacity: the same hit ratios as separate runs, one
+    reference per capacity, and no (order, size) replayed twice."""
+    from hicache.replay import command
+    f = mooncake(tmp_path, 12, ascending=True)
+    sizes = "2048,4096,100%"
+
+    def report(*flags):
+        assert cli.main(["replay", str(f), "--trace-format", "mooncake", "--capacities", sizes,
+                         "--json", "--no-progress", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+    alone = {e: report("--eviction", e)["sweep"] for e in ("lru", "learned")}
+    calls = []
+    real = command.replay
+    monkeypatch.setattr(command, "replay", lambda t, s, **kw: calls.append(
+        (s.eviction, s.l1_pages)) or real(t, s, **kw))
+    out = report("--eviction", "learned", "--compare", "lru,learned",
+                 "--plot", str(tmp_path / "cmp.png"))
+    assert len(calls) == len(set(calls)) == 6  # learned at 100% (the default --l1) is one
+    assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
+    assert [c["capacity_pages"] for c in out["compare"]] == [4, 8, 19]
+    for i, c in enumerate(out["compare"]):
+        assert c["hit_ratio"] == {e: alone[e][i]["hit_ratio"] for e in ("lru", "learned")}
+        assert c["reference_hit_ratio"] == alone["lru"][i]["reference_hit_ratio"]
+    def timeless(rows):  # wall times differ from run to run
+        return [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]
+    assert timeless(out["sweep"]) == timeless(alone["learned"])
+    assert cli.main(["replay", str(f), "--trace-format", "mooncake", "--l1", "4096",
+                     "--compare", "learned,lru", "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "lru vs learned" in text and text.count("\n") > 5

@@ -38,6 +38,10 @@ def add_parser(sub) -> None:
     p.add_argument("--write", choices=WRITE_POLICIES, default=default(PolicySection, "write"))
     p.add_argument("--capacities", metavar="SIZES",
                    help="sweep the L1 capacity over these comma-separated sizes")
+    p.add_argument("--compare", metavar="ORDERS",
+                   help="replay these comma-separated eviction orders (e.g. lru,learned) at "
+                        "each capacity of --capacities (else at --l1) and show them side by "
+                        "side, each against the first")
     p.add_argument("--max-requests", type=int, help="replay only the first N requests")
     p.add_argument("--model", help=f"bytes per token for sizes in bytes and the TTFT estimate: "
                                    f"one of {', '.join(sorted(topology.MODELS))}")
@@ -95,9 +99,32 @@ def _unique_tokens(trace, page: int) -> int:
     return len(keys) * page
 
 
-def _row(res: ReplayResult, s: ReplaySettings, ideal: int, uses) -> dict:
+class _Runs:
+    """Replays of one trace, each (eviction order, L1 size) once, as report rows. The offline
+    figures depend only on the trace's page keys: the ideal and the next uses are computed
+    once, the reference once per capacity."""
+
+    def __init__(self, trace, progress: bool) -> None:
+        self.trace, self.progress = trace, progress
+        self.rows: dict = {}
+        self.refs: dict = {}  # capacity (pages, all tiers) -> reference hit tokens
+        self.ideal = self.uses = None
+
+    def row(self, s: ReplaySettings) -> dict:
+        key = (s.eviction, s.l1_pages)
+        if key not in self.rows:
+            res = replay(self.trace, s, progress=self.progress)
+            if self.uses is None:
+                self.ideal, self.uses = ideal_hits(res.keys), next_uses(res.keys)
+            cap = s.l1_pages + s.l2_pages + s.l3_pages
+            if cap not in self.refs:
+                self.refs[cap] = reference_hits(res.keys, cap, self.uses)
+            self.rows[key] = _row(res, s, self.ideal, self.refs[cap])
+        return self.rows[key]
+
+
+def _row(res: ReplayResult, s: ReplaySettings, ideal: int, reference: int) -> dict:
     pt = res.prompt_tokens or 1
-    cap = s.l1_pages + s.l2_pages + s.l3_pages
     return {
         "requests": res.requests, "prompt_tokens": res.prompt_tokens,
         "capacity_pages": {"l1": s.l1_pages, "l2": s.l2_pages, "l3": s.l3_pages},
@@ -105,7 +132,7 @@ def _row(res: ReplayResult, s: ReplaySettings, ideal: int, uses) -> dict:
         "tiers": {t: {"hit_tokens": res.hit_tokens[t], "hit_ratio": res.hit_tokens[t] / pt}
                   for t in TIERS},
         "ideal_hit_ratio": ideal / pt,
-        "reference_hit_ratio": reference_hits(res.keys, cap, uses) / pt,
+        "reference_hit_ratio": reference / pt,
         "evictions": res.evictions, "l3_traffic": res.l3_traffic,
         "uncached_requests": res.uncached_requests,
         "ttft_saved_s": res.ttft_saved_s,
@@ -114,23 +141,42 @@ def _row(res: ReplayResult, s: ReplaySettings, ideal: int, uses) -> dict:
     }
 
 
+def orders(text: str | None) -> list[str] | None:
+    """``--compare``'s eviction orders (None: no comparison); ConfigError naming what is
+    wrong."""
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",")]
+    bad = [n for n in names if n not in EVICTION_POLICIES]
+    if bad:
+        raise ConfigError(f"--compare: unknown eviction order(s) {bad}; choose from "
+                          f"{', '.join(EVICTION_POLICIES)}")
+    if len(names) < 2 or len(set(names)) != len(names):
+        raise ConfigError(f"--compare takes two or more different eviction orders, got "
+                          f"{text!r}")
+    return names
+
+
 def run(args) -> dict:
-    """The replay (and sweep) the arguments ask for, as the JSON report."""
+    """The replay (and sweep, and comparison) the arguments ask for, as the JSON report."""
+    compare = orders(args.compare)
     trace = load(args.trace, args.trace_format, args.block_tokens,
                  max_requests=args.max_requests)
     s, sweep = settings(args, trace)
-    progress = not args.no_progress
-    res = replay(trace, s, progress=progress)
-    ideal, uses = ideal_hits(res.keys), next_uses(res.keys)
+    runs = _Runs(trace, not args.no_progress)
     out = {"trace": trace.path, "format": trace.format, "block_tokens": trace.block_tokens,
            "page_tokens": s.page_tokens, "eviction": s.eviction, "write": s.write,
-           **_row(res, s, ideal, uses)}
+           **runs.row(s)}
+    sizes = sweep if sweep is not None else [s.l1_pages]
     if sweep is not None:
-        rows = []
-        for pages in sweep:
-            s2 = replace(s, l1_pages=pages)
-            rows.append(_row(replay(trace, s2, progress=progress), s2, ideal, uses))
-        out["sweep"] = rows
+        out["sweep"] = [runs.row(replace(s, l1_pages=n)) for n in sweep]
+    if compare is not None:
+        out["compare"] = []
+        for n in sizes:
+            got = {e: runs.row(replace(s, l1_pages=n, eviction=e)) for e in compare}
+            out["compare"].append({
+                "capacity_pages": n, "hit_ratio": {e: r["hit_ratio"] for e, r in got.items()},
+                "reference_hit_ratio": got[compare[0]]["reference_hit_ratio"]})
     return out
 
 
@@ -153,6 +199,16 @@ def _print(out: dict) -> None:
         print(table([[r["capacity_pages"]["l1"] * pt, r["hit_ratio"], r["ideal_hit_ratio"],
                       r["reference_hit_ratio"], r["wall_s"]] for r in out["sweep"]],
                     ["l1 tokens", "hit ratio", "ideal", "reference", "wall s"]))
+    if "compare" in out:
+        first, *rest = out["compare"][0]["hit_ratio"]
+        rows = []
+        for r in out["compare"]:
+            h = r["hit_ratio"]
+            rows.append([r["capacity_pages"] * pt, *h.values(),
+                         *(f"{h[e] / h[first] - 1:+.1%}" if h[first] else "-" for e in rest),
+                         r["reference_hit_ratio"]])
+        print(table(rows, ["l1 tokens", *out["compare"][0]["hit_ratio"],
+                           *(f"{e} vs {first}" for e in rest), "reference"]))
 
 
 def main(args) -> int:
